@@ -1,0 +1,91 @@
+"""Token alignment rules shared by the planner (which must count padding against the budget) and the THD
+packer (which must produce exactly that padding).
+
+Two kinds of padding exist:
+
+* **per sequence** -- with context parallelism every sequence must split into ``2*cp`` equal chunks for the
+  zig-zag layout, so each sequence is padded to a multiple of ``2*cp`` (``seq_multiple``);
+* **per micro-batch** -- the tokens each GPU holds must divide by ``tp`` under sequence parallelism and by the
+  FP8 GEMM tile (16 for FP8, 32 for MXFP8, 128 for NVFP4/blockwise). Each CP rank holds ``total/cp`` tokens,
+  so the micro-batch total is padded to a multiple of ``total_multiple = lcm(m*cp, seq_multiple)`` with
+  ``m = lcm(tp if sequence_parallel, fp8 tile)``. The packer adds that tail padding to the last sequence's
+  padded slot, which keeps every padded slot a multiple of ``seq_multiple``.
+
+The budget check is therefore ``padded_total(sum(seq_len(lengths))) <= cap``, which is the same as
+``sum(seq_len(lengths)) <= effective_cap(cap)`` with ``effective_cap = floor(cap / total_multiple) * total_multiple``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+
+from .errors import DynBatchConfigError
+from .parallel import ParallelConfig
+
+FP8_TILES = {"none": 1, "fp8": 16, "e4m3": 16, "hybrid": 16, "mxfp8": 32, "nvfp4": 128, "blockwise": 128}
+
+
+def fp8_multiple(fp8: Union[None, str, int]) -> int:
+    """Token multiple that FP8 GEMMs need: ``None``/"none" -> 1, "fp8" -> 16, "mxfp8" -> 32,
+    "nvfp4"/"blockwise" -> 128, or an explicit positive integer."""
+    if fp8 is None:
+        return 1
+    if isinstance(fp8, bool):
+        raise DynBatchConfigError("fp8_alignment", fp8, "must be a recipe name or a positive integer",
+                                  f"use one of {sorted(FP8_TILES)} or an integer such as 16")
+    if isinstance(fp8, int):
+        if fp8 < 1:
+            raise DynBatchConfigError("fp8_alignment", fp8, "must be >= 1", "use 16 (FP8), 32 (MXFP8) or 128 (NVFP4)")
+        return fp8
+    key = str(fp8).lower()
+    if key not in FP8_TILES:
+        raise DynBatchConfigError("fp8_alignment", fp8, "unknown FP8 recipe",
+                                  f"use one of {sorted(FP8_TILES)} or an integer such as 16")
+    return FP8_TILES[key]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Padding rules for one parallel layout. Build it with :meth:`for_layout`."""
+
+    seq_multiple: int = 1
+    total_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("seq_multiple", "total_multiple"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise DynBatchConfigError(f"alignment.{name}", v, "must be an integer >= 1", "use 1 for no padding")
+
+    @classmethod
+    def for_layout(cls, parallel: Optional[ParallelConfig] = None, fp8: Union[None, str, int] = None) -> "Alignment":
+        p = parallel or ParallelConfig()
+        seq = 2 * p.cp if p.cp > 1 else 1
+        m = math.lcm(p.tp if p.sequence_parallel else 1, fp8_multiple(fp8))
+        total = math.lcm(m * p.cp, seq)
+        return cls(seq_multiple=seq, total_multiple=total)
+
+    def seq_len(self, lengths):
+        """Per-sequence padded slot lengths (numpy array or int in, same kind out).
+
+        A zero-length sample still takes one slot of ``seq_multiple`` padding tokens, so that no micro-batch
+        is ever zero tokens long (Megatron cannot run a forward on an empty tensor); its loss mask is all 0.
+        """
+        s = self.seq_multiple
+        if isinstance(lengths, (int, np.integer)):
+            return max(-(-int(lengths) // s) * s, s)
+        arr = np.asarray(lengths, dtype=np.int64)
+        return np.maximum(-(-arr // s) * s, s)
+
+    def padded_total(self, aligned_tokens: int) -> int:
+        """Micro-batch token count after tail padding, given the sum of per-sequence padded lengths."""
+        t = self.total_multiple
+        return -(-int(aligned_tokens) // t) * t
+
+    def effective_cap(self, cap: int) -> int:
+        """Largest sum of per-sequence padded lengths whose padded total still fits ``cap``."""
+        return (int(cap) // self.total_multiple) * self.total_multiple

@@ -1,0 +1,208 @@
+"""Step-time model used to choose micro-batch counts and to score plans.
+
+One micro-batch of a DP rank costs, on each GPU of its model replica (forward + backward)::
+
+    t_mb = overhead + linear_s_per_token * padded_tokens + attention_s_per_sq_token * sum(real_len ** 2)
+
+* ``linear_s_per_token``: the token-linear FLOPs (projections, MLP/experts, LM head), forward x3 for fwd+bwd,
+  split over the ``tp*pp*cp`` GPUs of the replica, at ``linear_efficiency`` of ``peak_flops``. Padding tokens
+  cost linear work, which is why padded tokens are counted here.
+* ``attention_s_per_sq_token``: the causal core-attention FLOPs (half the square), likewise, at
+  ``attention_efficiency`` (varlen flash/fused attention runs well below GEMM efficiency). Only real tokens
+  attend: THD kernels skip the padding between sequences.
+* ``overhead``: a fixed per-micro-batch cost (kernel launches, pipeline p2p, data movement) that makes many
+  tiny micro-batches slower than few large ones.
+
+A DP rank's time is the sum of its micro-batch times when ``pp == 1``; with ``pp > 1`` each micro-batch costs
+``t_mb / pp`` on every stage (layers split evenly, forward one third and backward two thirds) and the rank's
+time is the makespan of a simulated 1F1B schedule (:func:`simulate_1f1b`); interleaved pipelines (``vpp > 1``)
+use the closed form ``sum(stage times) + (pp - 1) / vpp * mean(stage time)``. With expert parallelism
+(``ep > 1``) the ranks of one EP group exchange tokens in every MoE layer, so they advance in lockstep: the
+``j``-th micro-batch costs the maximum over the group's ranks (:meth:`CostModel.step_time`).
+
+The step time is the slowest DP rank's time (every rank waits at the gradient all-reduce); the all-reduce and
+optimizer are the same for every plan and are left out. The default efficiencies describe an H100/H200 running
+bf16; they only need to be right *relative to each other* to rank plans. ``CostModel`` instances with measured
+coefficients (see ``fit``) replace them when calibration data exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .errors import DynBatchConfigError
+from .parallel import ParallelConfig
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per padded token, per squared real token and per micro-batch, on one GPU, forward + backward."""
+
+    linear_s_per_token: float
+    attention_s_per_sq_token: float
+    overhead_s: float = 2.0e-3
+    pp: int = 1
+    vpp: int = 1
+    ep_group: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s"):
+            v = getattr(self, name)
+            if not np.isfinite(v) or v < 0:
+                raise DynBatchConfigError(f"cost_model.{name}", v, "must be a finite number >= 0",
+                                          "use CostModel.from_model(...) or non-negative coefficients")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_flops(
+        cls,
+        linear_flops_per_token: float,
+        attention_flops_per_sq_token: float,
+        parallel: Optional[ParallelConfig] = None,
+        *,
+        peak_flops: float = 989e12,
+        linear_efficiency: float = 0.55,
+        attention_efficiency: float = 0.35,
+        overhead_s: float = 2.0e-3,
+    ) -> "CostModel":
+        """Build from forward FLOPs coefficients of the whole model (``linear*L + quadratic*L**2``)."""
+        p = parallel or ParallelConfig()
+        # x3: forward + backward (backward = 2 x forward). The micro-batch time is expressed for the whole
+        # pipeline depth (each stage takes t_mb / pp), so here the work is divided by tp*cp only.
+        lin = 3.0 * linear_flops_per_token / (p.tp * p.cp) / (peak_flops * linear_efficiency)
+        att = 3.0 * attention_flops_per_sq_token / (p.tp * p.cp) / (peak_flops * attention_efficiency)
+        return cls(lin, att, overhead_s, pp=p.pp, vpp=p.vpp, ep_group=max(1, p.ep))
+
+    @classmethod
+    def from_model(cls, model, parallel: Optional[ParallelConfig] = None, **kwargs) -> "CostModel":
+        """Build from a ``ModelSpec`` (or anything ``ModelSpec.from_any`` accepts)."""
+        from .flops import flops_coefficients
+        from .model_spec import ModelSpec
+
+        c = flops_coefficients(ModelSpec.from_any(model))
+        return cls.from_flops(c.linear, c.quadratic, parallel, **kwargs)
+
+    @classmethod
+    def tokens_only(cls, parallel: Optional[ParallelConfig] = None, overhead_s: float = 2.0e-3) -> "CostModel":
+        """A model-free cost (1 us per token, no attention term) for planning without a ``ModelSpec``."""
+        p = parallel or ParallelConfig()
+        return cls(1e-6 / (p.tp * p.cp), 0.0, overhead_s, pp=p.pp, vpp=p.vpp, ep_group=max(1, p.ep))
+
+    def with_layout(self, parallel: ParallelConfig) -> "CostModel":
+        d = asdict(self)
+        d.update(pp=parallel.pp, vpp=parallel.vpp, ep_group=max(1, parallel.ep))
+        return CostModel(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # ------------------------------------------------------------------ evaluation
+    def work(self, padded_tokens, sq_tokens):
+        """Compute seconds of micro-batches (no overhead), vectorised."""
+        return self.linear_s_per_token * np.asarray(padded_tokens, dtype=np.float64) + \
+            self.attention_s_per_sq_token * np.asarray(sq_tokens, dtype=np.float64)
+
+    def microbatch_time(self, padded_tokens, sq_tokens):
+        """Seconds of whole micro-batches (overhead included), vectorised."""
+        return self.overhead_s + self.work(padded_tokens, sq_tokens)
+
+    def rank_time(self, mb_times: Sequence[float]) -> float:
+        """Time of one DP rank running these micro-batch times in this order."""
+        t = np.asarray(mb_times, dtype=np.float64)
+        if t.size == 0:
+            return 0.0
+        if self.pp == 1:
+            return float(t.sum())
+        stage = t / self.pp
+        if self.vpp > 1:
+            return float(stage.sum() + (self.pp - 1) / self.vpp * stage.mean())
+        return simulate_1f1b(stage, self.pp)
+
+    def step_time(self, per_rank_mb_times: Sequence[Sequence[float]]) -> np.ndarray:
+        """Per-rank times for a whole plan (EP groups in lockstep); the step time is their maximum."""
+        ranks = [np.asarray(t, dtype=np.float64) for t in per_rank_mb_times]
+        if self.ep_group > 1 and ranks and len({r.size for r in ranks}) == 1:
+            out = np.empty(len(ranks))
+            for g in range(0, len(ranks), self.ep_group):
+                lock = np.max(np.stack(ranks[g:g + self.ep_group]), axis=0)
+                out[g:g + self.ep_group] = self.rank_time(lock)
+            return out
+        return np.array([self.rank_time(r) for r in ranks])
+
+    def lower_bound(self, total_work: float, max_sample_work: float, dp: int, min_microbatches: int,
+                    max_microbatches: int) -> float:
+        """A step-time bound no plan can beat: perfect balance of the unavoidable work (aligned tokens and real
+        attention) over ``dp`` ranks, the fewest micro-batches the budget allows, and, with ``pp > 1``, the
+        1F1B bubble of equal micro-batches at the best count. A sample cannot be split, so the rank holding the
+        largest one takes at least that long."""
+        w = total_work / dp
+        m_lo = max(1, min_microbatches)
+        m_hi = max(m_lo, max_microbatches)
+        if self.pp == 1:
+            return max(w + m_lo * self.overhead_s, max_sample_work + self.overhead_s)
+        bubble = (self.pp - 1) / (self.vpp if self.vpp > 1 else 1)
+        ms = np.arange(m_lo, min(m_hi, m_lo + 4096) + 1, dtype=np.float64)
+        t = (ms + bubble) * (w / ms + self.overhead_s) / self.pp
+        best = float(t.min())
+        single = (1 + bubble) * (max_sample_work + self.overhead_s) / self.pp
+        return max(best, single)
+
+
+def simulate_1f1b(stage_times: Sequence[float], pp: int) -> float:
+    """Makespan of Megatron's non-interleaved 1F1B schedule.
+
+    ``stage_times[j]`` is micro-batch ``j``'s forward+backward time on one stage (the same on every stage);
+    forward takes one third and backward two thirds. Stage ``s`` runs ``min(pp - s - 1, M)`` warm-up forwards,
+    then alternates one forward / one backward, then drains the remaining backwards; forward ``j`` on stage
+    ``s`` waits for forward ``j`` on stage ``s-1``, backward ``j`` on stage ``s`` for backward ``j`` on
+    stage ``s+1``. Returns the time the first stage finishes its last backward (the step's compute end).
+    """
+    t = [float(x) for x in stage_times]
+    m = len(t)
+    if m == 0:
+        return 0.0
+    fwd = [x / 3.0 for x in t]
+    bwd = [x - f for x, f in zip(t, fwd)]
+    # Per-stage op order: (is_backward, microbatch).
+    orders = []
+    for s in range(pp):
+        warm = min(pp - s - 1, m)
+        ops = [(False, j) for j in range(warm)]
+        for i in range(m - warm):
+            ops.append((False, warm + i))
+            ops.append((True, i))
+        ops.extend((True, j) for j in range(m - warm, m))
+        orders.append(ops)
+    f_end = [[None] * m for _ in range(pp)]
+    b_end = [[None] * m for _ in range(pp)]
+    pos = [0] * pp
+    clock = [0.0] * pp
+    remaining = 2 * m * pp
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            ops = orders[s]
+            n_ops = len(ops)
+            while pos[s] < n_ops:
+                is_b, j = ops[pos[s]]
+                if is_b:
+                    dep = f_end[s][j] if s == pp - 1 else b_end[s + 1][j]
+                else:
+                    dep = 0.0 if s == 0 else f_end[s - 1][j]
+                if dep is None:
+                    break
+                end = (clock[s] if clock[s] > dep else dep) + (bwd[j] if is_b else fwd[j])
+                if is_b:
+                    b_end[s][j] = end
+                else:
+                    f_end[s][j] = end
+                clock[s] = end
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - the schedule is deadlock-free by construction
+            raise RuntimeError("1F1B simulation deadlocked")
+    return max(clock)

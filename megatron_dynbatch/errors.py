@@ -1,0 +1,31 @@
+"""Error types.
+
+Every configuration or input problem raises :class:`DynBatchConfigError`, a ``ValueError`` subclass whose
+message always names three things: the offending field (or command-line flag), the value it had, and how to
+fix it. Tests match on these parts, so keep the format stable::
+
+    <field>=<value!r>: <problem>. Fix: <fix>
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DynBatchConfigError(ValueError):
+    """Bad input or configuration. ``field``, ``value`` and ``fix`` are kept as attributes."""
+
+    def __init__(self, field: str, value: Any, problem: str, fix: str) -> None:
+        self.field = field
+        self.value = value
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{field}={value!r}: {problem}. Fix: {fix}")
+
+
+class OversizeSampleError(DynBatchConfigError):
+    """A single sample does not fit the per-micro-batch token budget (policy ``oversize='error'``)."""
+
+
+class OversizeSampleWarning(UserWarning):
+    """Emitted when ``oversize='alone'`` places an over-budget sample in a micro-batch of its own."""

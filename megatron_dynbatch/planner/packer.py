@@ -1,0 +1,319 @@
+"""Packing one optimizer step's samples into ``dp x M`` micro-batches for a fixed ``M``.
+
+Pure NumPy + heapq; no torch, no distributed state. Three phases, each deterministic (ties break on the lower
+index), so every rank computes the identical result:
+
+1. **Rank assignment** (:func:`assign_ranks`): units (a sample, or every sample of one GRPO group) in
+   decreasing weight go to the least-loaded rank whose token capacity ``M * cap`` still fits them (LPT with
+   capacity). Ranks short of ``M`` samples then take the lightest units from ranks with a surplus, so no
+   micro-batch will be empty.
+2. **Refinement** (:func:`refine_ranks`): the most- and least-loaded ranks exchange one unit or one pair of
+   units, chosen by binary search to halve their gap, while capacity and sample counts allow (a bounded number
+   of rounds).
+3. **Micro-batches** (:func:`pack_rank`): inside a rank, samples in decreasing weight go to the lightest
+   micro-batch with room (LPT with capacity), which both respects the hard cap and evens the micro-batches
+   (what shortens the pipeline bubble); if that leaves a sample with nowhere to go, best-fit-decreasing on
+   tokens is tried before declaring ``M`` infeasible. Over-budget samples (``oversize='alone'``) get a
+   micro-batch of their own, which nothing else joins.
+
+Any phase may return ``None``: the caller then tries a larger ``M``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+
+@dataclass
+class StepInput:
+    """Per-sample arrays of one optimizer step (local indices ``0..n-1``)."""
+
+    aligned: np.ndarray      # int64, per-sequence padded slot length (counts against the cap)
+    weight: np.ndarray       # float64, balancing weight (FLOPs, tokens or modelled seconds)
+    oversize: np.ndarray     # bool, slot longer than the cap (placed alone)
+    units: List[np.ndarray]  # sample indices of each unit (a group, or one sample)
+    cap: int                 # effective cap on the sum of slot lengths of one micro-batch
+
+    def __post_init__(self) -> None:
+        n_units = len(self.units)
+        # An over-budget sample occupies a whole micro-batch: charge it ``cap`` tokens of the rank capacity.
+        charged = np.where(self.oversize, self.cap, self.aligned)
+        self.singletons = n_units == self.aligned.size
+        if self.singletons:  # one unit per sample (no groups): unit u is sample u
+            self.unit_weight = self.weight.astype(np.float64)
+            self.unit_tokens = charged.astype(np.int64)
+            self.unit_count = np.ones(n_units, dtype=np.int64)
+            return
+        unit_of = np.empty(self.aligned.size, dtype=np.int64)
+        for u, members in enumerate(self.units):
+            unit_of[members] = u
+        self.unit_weight = np.bincount(unit_of, weights=self.weight, minlength=n_units)
+        self.unit_tokens = np.bincount(unit_of, weights=charged, minlength=n_units).round().astype(np.int64)
+        self.unit_count = np.bincount(unit_of, minlength=n_units).astype(np.int64)
+
+    def members(self, units: Sequence[int]) -> np.ndarray:
+        """Sample indices of these units."""
+        if self.singletons:
+            return np.asarray(units, dtype=np.int64)
+        if not units:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([self.units[u] for u in units])
+
+
+def _desc_order(primary: np.ndarray, secondary: np.ndarray) -> np.ndarray:
+    """Indices by decreasing ``primary``, then decreasing ``secondary``, then increasing index."""
+    idx = np.arange(primary.size)
+    return np.lexsort((idx, -secondary, -primary))
+
+
+def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
+    """Phase 1: units per rank, or ``None`` if some unit fits no rank's ``m * cap`` token capacity."""
+    capacity = m * inp.cap
+    order = _desc_order(inp.unit_weight, inp.unit_tokens)
+    tok = inp.unit_tokens
+    # Smallest token demand among the units still to place: a rank that cannot take even that is retired.
+    suffix_min = np.minimum.accumulate(tok[order][::-1])[::-1]
+    loads = np.zeros(dp)
+    used = np.zeros(dp, dtype=np.int64)
+    ranks: List[List[int]] = [[] for _ in range(dp)]
+    heap = [(0.0, r) for r in range(dp)]
+    for k, u in enumerate(order):
+        need = tok[u]
+        skipped = []
+        placed = False
+        while heap:
+            load, r = heapq.heappop(heap)
+            if used[r] + need <= capacity:
+                ranks[r].append(int(u))
+                used[r] += need
+                loads[r] = load + inp.unit_weight[u]
+                heapq.heappush(heap, (loads[r], r))
+                placed = True
+                break
+            if k + 1 < len(order) and used[r] + suffix_min[k + 1] <= capacity:
+                skipped.append((load, r))
+        for item in skipped:
+            heapq.heappush(heap, item)
+        if not placed:
+            return None
+    if not _fill_counts(inp, ranks, m, capacity):
+        return None
+    return ranks
+
+
+def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) -> bool:
+    """Move the lightest units from ranks with more than ``m`` samples to ranks with fewer."""
+    cnt = np.array([inp.unit_count[r].sum() if r else 0 for r in ranks], dtype=np.int64)
+    used = np.array([inp.unit_tokens[r].sum() if r else 0 for r in ranks], dtype=np.int64)
+    for r in np.flatnonzero(cnt < m):
+        while cnt[r] < m:
+            best = None
+            for d in np.argsort(-(cnt - m), kind="stable"):
+                surplus = cnt[d] - m
+                if surplus <= 0:
+                    break
+                for u in ranks[d]:
+                    c = inp.unit_count[u]
+                    if c <= surplus and used[r] + inp.unit_tokens[u] <= capacity:
+                        key = (inp.unit_weight[u], u)
+                        if best is None or key < best[0]:
+                            best = (key, d, u)
+                if best is not None:
+                    break
+            if best is None:
+                return False
+            _, d, u = best
+            ranks[d].remove(u)
+            ranks[r].append(u)
+            cnt[d] -= inp.unit_count[u]
+            cnt[r] += inp.unit_count[u]
+            used[d] -= inp.unit_tokens[u]
+            used[r] += inp.unit_tokens[u]
+    return True
+
+
+def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int, rtol: float = 1e-4) -> None:
+    """Phase 2: in place, shrink the heaviest rank by moving or swapping one unit with a light rank."""
+    dp = len(ranks)
+    if dp < 2:
+        return
+    w, tok, cnt_u = inp.unit_weight, inp.unit_tokens, inp.unit_count
+    capacity = m * inp.cap
+    loads = np.array([w[r].sum() if r else 0.0 for r in ranks])
+    used = np.array([tok[r].sum() if r else 0 for r in ranks], dtype=np.int64)
+    cnt = np.array([cnt_u[r].sum() if r else 0 for r in ranks], dtype=np.int64)
+    mean = loads.mean()
+    if mean <= 0:
+        return
+    for _ in range(max_rounds):
+        a = int(np.argmax(loads))
+        if loads[a] - mean <= rtol * mean:
+            return
+        moved = False
+        for b in np.argsort(loads, kind="stable")[: min(4, dp - 1)]:
+            b = int(b)
+            if b == a:
+                continue
+            if _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m):
+                moved = True
+                break
+        if not moved:
+            return
+
+
+def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m) -> bool:
+    gap = loads[a] - loads[b]
+    if gap <= 0:
+        return False
+    ua = np.asarray(ranks[a], dtype=np.int64)
+    ub = np.asarray(ranks[b], dtype=np.int64)
+    best_dev, best = np.inf, None
+    # Move one unit a -> b: the new pair maximum is max(La - x, Lb + x); best x is gap / 2.
+    wa = w[ua]
+    ok = (wa > 0) & (wa < gap) & (used[b] + tok[ua] <= capacity) & (cnt[a] - cnt_u[ua] >= m)
+    if ok.any():
+        dev = np.where(ok, np.abs(wa - gap / 2), np.inf)
+        i = int(np.argmin(dev))
+        best_dev, best = dev[i], (ua[i], None)
+    # Swap a unit of a with a lighter unit of b whose difference is closest to gap / 2.
+    if ub.size:
+        ord_b = np.argsort(w[ub], kind="stable")
+        wb_sorted = w[ub][ord_b]
+        pos = np.searchsorted(wb_sorted, wa - gap / 2)
+        for shift in (0, -1):
+            j = np.clip(pos + shift, 0, ub.size - 1)
+            cand_b = ub[ord_b[j]]
+            delta = wa - w[cand_b]
+            ok = ((delta > 0) & (delta < gap)
+                  & (used[b] - tok[cand_b] + tok[ua] <= capacity)
+                  & (used[a] - tok[ua] + tok[cand_b] <= capacity)
+                  & (cnt[a] - cnt_u[ua] + cnt_u[cand_b] >= m)
+                  & (cnt[b] - cnt_u[cand_b] + cnt_u[ua] >= m))
+            if ok.any():
+                dev = np.where(ok, np.abs(delta - gap / 2), np.inf)
+                i = int(np.argmin(dev))
+                if dev[i] < best_dev:
+                    best_dev, best = dev[i], (ua[i], cand_b[i])
+    if best is None or best_dev >= gap / 2:
+        return False
+    x, y = int(best[0]), best[1]
+    ranks[a].remove(x)
+    ranks[b].append(x)
+    delta_w, delta_t, delta_c = w[x], tok[x], cnt_u[x]
+    if y is not None:
+        y = int(y)
+        ranks[b].remove(y)
+        ranks[a].append(y)
+        delta_w, delta_t, delta_c = w[x] - w[y], tok[x] - tok[y], cnt_u[x] - cnt_u[y]
+    loads[a] -= delta_w
+    loads[b] += delta_w
+    used[a] -= delta_t
+    used[b] += delta_t
+    cnt[a] -= delta_c
+    cnt[b] += delta_c
+    return True
+
+
+def pack_rank(samples: Sequence[int], inp: StepInput, m: int) -> Optional[List[List[int]]]:
+    """Phase 3: exactly ``m`` non-empty micro-batches of ``samples`` within the cap, or ``None``."""
+    samples = np.asarray(samples, dtype=np.int64)
+    over = samples[inp.oversize[samples]]
+    normal = samples[~inp.oversize[samples]]
+    k = m - over.size
+    if k < 0 or (k == 0 and normal.size) or normal.size < k:
+        return None
+    bins: List[List[int]] = [[int(i)] for i in over]
+    if k == 0:
+        return bins
+    aligned, weight, cap = inp.aligned, inp.weight, inp.cap
+    normal = normal[_desc_order(weight[normal], aligned[normal])]
+    packed = _lpt_bins(normal, aligned, weight, k, cap)
+    if packed is None:
+        packed = _best_fit_bins(normal, aligned, k, cap)
+        if packed is None:
+            return None
+    return bins + packed
+
+
+def _lpt_bins(items: np.ndarray, aligned, weight, k: int, cap: int) -> Optional[List[List[int]]]:
+    bins: List[List[int]] = [[] for _ in range(k)]
+    used = [0] * k
+    heap = [(0.0, 0, b) for b in range(k)]
+    for i in items.tolist():
+        need = int(aligned[i])
+        skipped = []
+        placed = False
+        while heap:
+            load, n, b = heapq.heappop(heap)
+            if used[b] + need <= cap:
+                bins[b].append(i)
+                used[b] += need
+                heapq.heappush(heap, (load + float(weight[i]), n + 1, b))
+                placed = True
+                break
+            skipped.append((load, n, b))
+        for item in skipped:
+            heapq.heappush(heap, item)
+        if not placed:
+            return None
+    return bins
+
+
+def _best_fit_bins(items: np.ndarray, aligned, k: int, cap: int) -> Optional[List[List[int]]]:
+    """Best-fit decreasing on tokens (the feasibility fallback), then split bins so none is empty."""
+    order = items[np.lexsort((items, -aligned[items]))]
+    bins: List[List[int]] = [[] for _ in range(k)]
+    room = np.full(k, cap, dtype=np.int64)
+    for i in order.tolist():
+        need = aligned[i]
+        fits = np.flatnonzero(room >= need)
+        if fits.size == 0:
+            return None
+        b = int(fits[np.argmin(room[fits])])
+        bins[b].append(i)
+        room[b] -= need
+    for b in range(k):
+        if not bins[b]:
+            donor = max(range(k), key=lambda d: (len(bins[d]), -d))
+            if len(bins[donor]) < 2:
+                return None
+            bins[b].append(bins[donor].pop())
+    return bins
+
+
+def plan_global_bins(inp: StepInput, dp: int, m: int) -> Optional[List[List[List[int]]]]:
+    """Lockstep variant (expert parallelism): pack all samples into ``dp * m`` even micro-batches, then deal
+    them out by size tier, so the ``j``-th micro-batches of all ranks are alike (each rank gets one bin of
+    every tier of ``dp`` bins). Only for ungrouped samples."""
+    bins = pack_rank(np.arange(inp.aligned.size), inp, dp * m)
+    if bins is None:
+        return None
+    loads = np.array([inp.weight[b].sum() for b in bins])
+    order = np.lexsort((np.arange(loads.size), -loads))
+    out: List[List[List[int]]] = [[] for _ in range(dp)]
+    for tier in range(m):
+        tier_bins = order[tier * dp:(tier + 1) * dp]
+        # Snake the tiers so the small remainders of each tier do not pile on the same ranks.
+        ranks = range(dp) if tier % 2 == 0 else range(dp - 1, -1, -1)
+        for r, b in zip(ranks, tier_bins):
+            out[r].append(bins[b])
+    return out
+
+
+def plan_for_count(inp: StepInput, dp: int, m: int, refine_rounds: int) -> Optional[List[List[List[int]]]]:
+    """All three phases for one ``m``: per rank, ``m`` micro-batches of local sample indices, or ``None``."""
+    ranks = assign_ranks(inp, dp, m)
+    if ranks is None:
+        return None
+    refine_ranks(inp, ranks, m, refine_rounds)
+    out = []
+    for units in ranks:
+        bins = pack_rank(inp.members(units), inp, m)
+        if bins is None:
+            return None
+        out.append(bins)
+    return out
