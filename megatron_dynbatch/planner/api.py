@@ -395,3 +395,76 @@ def _assemble(micro_batches, per_step, par, align, cap, mode, lens, aligned, sq,
         lower_bound_microbatches=0,
         lower_bound_step_time=0.0,
     )
+
+
+def score_assignment(
+    micro_batches: Sequence[Sequence[Sequence[int]]],
+    lengths: Union[Sequence[int], np.ndarray],
+    *,
+    model: Any = None,
+    parallel: Union[ParallelConfig, Mapping[str, Any], None] = None,
+    max_tokens_per_gpu: int,
+    fp8_alignment: Union[None, str, int] = None,
+    cost_model: Optional[CostModel] = None,
+    pad_to_longest: bool = False,
+    microbatches_per_step: Optional[Sequence[int]] = None,
+    algorithm: str = "external",
+) -> Plan:
+    """Score any assignment (e.g. a baseline's) with the same cost model and statistics as the planner.
+
+    No invariant is enforced here -- ranks may differ in micro-batch count and micro-batches may break the cap
+    (``plan.cap_violations`` counts them) -- so baselines are measured honestly. ``pad_to_longest`` models
+    fixed-shape ``[b, s]`` micro-batches: every sample is padded to the longest in its micro-batch and attention
+    runs over the padded square.
+    """
+    par = ParallelConfig.from_any(parallel)
+    lens = _check_lengths(lengths)
+    cap, align, _ = _check_budget(max_tokens_per_gpu, par, fp8_alignment)
+    spec = coeffs = None
+    if model is not None:
+        from ..flops import flops_coefficients
+        from ..model_spec import ModelSpec
+
+        spec = ModelSpec.from_any(model)
+        coeffs = flops_coefficients(spec)
+    if cost_model is not None:
+        cm = cost_model.with_layout(par)
+    elif coeffs is not None:
+        cm = CostModel.from_flops(coeffs.linear, coeffs.quadratic, par)
+    else:
+        cm = CostModel.tokens_only(par)
+    mbs = [[[int(i) for i in mb] for mb in rank] for rank in micro_batches]
+    aligned = align.seq_len(lens).astype(np.int64)
+    sq = lens.astype(np.float64) ** 2
+    flops = (coeffs.linear * aligned + coeffs.quadratic * sq) if coeffs is not None else np.zeros(lens.size)
+    if pad_to_longest:
+        tokens = [[len(mb) * int(aligned[mb].max()) if mb else 0 for mb in rank] for rank in mbs]
+        sqs = [[len(mb) * float(aligned[mb].max()) ** 2 if mb else 0.0 for mb in rank] for rank in mbs]
+    else:
+        tokens = [[align.padded_total(int(aligned[mb].sum())) if mb else 0 for mb in rank] for rank in mbs]
+        sqs = [[float(sq[mb].sum()) for mb in rank] for rank in mbs]
+    mb_time = [cm.microbatch_time(np.asarray(t, dtype=np.float64), np.asarray(q)).tolist()
+               for t, q in zip(tokens, sqs)]
+    per_step = list(microbatches_per_step) if microbatches_per_step else [max((len(r) for r in mbs), default=0)]
+    if len({len(r) for r in mbs}) == 1:
+        rank_time = np.zeros(par.dp)
+        start = 0
+        for count in per_step:
+            rank_time += cm.step_time([t[start:start + count] for t in mb_time])
+            start += count
+    else:  # ragged counts: no lockstep/pipeline pairing is possible; each rank on its own
+        rank_time = np.array([cm.rank_time(t) for t in mb_time])
+    work = cm.work(aligned, sq)
+    lb_m = max(1, -(-int(aligned.sum()) // (par.dp * cap)))
+    plan = Plan(
+        micro_batches=mbs, microbatches_per_step=per_step, parallel=par, alignment=align, cap=cap,
+        balance_by_flops=False, microbatch_tokens=tokens, microbatch_time=mb_time,
+        rank_tokens=np.array([sum(t) for t in tokens], dtype=np.int64),
+        rank_flops=np.array([float(sum(flops[i] for mb in rank for i in mb)) for rank in mbs]),
+        rank_time=rank_time,
+        padding_tokens=int(sum(sum(t) for t in tokens) - lens.sum()), real_tokens=int(lens.sum()),
+        lower_bound_microbatches=lb_m,
+        lower_bound_step_time=cm.lower_bound(float(work.sum()), float(work.max()), par.dp, lb_m, lens.size // par.dp),
+        algorithm=algorithm,
+    )
+    return plan
