@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Set up ./.venv for megatron-dynbatch on a fresh machine.
+#
+#   bash scripts/setup.sh          # planner, CLI and benchmark only (NumPy + PyYAML; no torch)
+#   bash scripts/setup.sh --test   # + torch, megatron-core, Ray, pytest/hypothesis: everything the tests need
+#
+# torch is never a bare requirement (that pulls gigabytes of CUDA wheels on a CPU machine): an installed torch
+# is reused (the venv sees system site-packages), otherwise CPU machines get torch==2.13.0 (override with
+# TORCH_SPEC=...). Transformer Engine / flash-attn are GPU-only extras (`pip install -e .[gpu]`) and are never
+# installed here: a half-installed Transformer Engine makes `import megatron.core` crash on CPU machines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) want_test=1 ;;
+    *) echo "setup.sh: unknown argument '$arg' (use --test or nothing)" >&2; exit 2 ;;
+  esac
+done
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv --system-site-packages .venv
+fi
+VPY=.venv/bin/python
+"$VPY" -m pip install -q --upgrade pip >/dev/null
+
+if [ "$want_test" = 1 ]; then
+  if "$VPY" -c "import torch" >/dev/null 2>&1; then
+    echo "setup.sh: reusing installed torch $("$VPY" -c 'import torch; print(torch.__version__)')"
+  else
+    spec=${TORCH_SPEC:-}
+    if [ -z "$spec" ]; then
+      if command -v nvidia-smi >/dev/null 2>&1; then spec="torch"; else spec="torch==2.13.0"; fi
+    fi
+    echo "setup.sh: installing $spec"
+    "$VPY" -m pip install -q "$spec"
+  fi
+  "$VPY" -m pip install -q -e ".[megatron,ray,plot,test]"
+  # Fail loudly now rather than in the middle of the test run.
+  "$VPY" - <<'PYCHECK'
+import importlib, sys
+for mod in ("torch", "megatron.core", "ray", "hypothesis", "pytest", "megatron_dynbatch"):
+    importlib.import_module(mod)
+try:
+    import transformer_engine  # noqa: F401
+    print("setup.sh: note: transformer_engine is importable here (GPU machine?)")
+except Exception:
+    pass
+print("setup.sh: test environment ready (torch %s)" % __import__("torch").__version__)
+PYCHECK
+else
+  "$VPY" -m pip install -q -e .
+  echo "setup.sh: ready: .venv/bin/megatron-dynbatch"
+fi
