@@ -1,0 +1,704 @@
+"""The shape of the model being trained, as far as FLOPs are concerned.
+
+:class:`ModelSpec` is a frozen, validated dataclass whose field names are Megatron's (``--num-layers`` is
+``num_layers``, ``--num-query-groups`` is ``num_query_groups``, ...), so a Megatron command line, a
+``TransformerConfig`` and a YAML preset all describe a model with the same words. It carries only what the
+FLOPs model (:mod:`megatron_dynbatch.flops`) needs: layer count and widths, attention layout (MHA / GQA /
+MLA), MLP layout (dense, gated or not, MoE with a per-layer pattern and shared experts), vocabulary and
+multi-token-prediction depth.
+
+Defaults follow Megatron so that a spec read from Megatron means what Megatron means:
+
+* ``num_query_groups=None`` -> multi-head attention (``num_attention_heads`` groups);
+* ``kv_channels=None`` -> ``hidden_size // num_attention_heads`` (then the heads must divide the hidden size);
+* ``padded_vocab_size=None`` -> ``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by``
+  (128). Megatron pads to ``make_vocab_size_divisible_by * tensor_model_parallel_size``; with TP > 1 and a
+  vocabulary that is not already a multiple of that, pass ``padded_vocab_size`` explicitly (or build the spec
+  with :meth:`ModelSpec.from_megatron`, which reads Megatron's own padded size);
+* ``moe_layer_freq=1`` -> every layer is MoE when ``num_experts`` is set. An integer ``N`` makes layer ``i``
+  (0-based) MoE when ``i % N == 0``; a list gives one 0/1 per layer. Megatron's string form
+  ``"([0]*3+[1]*58)"`` is accepted too and stored as the list it denotes.
+
+Derived defaults are resolved at construction, so ``spec.num_query_groups``, ``spec.kv_channels`` and
+``spec.padded_vocab_size`` are always integers afterwards and ``ModelSpec.from_dict(spec.to_dict()) == spec``.
+
+This module is pure Python (+ PyYAML for presets): it never imports torch or megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from .errors import DynBatchConfigError
+
+__all__ = ["ModelSpec", "available_presets", "preset_dirs", "ModelLike"]
+
+#: Environment variable with extra preset directories (``os.pathsep``-separated). Each directory may hold the
+#: ``<name>.yaml`` files itself or a ``models/`` sub-directory with them.
+CONFIGS_ENV = "MEGATRON_DYNBATCH_CONFIGS"
+
+# Other names for our fields that users will plausibly type: TransformerConfig's spellings and a few
+# Hugging Face ones whose meaning is identical.
+_ALIASES: Dict[str, str] = {
+    "gated_linear_unit": "swiglu",
+    "num_moe_experts": "num_experts",
+}
+
+# Keys that only appear in Hugging Face config.json files: used to point at from_hf_config.
+_HF_KEYS = frozenset(
+    {
+        "num_hidden_layers", "intermediate_size", "num_key_value_heads", "head_dim", "model_type",
+        "architectures", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts",
+        "qk_nope_head_dim", "qk_rope_head_dim", "hidden_act", "torch_dtype",
+    }
+)
+
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+_MLA_REQUIRED = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+_MOE_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass; numpy integers are not ints but are accepted and converted.
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    try:
+        import numpy as np
+
+        return isinstance(value, np.integer)
+    except ImportError:  # pragma: no cover - numpy is a core dependency
+        return False
+
+
+def _parse_layer_freq(value: Any) -> Union[int, Tuple[int, ...]]:
+    """Normalise ``moe_layer_freq``: int stays int, a sequence becomes a tuple, and Megatron's CLI string
+    form (``"([0]*3+[1]*58)"`` or ``"[1,0,1,0]"`` or ``"2"``) is evaluated with a tiny safe evaluator that
+    only knows integer literals, lists, ``+`` and ``*``."""
+    if _is_int(value):
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            tree = ast.parse(text, mode="eval")
+            result = _eval_list_expr(tree.body)
+        except (SyntaxError, ValueError) as exc:
+            raise DynBatchConfigError(
+                "moe_layer_freq", value, f"cannot parse this pattern ({exc})",
+                "use an integer N (every N-th layer is MoE), a list of 0/1 per layer, or Megatron's "
+                "string form such as '([0]*3+[1]*58)'",
+            ) from None
+        return _parse_layer_freq(result)
+    if isinstance(value, (list, tuple)):
+        out = []
+        for item in value:
+            if not _is_int(item) or int(item) not in (0, 1):
+                raise DynBatchConfigError(
+                    "moe_layer_freq", list(value), f"list entries must be 0 (dense) or 1 (MoE), got {item!r}",
+                    "write one 0 or 1 per layer",
+                )
+            out.append(int(item))
+        return tuple(out)
+    try:  # numpy arrays and other sequences
+        return _parse_layer_freq(list(value))
+    except TypeError:
+        raise DynBatchConfigError(
+            "moe_layer_freq", value, "must be an int or a list of 0/1",
+            "use an integer N (every N-th layer is MoE) or one 0/1 per layer",
+        ) from None
+
+
+def _eval_list_expr(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant) and _is_int(node.value):
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_eval_list_expr(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _eval_list_expr(node.left), _eval_list_expr(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"unsupported expression {ast.dump(node)[:60]}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer with Megatron's field names. See the module docstring for the
+    defaults; every problem found at construction raises :class:`~megatron_dynbatch.errors.DynBatchConfigError`
+    naming the field, its value and the fix.
+
+    Build one with :meth:`from_dict`, :meth:`from_yaml` (a file or a preset name such as ``"qwen3-8b"``),
+    :meth:`from_megatron` (Megatron ``args`` or a ``TransformerConfig``), :meth:`from_hf_config` (a local
+    Hugging Face ``config.json``) or :meth:`from_any`.
+    """
+
+    # --- core shape
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    swiglu: bool = False
+    padded_vocab_size: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    # --- mixture of experts
+    num_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_layer_freq: Union[int, Tuple[int, ...]] = 1
+    # --- multi-latent attention (DeepSeek-V2/V3)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_head_dim: Optional[int] = None
+    qk_pos_emb_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    # --- multi-token prediction (extra transformer layer(s) + logits per MTP depth, as Megatron trains it)
+    mtp_num_layers: Optional[int] = None
+    # --- label only
+    name: Optional[str] = field(default=None, compare=False)
+
+    # ------------------------------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+
+        def positive(name: str, *, allow_zero: bool = False, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            lo = 0 if allow_zero else 1
+            if not _is_int(value) or int(value) < lo:
+                raise DynBatchConfigError(
+                    name, value, f"must be an integer >= {lo}",
+                    f"set {name} to a whole number >= {lo}" + (" or leave it unset (null)" if optional else ""),
+                )
+            set_(name, int(value))
+
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                     "make_vocab_size_divisible_by"):
+            positive(name)
+        for name in ("num_query_groups", "kv_channels", "padded_vocab_size", "num_experts"):
+            positive(name, optional=True)
+        positive("mtp_num_layers", allow_zero=True, optional=True)
+        for name in ("swiglu", "multi_latent_attention"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                try:
+                    import numpy as np
+
+                    if isinstance(value, np.bool_):
+                        set_(name, bool(value))
+                        continue
+                except ImportError:  # pragma: no cover
+                    pass
+                raise DynBatchConfigError(name, value, "must be true or false", f"set {name}: true or {name}: false")
+        if self.name is not None and not isinstance(self.name, str):
+            raise DynBatchConfigError("name", self.name, "must be a string", "use a label such as 'qwen3-8b'")
+
+        heads, hidden = self.num_attention_heads, self.hidden_size
+
+        # attention layout
+        if self.kv_channels is None and self.multi_latent_attention and _is_int(self.v_head_dim):
+            set_("kv_channels", int(self.v_head_dim))  # type: ignore[arg-type]  # unused by MLA
+        if self.kv_channels is None:
+            if hidden % heads != 0:
+                raise DynBatchConfigError(
+                    "num_attention_heads", heads,
+                    f"does not divide hidden_size={hidden}, so the default kv_channels (hidden/heads) is undefined",
+                    "choose a head count that divides hidden_size, or set kv_channels (the per-head width) "
+                    "explicitly",
+                )
+            set_("kv_channels", hidden // heads)
+        if self.multi_latent_attention:
+            if self.num_query_groups is not None and self.num_query_groups != heads:
+                raise DynBatchConfigError(
+                    "num_query_groups", self.num_query_groups,
+                    "multi-latent attention has no grouped-query layout (Megatron refuses --group-query-attention "
+                    "with MLA)", "leave num_query_groups unset for an MLA model",
+                )
+        if self.num_query_groups is None:
+            set_("num_query_groups", heads)
+        groups: int = self.num_query_groups  # type: ignore[assignment]  # resolved just above
+        if groups > heads or heads % groups != 0:
+            raise DynBatchConfigError(
+                "num_query_groups", groups, f"must divide num_attention_heads={heads}",
+                f"use a divisor of {heads} (e.g. {_divisors_hint(heads)}), or leave it unset for MHA",
+            )
+
+        # MLA fields
+        if self.multi_latent_attention:
+            for name in _MLA_REQUIRED:
+                if getattr(self, name) is None:
+                    raise DynBatchConfigError(
+                        name, None, "is required when multi_latent_attention is true",
+                        f"set {name} (DeepSeek-V3 uses kv_lora_rank=512, qk_head_dim=128, "
+                        "qk_pos_emb_head_dim=64, v_head_dim=128)",
+                    )
+            positive("q_lora_rank", optional=True)
+            positive("kv_lora_rank")
+            positive("qk_head_dim")
+            positive("qk_pos_emb_head_dim", allow_zero=True)
+            positive("v_head_dim")
+        else:
+            for name in _MLA_FIELDS:
+                if getattr(self, name) is not None:
+                    raise DynBatchConfigError(
+                        name, getattr(self, name), "is an MLA field but multi_latent_attention is false",
+                        "set multi_latent_attention: true for an MLA model, or remove the MLA fields",
+                    )
+
+        # vocabulary
+        if self.padded_vocab_size is None:
+            m = self.make_vocab_size_divisible_by
+            set_("padded_vocab_size", -(-self.vocab_size // m) * m)
+        elif self.padded_vocab_size < self.vocab_size:
+            raise DynBatchConfigError(
+                "padded_vocab_size", self.padded_vocab_size, f"is smaller than vocab_size={self.vocab_size}",
+                "use a padded size >= vocab_size, or leave it unset to pad to a multiple of "
+                "make_vocab_size_divisible_by",
+            )
+
+        # MoE
+        set_("moe_layer_freq", _parse_layer_freq(self.moe_layer_freq))
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if freq < 1:
+                raise DynBatchConfigError(
+                    "moe_layer_freq", freq, "must be >= 1", "use 1 (every layer is MoE) or N (every N-th layer)"
+                )
+        elif len(freq) != self.num_layers:
+            raise DynBatchConfigError(
+                "moe_layer_freq", list(freq),
+                f"has {len(freq)} entries but num_layers={self.num_layers}",
+                f"give exactly one 0/1 per layer ({self.num_layers} entries), or an integer frequency",
+            )
+        if self.num_experts is None:
+            for name in _MOE_FIELDS:
+                if getattr(self, name) is not None:
+                    raise DynBatchConfigError(
+                        name, getattr(self, name), "is an MoE field but num_experts is not set",
+                        "set num_experts for an MoE model, or remove the MoE fields for a dense one",
+                    )
+            if freq != 1:
+                raise DynBatchConfigError(
+                    "moe_layer_freq", freq if isinstance(freq, int) else list(freq),
+                    "is set but num_experts is not", "set num_experts for an MoE model, or remove moe_layer_freq",
+                )
+        else:
+            for name in ("moe_ffn_hidden_size", "moe_router_topk"):
+                if getattr(self, name) is None:
+                    raise DynBatchConfigError(
+                        name, None, f"is required when num_experts={self.num_experts} is set",
+                        f"set {name} (Megatron's --{name.replace('_', '-')}; "
+                        + ("Megatron defaults it to ffn_hidden_size)" if name == "moe_ffn_hidden_size"
+                           else "e.g. 8 for Qwen3-MoE and DeepSeek-V3)"),
+                    )
+            positive("moe_ffn_hidden_size")
+            positive("moe_router_topk")
+            positive("moe_shared_expert_intermediate_size", optional=True)
+            if int(self.moe_router_topk) > self.num_experts:  # type: ignore[arg-type]
+                raise DynBatchConfigError(
+                    "moe_router_topk", self.moe_router_topk, f"exceeds num_experts={self.num_experts}",
+                    "route each token to at most num_experts experts",
+                )
+
+    # ------------------------------------------------------------------------------------------- helpers
+    @property
+    def is_moe(self) -> bool:
+        """True when some layer has routed experts."""
+        return self.num_experts is not None and any(self.moe_layer_pattern())
+
+    def moe_layer_pattern(self) -> List[int]:
+        """One entry per transformer layer (MTP layers excluded): 1 = MoE MLP, 0 = dense MLP.
+
+        Megatron semantics: integer ``moe_layer_freq=N`` makes layer ``i`` (0-based) MoE when ``i % N == 0``;
+        a list is used as is. A dense model (``num_experts`` unset) gives all zeros.
+        """
+        if self.num_experts is None:
+            return [0] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return [1 if i % freq == 0 else 0 for i in range(self.num_layers)]
+        return list(freq)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layer_pattern())
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    def to_dict(self) -> Dict[str, Any]:
+        """All fields (derived defaults resolved) as plain Python values; ``moe_layer_freq`` as int or list."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if isinstance(out["moe_layer_freq"], tuple):
+            out["moe_layer_freq"] = list(out["moe_layer_freq"])
+        return out
+
+    def replace(self, **changes: Any) -> "ModelSpec":
+        """A copy with some fields changed (validated again). Handy for truncated test models, e.g.
+        ``spec.replace(num_layers=4, moe_layer_freq=1)``."""
+        return dataclasses.replace(self, **changes)
+
+    # --------------------------------------------------------------------------------------- constructors
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
+        """Build from a mapping of Megatron field names. Unknown keys raise an error that names the key and
+        lists close matches; ``gated_linear_unit`` and ``num_moe_experts`` (TransformerConfig spellings) are
+        accepted as ``swiglu`` and ``num_experts``."""
+        if isinstance(d, ModelSpec):
+            return d
+        if not isinstance(d, Mapping):
+            raise DynBatchConfigError(
+                "model", d, "must be a mapping of ModelSpec fields",
+                "pass a dict such as {'num_layers': 28, 'hidden_size': 1024, ...} or a preset name",
+            )
+        known = [f.name for f in fields(cls)]
+        kwargs: Dict[str, Any] = {}
+        for key, value in d.items():
+            canonical = _ALIASES.get(key, key)
+            if canonical not in known:
+                close = difflib.get_close_matches(str(key), known + list(_ALIASES), n=3, cutoff=0.6)
+                if key in _HF_KEYS:
+                    fix = ("this looks like a Hugging Face config.json; load it with ModelSpec.from_hf_config(path)"
+                           " or rename the keys to Megatron's (num_layers, ffn_hidden_size, num_query_groups, ...)")
+                elif close:
+                    fix = f"did you mean {' or '.join(repr(c) for c in close)}?"
+                else:
+                    fix = f"use only ModelSpec fields: {', '.join(known)}"
+                raise DynBatchConfigError(str(key), value, "unknown model field", fix)
+            if canonical in kwargs and kwargs[canonical] != value:
+                raise DynBatchConfigError(
+                    str(key), value, f"conflicts with {canonical}={kwargs[canonical]!r} given in the same mapping",
+                    f"give only {canonical}",
+                )
+            kwargs[canonical] = value
+        missing = [f.name for f in fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   and f.name not in kwargs]
+        if missing:
+            raise DynBatchConfigError(
+                missing[0], None, "is required",
+                f"add {', '.join(missing)} to the model config (Megatron's --{missing[0].replace('_', '-')})",
+            )
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path_or_preset: Union[str, os.PathLike]) -> "ModelSpec":
+        """Load a YAML file of ModelSpec fields, or a preset by name (``"qwen3-8b"`` ->
+        ``configs/models/qwen3-8b.yaml``; see :func:`preset_dirs` for where presets are looked up).
+        A YAML file whose only top-level key is ``model`` is read from that key. JSON files work too (JSON is
+        YAML)."""
+        path = _resolve_config_path(path_or_preset)
+        data = _load_mapping(path)
+        if set(data) == {"model"} and isinstance(data["model"], Mapping):
+            data = dict(data["model"])
+        if "name" not in data:
+            data = {**data, "name": path.stem}
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_megatron(
+        cls,
+        obj: Any,
+        *,
+        vocab_size: Optional[int] = None,
+        padded_vocab_size: Optional[int] = None,
+        name: Optional[str] = None,
+    ) -> "ModelSpec":
+        """Build from Megatron's parsed ``args`` (an ``argparse.Namespace``), a megatron-core
+        ``TransformerConfig`` (or ``MLATransformerConfig``) or a ``GPTModel`` (its ``.config`` and
+        ``.vocab_size`` are used). Attributes are read with ``getattr``; megatron is never imported.
+
+        Spelling differences handled: args say ``swiglu`` / ``num_experts`` where TransformerConfig says
+        ``gated_linear_unit`` / ``num_moe_experts``; args only use ``num_query_groups`` when
+        ``group_query_attention`` is set. A ``TransformerConfig`` has no vocabulary, so pass ``vocab_size=``
+        (and ``padded_vocab_size=`` if the run pads differently). With args, ``padded_vocab_size`` (set by
+        Megatron's tokenizer builder) is preferred; otherwise the vocabulary is padded like Megatron does, to a
+        multiple of ``make_vocab_size_divisible_by * tensor_model_parallel_size``.
+        """
+        model_vocab = None
+        if getattr(obj, "num_layers", None) is None and getattr(obj, "config", None) is not None:
+            model_vocab = getattr(obj, "vocab_size", None)
+            obj = obj.config
+
+        def get(attr: str, default: Any = None) -> Any:
+            value = getattr(obj, attr, default)
+            return default if value is None else value
+
+        d: Dict[str, Any] = {}
+        for attr in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels"):
+            d[attr] = get(attr)
+        if d["num_layers"] is None or d["hidden_size"] is None or d["num_attention_heads"] is None:
+            raise DynBatchConfigError(
+                "model", type(obj).__name__,
+                "has no num_layers / hidden_size / num_attention_heads attributes",
+                "pass Megatron's parsed args, a TransformerConfig or a GPTModel",
+            )
+        if d["ffn_hidden_size"] is None:  # same default as TransformerConfig.__post_init__
+            d["ffn_hidden_size"] = 4 * d["hidden_size"]
+        if getattr(obj, "group_query_attention", True) is False:
+            d["num_query_groups"] = None  # args carry num_query_groups=1 even without GQA
+        else:
+            d["num_query_groups"] = get("num_query_groups")
+        swiglu = getattr(obj, "swiglu", None)
+        d["swiglu"] = bool(swiglu if swiglu is not None else get("gated_linear_unit", False))
+
+        num_experts = get("num_experts", get("num_moe_experts"))
+        if num_experts:
+            d["num_experts"] = num_experts
+            d["moe_ffn_hidden_size"] = get("moe_ffn_hidden_size", d["ffn_hidden_size"])
+            d["moe_router_topk"] = get("moe_router_topk", 2)  # Megatron's default
+            d["moe_shared_expert_intermediate_size"] = get("moe_shared_expert_intermediate_size") or None
+            d["moe_layer_freq"] = get("moe_layer_freq", 1)
+        if getattr(obj, "multi_latent_attention", False):
+            d["multi_latent_attention"] = True
+            d["num_query_groups"] = None
+            for attr in _MLA_FIELDS:
+                d[attr] = get(attr)
+        mtp = get("mtp_num_layers")
+        if mtp:
+            d["mtp_num_layers"] = mtp
+
+        divisible = get("make_vocab_size_divisible_by", 128)
+        vocab = vocab_size if vocab_size is not None else get("vocab_size", model_vocab)
+        padded = padded_vocab_size if padded_vocab_size is not None else get("padded_vocab_size")
+        if padded is None and vocab_size is None and model_vocab is not None and vocab == model_vocab:
+            padded = model_vocab  # a GPTModel's vocab_size is the width its output layer really has
+        if vocab is None:
+            vocab = padded
+        if vocab is None:
+            raise DynBatchConfigError(
+                "vocab_size", None, f"{type(obj).__name__} carries no vocabulary size",
+                "pass ModelSpec.from_megatron(config, vocab_size=...) (TransformerConfig has no vocab)",
+            )
+        if padded is None:  # Megatron's _vocab_size_with_padding
+            multiple = int(divisible) * int(get("tensor_model_parallel_size", 1))
+            padded = -(-int(vocab) // multiple) * multiple
+        d["vocab_size"] = vocab
+        d["padded_vocab_size"] = padded
+        d["make_vocab_size_divisible_by"] = divisible
+        d["name"] = name
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict: Union[str, os.PathLike, Mapping[str, Any]],
+                       *, name: Optional[str] = None) -> "ModelSpec":
+        """Build from a local Hugging Face ``config.json`` (a file, a directory holding one, or the parsed
+        dict). Nothing is downloaded.
+
+        Supported ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (dense, gated MLP),
+        ``qwen2_moe``, ``qwen3_moe`` (layer ``i`` is MoE unless listed in ``mlp_only_layers`` and when
+        ``(i+1) % decoder_sparse_step == 0``), ``deepseek_v2``, ``deepseek_v3`` (MLA; layer ``i`` is MoE when
+        ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``; shared experts =
+        ``n_shared_experts * moe_intermediate_size``). A multimodal config's ``text_config`` is used when the
+        top level has no layer count. DeepSeek's MTP module (``num_nextn_predict_layers``) is not counted:
+        whether MTP is trained is a Megatron flag (``--mtp-num-layers``), so set ``mtp_num_layers`` yourself.
+        """
+        if isinstance(path_or_dict, Mapping):
+            cfg = dict(path_or_dict)
+            src = "config"
+        else:
+            p = Path(path_or_dict)
+            if p.is_dir():
+                p = p / "config.json"
+            if not p.is_file():
+                raise DynBatchConfigError(
+                    "path", str(path_or_dict), "no Hugging Face config.json there",
+                    "pass the path of a local config.json or of the model directory holding it (nothing is "
+                    "downloaded)",
+                )
+            with open(p, encoding="utf-8") as fh:
+                cfg = json.load(fh)
+            src = str(p)
+            if name is None:
+                name = p.parent.name.lower() or None
+        if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
+            cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+        model_type = cfg.get("model_type")
+        if model_type not in _HF_MODEL_TYPES:
+            raise DynBatchConfigError(
+                "model_type", model_type, f"unsupported Hugging Face model type in {src}",
+                f"supported: {', '.join(sorted(_HF_MODEL_TYPES))}; for another family write a YAML file with "
+                "Megatron field names (see configs/models/)",
+            )
+
+        def req(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise DynBatchConfigError(
+                    key, None, f"missing from the {model_type} config {src}",
+                    "use the model's original config.json",
+                )
+            return cfg[key]
+
+        num_layers = int(req("num_hidden_layers"))
+        hidden = int(req("hidden_size"))
+        heads = int(req("num_attention_heads"))
+        d: Dict[str, Any] = {
+            "name": name,
+            "num_layers": num_layers,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "ffn_hidden_size": int(req("intermediate_size")),
+            "vocab_size": int(req("vocab_size")),
+            "swiglu": True,  # every supported family uses a gated (SiLU) MLP: gate_proj, up_proj, down_proj
+        }
+        family = _HF_MODEL_TYPES[model_type]
+        if family == "mla":
+            d["multi_latent_attention"] = True
+            d["q_lora_rank"] = cfg.get("q_lora_rank")
+            d["kv_lora_rank"] = int(req("kv_lora_rank"))
+            d["qk_head_dim"] = int(req("qk_nope_head_dim"))
+            d["qk_pos_emb_head_dim"] = int(req("qk_rope_head_dim"))
+            d["v_head_dim"] = int(req("v_head_dim"))
+            d["kv_channels"] = int(req("v_head_dim"))
+        else:
+            kv_heads = cfg.get("num_key_value_heads")
+            d["num_query_groups"] = int(kv_heads) if kv_heads is not None else None
+            head_dim = cfg.get("head_dim")
+            if head_dim is not None:
+                d["kv_channels"] = int(head_dim)
+
+        if family == "qwen_moe" and cfg.get("num_experts"):
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            dense_only = set(cfg.get("mlp_only_layers") or [])
+            pattern = [0 if (i in dense_only or (i + 1) % step != 0) else 1 for i in range(num_layers)]
+            d.update(num_experts=int(cfg["num_experts"]), moe_router_topk=int(req("num_experts_per_tok")),
+                     moe_ffn_hidden_size=int(req("moe_intermediate_size")), moe_layer_freq=_compact(pattern))
+            shared = cfg.get("shared_expert_intermediate_size")
+            if shared:
+                d["moe_shared_expert_intermediate_size"] = int(shared)
+        elif family == "mla" and cfg.get("n_routed_experts"):
+            first_dense = int(cfg.get("first_k_dense_replace") or 0)
+            freq = int(cfg.get("moe_layer_freq") or 1)
+            pattern = [1 if (i >= first_dense and i % freq == 0) else 0 for i in range(num_layers)]
+            moe_ffn = int(req("moe_intermediate_size"))
+            d.update(num_experts=int(cfg["n_routed_experts"]), moe_router_topk=int(req("num_experts_per_tok")),
+                     moe_ffn_hidden_size=moe_ffn, moe_layer_freq=_compact(pattern))
+            n_shared = cfg.get("n_shared_experts")
+            if n_shared:
+                d["moe_shared_expert_intermediate_size"] = int(n_shared) * moe_ffn
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_any(cls, model: "ModelLike") -> "ModelSpec":
+        """Accept a ``ModelSpec``; a dict of fields; a preset name (``"qwen3-8b"``); a path to a YAML file, to
+        a JSON file of fields, or to a Hugging Face ``config.json`` (or its directory); or an object with
+        Megatron attributes (args / TransformerConfig / GPTModel)."""
+        if isinstance(model, ModelSpec):
+            return model
+        if isinstance(model, Mapping):
+            return cls.from_dict(model)
+        if isinstance(model, (str, os.PathLike)):
+            p = Path(model)
+            if p.is_dir() and (p / "config.json").is_file():
+                return cls.from_hf_config(p)
+            if p.suffix.lower() == ".json" and p.is_file():
+                with open(p, encoding="utf-8") as fh:
+                    data = json.load(fh)
+                if isinstance(data, Mapping) and (_HF_KEYS & set(data)) and "num_layers" not in data:
+                    return cls.from_hf_config(data, name=p.parent.name.lower() or None)
+                return cls.from_dict({"name": p.stem, **data} if isinstance(data, Mapping) else data)
+            return cls.from_yaml(model)
+        if isinstance(model, argparse.Namespace) or hasattr(model, "hidden_size") or hasattr(model, "config"):
+            return cls.from_megatron(model)
+        raise DynBatchConfigError(
+            "model", model, "cannot build a ModelSpec from this",
+            "pass a ModelSpec, a dict of Megatron fields, a preset name such as 'qwen3-8b', a YAML/JSON path, "
+            "or Megatron args / a TransformerConfig",
+        )
+
+
+ModelLike = Union[ModelSpec, Mapping[str, Any], str, os.PathLike, argparse.Namespace, Any]
+
+_HF_MODEL_TYPES = {
+    "llama": "dense", "mistral": "dense", "qwen2": "dense", "qwen3": "dense",
+    "qwen2_moe": "qwen_moe", "qwen3_moe": "qwen_moe",
+    "deepseek_v2": "mla", "deepseek_v3": "mla",
+}
+
+
+def _compact(pattern: Sequence[int]) -> Union[int, List[int]]:
+    """All-MoE patterns are written as ``1`` (Megatron's default); anything else stays a list."""
+    return 1 if all(pattern) else list(pattern)
+
+
+def _divisors_hint(n: int) -> str:
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(str(d) for d in divs[:8]) + (", ..." if len(divs) > 8 else "")
+
+
+# ------------------------------------------------------------------------------------------------- presets
+def preset_dirs() -> List[Path]:
+    """Where preset names are looked up, in order: each directory in ``$MEGATRON_DYNBATCH_CONFIGS``
+    (``os.pathsep``-separated; the directory itself and its ``models/`` sub-directory), then the repository's
+    ``configs/models`` next to this package (present in a source checkout and an editable install)."""
+    dirs: List[Path] = []
+    for entry in os.environ.get(CONFIGS_ENV, "").split(os.pathsep):
+        if entry.strip():
+            base = Path(entry.strip()).expanduser()
+            dirs += [base / "models", base]
+    dirs.append(Path(__file__).resolve().parents[1] / "configs" / "models")
+    return dirs
+
+
+def available_presets() -> List[str]:
+    """Names of every preset found in :func:`preset_dirs` (sorted)."""
+    names: set = set()
+    for d in preset_dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def _resolve_config_path(path_or_preset: Union[str, os.PathLike]) -> Path:
+    p = Path(path_or_preset).expanduser()
+    if p.is_file():
+        return p
+    text = str(path_or_preset)
+    looks_like_path = p.suffix.lower() in (".yaml", ".yml", ".json") or os.sep in text or "/" in text
+    if not looks_like_path:
+        key = text.strip().lower()
+        for d in preset_dirs():
+            for cand in (d / f"{key}.yaml", d / f"{key}.yml"):
+                if cand.is_file():
+                    return cand
+    names = available_presets()
+    if looks_like_path:
+        raise DynBatchConfigError(
+            "model", text, "file not found", f"check the path, or use a preset name ({', '.join(names)})"
+        )
+    close = difflib.get_close_matches(text.lower(), names, n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise DynBatchConfigError(
+        "model", text, "unknown model preset",
+        f"{hint}available presets: {', '.join(names) or '(none found)'}; or add {text.lower()}.yaml to a "
+        f"directory in ${CONFIGS_ENV}",
+    )
+
+
+def _load_mapping(path: Path) -> Dict[str, Any]:
+    import yaml
+
+    with open(path, encoding="utf-8") as fh:
+        try:
+            data = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise DynBatchConfigError("model", str(path), f"is not valid YAML ({exc})", "fix the file syntax") from None
+    if not isinstance(data, Mapping):
+        raise DynBatchConfigError(
+            "model", str(path), "must contain a mapping of ModelSpec fields",
+            "write 'num_layers: ...', 'hidden_size: ...' lines at the top level",
+        )
+    return dict(data)
