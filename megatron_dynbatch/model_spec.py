@@ -31,6 +31,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -399,9 +400,9 @@ class ModelSpec:
         """Load a YAML file of ModelSpec fields, or a preset by name (``"qwen3-8b"`` ->
         ``configs/models/qwen3-8b.yaml``; see :func:`preset_dirs` for where presets are looked up).
         A YAML file whose only top-level key is ``model`` is read from that key. JSON files work too (JSON is
-        YAML)."""
-        path = _resolve_config_path(path_or_preset)
-        data = _load_mapping(path)
+        YAML). Parsed files are cached by path and modification time."""
+        path = _resolve_config_path(path_or_preset).resolve()
+        data = dict(_load_mapping(path, path.stat().st_mtime_ns))
         if set(data) == {"model"} and isinstance(data["model"], Mapping):
             data = dict(data["model"])
         if "name" not in data:
@@ -611,6 +612,8 @@ class ModelSpec:
                     return cls.from_hf_config(data, name=p.parent.name.lower() or None)
                 return cls.from_dict({"name": p.stem, **data} if isinstance(data, Mapping) else data)
             return cls.from_yaml(model)
+        if hasattr(model, "model_type") and hasattr(model, "num_hidden_layers") and hasattr(model, "to_dict"):
+            return cls.from_hf_config(model.to_dict())  # a transformers PretrainedConfig object
         if isinstance(model, argparse.Namespace) or hasattr(model, "hidden_size") or hasattr(model, "config"):
             return cls.from_megatron(model)
         raise DynBatchConfigError(
@@ -688,7 +691,9 @@ def _resolve_config_path(path_or_preset: Union[str, os.PathLike]) -> Path:
     )
 
 
-def _load_mapping(path: Path) -> Dict[str, Any]:
+@functools.lru_cache(maxsize=64)
+def _load_mapping(path: Path, mtime_ns: int) -> Dict[str, Any]:
+    """Parse a YAML/JSON mapping (``mtime_ns`` is only a cache key). Callers copy the result."""
     import yaml
 
     with open(path, encoding="utf-8") as fh:

@@ -288,3 +288,15 @@ def test_planning_core_modules_do_not_import_torch_or_megatron():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_from_any_accepts_a_transformers_config_object():
+    class FakePretrainedConfig:  # duck-typed like transformers.PretrainedConfig
+        def __init__(self, d):
+            self.__dict__.update(d)
+
+        def to_dict(self):
+            return dict(self.__dict__)
+
+    obj = FakePretrainedConfig(HF_CONFIGS["llama-3.1-8b"])
+    assert ModelSpec.from_any(obj) == ModelSpec.from_yaml("llama-3.1-8b")
