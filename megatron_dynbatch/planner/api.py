@@ -42,7 +42,7 @@ from ..alignment import Alignment
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from ..parallel import ParallelConfig
-from .ordering import order_and_time, polish_pipeline
+from .ordering import mb_sums, order_and_time, polish_pipeline
 from .packer import StepInput, plan_for_count, plan_global_bins
 from .plan import Plan
 from .vpp import check_forced_count, is_valid_microbatch_count, next_valid_microbatch_count
@@ -74,9 +74,12 @@ def plan_global_batch(
         model: ``ModelSpec``, a dict of Megatron field names or a preset name; needed to balance by FLOPs.
         parallel: ``ParallelConfig`` or dict with ``dp, tp, pp, cp, ep, vpp`` (missing = 1).
         max_tokens_per_gpu: the per-GPU budget; a micro-batch holds at most ``max_tokens_per_gpu * cp``.
-        balance_by_flops: balance FLOPs (True) or tokens (False) across ranks and micro-batches.
-        balance_by: explicit mode overriding ``balance_by_flops``: ``"flops"``, ``"tokens"`` or ``"time"``
-            (the cost model's seconds, e.g. a calibrated ``CostModel``).
+        balance_by_flops: balance compute (True) or tokens (False) across ranks and micro-batches. Compute is
+            the model's FLOPs per sample, linear and attention terms each at their kernel efficiency (the
+            cost model's seconds), since equal time -- not equal raw FLOPs -- is what makes ranks finish
+            together.
+        balance_by: explicit mode overriding ``balance_by_flops``: ``"time"`` (the default with a model; pass a
+            calibrated ``cost_model`` to balance measured time), ``"flops"`` (raw FLOPs) or ``"tokens"``.
         group_ids: one id per sample; samples sharing an id (a GRPO prompt group) stay on one DP rank.
         samples_per_step: split the batch into optimizer steps of exactly this many consecutive samples.
         oversize: policy for a sample longer than the budget: ``"error"`` (default) or ``"alone"``.
@@ -93,7 +96,7 @@ def plan_global_batch(
     if oversize not in OVERSIZE_POLICIES:
         raise DynBatchConfigError("oversize", oversize, "unknown oversize-sample policy",
                                   f"use one of {OVERSIZE_POLICIES}")
-    mode = _balance_mode(balance_by, balance_by_flops)
+    mode = _balance_mode(balance_by, balance_by_flops, model is not None)
 
     spec = None
     if model is not None:
@@ -219,9 +222,14 @@ def _check_budget(max_tokens_per_gpu, par: ParallelConfig, fp8_alignment):
     return cap, align, cap_eff
 
 
-def _balance_mode(balance_by: Optional[str], balance_by_flops: bool) -> str:
+def _balance_mode(balance_by: Optional[str], balance_by_flops: bool, has_model: bool) -> str:
+    """``balance_by_flops=True`` balances FLOPs *as time*: each sample's linear and attention FLOPs at the
+    efficiency its kernels reach (the cost model), because that is what makes ranks finish together; with
+    equal efficiencies it is plain FLOPs. ``balance_by="flops"`` asks for raw FLOPs."""
     if balance_by is None:
-        return "flops" if balance_by_flops else "tokens"
+        if not balance_by_flops:
+            return "tokens"
+        return "time" if has_model else "flops"
     if balance_by not in BALANCE_MODES:
         raise DynBatchConfigError("balance_by", balance_by, "unknown balancing mode", f"use one of {BALANCE_MODES}")
     return balance_by
@@ -250,16 +258,17 @@ def _steps_and_units(n: int, group_ids, samples_per_step, dp: int):
     for step_index, (lo, hi) in enumerate(bounds):
         idx = np.arange(lo, hi, dtype=np.int64)
         if group_ids is None:
-            units = [idx[i - lo:i - lo + 1] - lo for i in range(lo, hi)]
+            units = None  # one unit per sample
         else:
             order: dict = {}
             for local, gid in enumerate(gids[lo:hi]):
                 order.setdefault(gid, []).append(local)
             units = [np.asarray(v, dtype=np.int64) for v in order.values()]
-        if len(units) < dp:
+        if (hi - lo if units is None else len(units)) < dp:
+            n_units = hi - lo if units is None else len(units)
             what = "groups" if group_ids is not None else "samples"
             raise DynBatchConfigError(
-                "len(lengths)" if group_ids is None else "group_ids", f"{len(units)} {what}",
+                "len(lengths)" if group_ids is None else "group_ids", f"{n_units} {what}",
                 f"optimizer step {step_index} has fewer {what} than dp={dp} ranks, so some rank would get an "
                 f"empty micro-batch", f"give every step at least {dp} {what} (larger batch or smaller dp)")
         out.append((idx, units))
@@ -369,8 +378,9 @@ def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, in
 
 
 def _assemble(micro_batches, per_step, par, align, cap, mode, lens, aligned, sq, flops, cm) -> Plan:
-    mb_tokens = [[align.padded_total(int(aligned[mb].sum())) for mb in rank] for rank in micro_batches]
-    mb_time = [cm.microbatch_time(np.asarray(t, dtype=np.float64), np.asarray([sq[mb].sum() for mb in rank])).tolist()
+    t_mult = align.total_multiple
+    mb_tokens = [(-(-mb_sums(rank, aligned) // t_mult) * t_mult).astype(int).tolist() for rank in micro_batches]
+    mb_time = [cm.microbatch_time(np.asarray(t, dtype=np.float64), mb_sums(rank, sq)).tolist()
                for rank, t in zip(micro_batches, mb_tokens)]
     # Steps run one after another; the rank time of the plan is the sum over steps (EP lockstep inside).
     rank_time = np.zeros(par.dp)
@@ -384,11 +394,11 @@ def _assemble(micro_batches, per_step, par, align, cap, mode, lens, aligned, sq,
         parallel=par,
         alignment=align,
         cap=cap,
-        balance_by_flops=(mode == "flops"),
+        balance_by_flops=(mode != "tokens"),
         microbatch_tokens=mb_tokens,
         microbatch_time=mb_time,
         rank_tokens=np.array([sum(t) for t in mb_tokens], dtype=np.int64),
-        rank_flops=np.array([float(sum(flops[i] for mb in rank for i in mb)) for rank in micro_batches]),
+        rank_flops=np.array([float(flops[[i for mb in rank for i in mb]].sum()) for rank in micro_batches]),
         rank_time=rank_time,
         padding_tokens=int(sum(sum(t) for t in mb_tokens) - lens.sum()),
         real_tokens=int(lens.sum()),

@@ -37,14 +37,23 @@ def arrangement(times: np.ndarray, pattern: str) -> np.ndarray:
     return np.concatenate([asc[0::2], asc[1::2][::-1]])
 
 
+def mb_sums(rank_bins: List[List[int]], values: np.ndarray) -> np.ndarray:
+    """Per-micro-batch sums of ``values`` over one rank's (non-empty) micro-batches, in one NumPy call."""
+    if not rank_bins:
+        return np.zeros(0, dtype=values.dtype)
+    flat = [i for mb in rank_bins for i in mb]
+    starts = np.cumsum([0] + [len(mb) for mb in rank_bins[:-1]])
+    return np.add.reduceat(values[flat], starts)
+
+
 class RankTimes:
     """Per-micro-batch token and attention sums of every rank, kept up to date under sample moves."""
 
     def __init__(self, bins, aligned: np.ndarray, sq: np.ndarray, cm: CostModel, align: Alignment) -> None:
         self.bins = bins
         self.aligned, self.sq, self.cm, self.align = aligned, sq, cm, align
-        self.slots = [np.array([aligned[mb].sum() for mb in rank], dtype=np.int64) for rank in bins]
-        self.sqs = [np.array([sq[mb].sum() for mb in rank], dtype=np.float64) for rank in bins]
+        self.slots = [mb_sums(rank, aligned).astype(np.int64) for rank in bins]
+        self.sqs = [mb_sums(rank, sq).astype(np.float64) for rank in bins]
 
     def mb_times(self, r: int, slots=None, sqs=None) -> np.ndarray:
         slots = self.slots[r] if slots is None else slots

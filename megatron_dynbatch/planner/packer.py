@@ -35,14 +35,14 @@ class StepInput:
     aligned: np.ndarray      # int64, per-sequence padded slot length (counts against the cap)
     weight: np.ndarray       # float64, balancing weight (FLOPs, tokens or modelled seconds)
     oversize: np.ndarray     # bool, slot longer than the cap (placed alone)
-    units: List[np.ndarray]  # sample indices of each unit (a group, or one sample)
+    units: Optional[List[np.ndarray]]  # sample indices of each unit (a group); None: one unit per sample
     cap: int                 # effective cap on the sum of slot lengths of one micro-batch
 
     def __post_init__(self) -> None:
-        n_units = len(self.units)
+        n_units = self.aligned.size if self.units is None else len(self.units)
         # An over-budget sample occupies a whole micro-batch: charge it ``cap`` tokens of the rank capacity.
         charged = np.where(self.oversize, self.cap, self.aligned)
-        self.singletons = n_units == self.aligned.size
+        self.singletons = self.units is None
         if self.singletons:  # one unit per sample (no groups): unit u is sample u
             self.unit_weight = self.weight.astype(np.float64)
             self.unit_tokens = charged.astype(np.int64)
@@ -73,31 +73,34 @@ def _desc_order(primary: np.ndarray, secondary: np.ndarray) -> np.ndarray:
 def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
     """Phase 1: units per rank, or ``None`` if some unit fits no rank's ``m * cap`` token capacity."""
     capacity = m * inp.cap
-    order = _desc_order(inp.unit_weight, inp.unit_tokens)
-    tok = inp.unit_tokens
+    order_arr = _desc_order(inp.unit_weight, inp.unit_tokens)
+    # Plain Python lists in the hot loop: indexing NumPy scalars one at a time is several times slower.
+    tok_sorted = inp.unit_tokens[order_arr]
     # Smallest token demand among the units still to place: a rank that cannot take even that is retired.
-    suffix_min = np.minimum.accumulate(tok[order][::-1])[::-1]
-    loads = np.zeros(dp)
-    used = np.zeros(dp, dtype=np.int64)
+    suffix_min = np.minimum.accumulate(tok_sorted[::-1])[::-1].tolist() + [0]
+    order = order_arr.tolist()
+    need_of = tok_sorted.tolist()
+    weight_of = inp.unit_weight[order_arr].tolist()
+    used = [0] * dp
     ranks: List[List[int]] = [[] for _ in range(dp)]
     heap = [(0.0, r) for r in range(dp)]
+    pop, push = heapq.heappop, heapq.heappush
     for k, u in enumerate(order):
-        need = tok[u]
+        need = need_of[k]
         skipped = []
         placed = False
         while heap:
-            load, r = heapq.heappop(heap)
+            load, r = pop(heap)
             if used[r] + need <= capacity:
-                ranks[r].append(int(u))
+                ranks[r].append(u)
                 used[r] += need
-                loads[r] = load + inp.unit_weight[u]
-                heapq.heappush(heap, (loads[r], r))
+                push(heap, (load + weight_of[k], r))
                 placed = True
                 break
-            if k + 1 < len(order) and used[r] + suffix_min[k + 1] <= capacity:
+            if used[r] + suffix_min[k + 1] <= capacity:
                 skipped.append((load, r))
         for item in skipped:
-            heapq.heappush(heap, item)
+            push(heap, item)
         if not placed:
             return None
     if not _fill_counts(inp, ranks, m, capacity):
@@ -136,8 +139,15 @@ def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) 
     return True
 
 
-def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int, rtol: float = 1e-4) -> None:
-    """Phase 2: in place, shrink the heaviest rank by moving or swapping one unit with a light rank."""
+def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int, rtol: float = 1e-4,
+                 global_budget: int = 20_000_000) -> None:
+    """Phase 2: in place, shrink the heaviest rank by moving or swapping one unit with a light rank.
+
+    Cheap first: the heaviest rank against each of the four lightest, the exchange closest to half their gap.
+    When that stalls (units large relative to the gap, e.g. few samples per rank), one vectorised search over
+    every other rank and every unit finds the exchange that lowers the heaviest rank the most while keeping
+    its partner below it; those searches stop after ``global_budget`` candidate pairs in all (bounded time).
+    """
     dp = len(ranks)
     if dp < 2:
         return
@@ -149,6 +159,7 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     mean = loads.mean()
     if mean <= 0:
         return
+    global_left = global_budget
     for _ in range(max_rounds):
         a = int(np.argmax(loads))
         if loads[a] - mean <= rtol * mean:
@@ -162,7 +173,66 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
                 moved = True
                 break
         if not moved:
-            return
+            if global_left <= 0 or not _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m):
+                return
+            global_left -= len(ranks[a]) * len(w)
+
+
+def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m) -> bool:
+    """Best single move or swap between rank ``a`` and any other rank (vectorised over all units)."""
+    ua = np.asarray(ranks[a], dtype=np.int64)
+    others = [(b, u) for b, units in enumerate(ranks) if b != a for u in units]
+    if not ua.size:
+        return False
+    la = loads[a]
+    best = (la * (1 - 1e-12), None)
+    # Moves a -> b for every rank b.
+    bs = np.array([b for b in range(len(ranks)) if b != a], dtype=np.int64)
+    new_max = np.maximum(la - w[ua][:, None], loads[bs][None, :] + w[ua][:, None])
+    ok = ((used[bs][None, :] + tok[ua][:, None] <= capacity) & (cnt[a] - cnt_u[ua] >= m)[:, None]
+          & (w[ua][:, None] > 0))
+    new_max = np.where(ok, new_max, np.inf)
+    if new_max.size:
+        i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
+        if new_max[i, j] < best[0]:
+            best = (new_max[i, j], (int(ua[i]), None, int(bs[j])))
+    if others:
+        yb = np.array([b for b, _ in others], dtype=np.int64)
+        yu = np.array([u for _, u in others], dtype=np.int64)
+        delta = w[ua][:, None] - w[yu][None, :]
+        lb = loads[yb][None, :]
+        new_max = np.maximum(la - delta, lb + delta)
+        ok = ((delta > 0)
+              & (used[yb][None, :] - tok[yu][None, :] + tok[ua][:, None] <= capacity)
+              & (used[a] - tok[ua][:, None] + tok[yu][None, :] <= capacity)
+              & (cnt[a] - cnt_u[ua][:, None] + cnt_u[yu][None, :] >= m)
+              & (cnt[yb][None, :] - cnt_u[yu][None, :] + cnt_u[ua][:, None] >= m))
+        new_max = np.where(ok, new_max, np.inf)
+        i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
+        if new_max[i, j] < best[0]:
+            best = (new_max[i, j], (int(ua[i]), int(yu[j]), int(yb[j])))
+    if best[1] is None:
+        return False
+    x, y, b = best[1]
+    _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u)
+    return True
+
+
+def _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u) -> None:
+    """Move unit ``x`` from rank ``a`` to ``b`` and, if ``y`` is given, unit ``y`` from ``b`` to ``a``."""
+    ranks[a].remove(x)
+    ranks[b].append(x)
+    delta_w, delta_t, delta_c = w[x], tok[x], cnt_u[x]
+    if y is not None:
+        ranks[b].remove(y)
+        ranks[a].append(y)
+        delta_w, delta_t, delta_c = w[x] - w[y], tok[x] - tok[y], cnt_u[x] - cnt_u[y]
+    loads[a] -= delta_w
+    loads[b] += delta_w
+    used[a] -= delta_t
+    used[b] += delta_t
+    cnt[a] -= delta_c
+    cnt[b] += delta_c
 
 
 def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m) -> bool:
@@ -201,20 +271,7 @@ def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m) -> 
     if best is None or best_dev >= gap / 2:
         return False
     x, y = int(best[0]), best[1]
-    ranks[a].remove(x)
-    ranks[b].append(x)
-    delta_w, delta_t, delta_c = w[x], tok[x], cnt_u[x]
-    if y is not None:
-        y = int(y)
-        ranks[b].remove(y)
-        ranks[a].append(y)
-        delta_w, delta_t, delta_c = w[x] - w[y], tok[x] - tok[y], cnt_u[x] - cnt_u[y]
-    loads[a] -= delta_w
-    loads[b] += delta_w
-    used[a] -= delta_t
-    used[b] += delta_t
-    cnt[a] -= delta_c
-    cnt[b] += delta_c
+    _apply_exchange(ranks, a, b, x, None if y is None else int(y), loads, used, cnt, w, tok, cnt_u)
     return True
 
 
@@ -243,21 +300,21 @@ def _lpt_bins(items: np.ndarray, aligned, weight, k: int, cap: int) -> Optional[
     bins: List[List[int]] = [[] for _ in range(k)]
     used = [0] * k
     heap = [(0.0, 0, b) for b in range(k)]
-    for i in items.tolist():
-        need = int(aligned[i])
+    pop, push = heapq.heappop, heapq.heappush
+    for i, need, w in zip(items.tolist(), aligned[items].tolist(), weight[items].tolist()):
         skipped = []
         placed = False
         while heap:
-            load, n, b = heapq.heappop(heap)
+            load, n, b = pop(heap)
             if used[b] + need <= cap:
                 bins[b].append(i)
                 used[b] += need
-                heapq.heappush(heap, (load + float(weight[i]), n + 1, b))
+                push(heap, (load + w, n + 1, b))
                 placed = True
                 break
             skipped.append((load, n, b))
         for item in skipped:
-            heapq.heappush(heap, item)
+            push(heap, item)
         if not placed:
             return None
     return bins
