@@ -1,0 +1,305 @@
+"""Run real megatron-core 0.16.x on CPU with gloo: the shims, distributed init, and a tiny GPT.
+
+This is the ONE place where the project patches megatron-core / torch for CPU runs. It is test and demo
+support only; the library never imports it. :func:`install_cpu_shims` is idempotent and changes nothing on a
+machine where CUDA is available (there the real code paths are used).
+
+Shims (each was found by running a ``GPTModel`` with the local layer spec through
+``get_forward_backward_func()`` and Megatron DDP on CPU with DP=2, TP=2 and PP=2):
+
+1. ``torch.cuda.current_device`` -> ``torch.device("cpu")``. megatron-core allocates attention score
+   buffers, RoPE frequencies, DDP grad buffers, TP all-gather outputs and pipeline p2p shape/recv buffers on
+   ``torch.cuda.current_device()``; on a CPU build the real function raises.
+2. ``torch.cuda.synchronize`` -> no-op. Pipeline p2p communication (and a few parallel_state helpers)
+   synchronise the CUDA stream after sends/receives; gloo ops are already synchronous.
+3. ``megatron.core.pipeline_parallel.schedules`` creates ``total_num_tokens`` with a literal
+   ``device="cuda"``. The module's ``torch`` name is replaced by a thin proxy whose tensor factories map a
+   CUDA device to the CPU; every other attribute is the real ``torch``. No other module is affected.
+4. ``get_default_causal_mask`` (``transformer/utils.py``, imported by name into ``fusions/fused_softmax``)
+   builds the causal mask on ``"cuda"``; both names are rebound to a CPU version (cached per length).
+5. The CUDA RNG tracker (``tensor_parallel.random.CudaRNGStatesTracker``) stores and swaps CUDA generator
+   states in ``add``/``fork``. It is replaced by :class:`CpuRNGStatesTracker`, which keeps the same
+   semantics (named, separately seeded streams; ``fork`` swaps them in and out) on the CPU default generator.
+   Any tracker already created is reset so the next ``get_cuda_rng_tracker()`` builds the CPU one.
+
+Not shimmed (use the settings instead): fused kernels (``masked_softmax_fusion``, ``bias_*_fusion``,
+``gradient_accumulation_fusion``, ``apply_rope_fusion`` -- all off in :func:`tiny_gpt_config`), DDP
+``overlap_grad_reduce`` (CUDA streams), the distributed optimizer and the Megatron optimizer's gradient
+clipping (CUDA tensors). ``tiny_gpt_config`` sets ``variable_seq_lengths=True`` (micro-batches of different
+lengths under PP) and therefore ``moe_token_dispatcher_type="alltoall"`` (the default ``allgather`` rejects it,
+even for dense models). Interleaved PP (VPP) on gloo: with ``pp=2`` a rank's previous and next stage are the
+same peer and the p2p exchanges get mis-paired, and with ``pp>=3`` ``variable_seq_lengths=True`` deadlocked in
+the shape exchange in our runs; ``pp=4, vpp=2`` with one fixed length per step (``variable_seq_lengths=False``)
+runs. The local ``DotProductAttention`` refuses ``packed_seq_params``; pass ``thd=True`` to
+:func:`build_tiny_gpt` to use :class:`megatron_dynbatch.attention.ThdDotProductAttention` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import os
+import types
+from typing import Any, Iterator, Optional
+
+import torch
+
+_INSTALLED = False
+
+
+# --------------------------------------------------------------------------------------------------- shims
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _noop_synchronize(device: Any = None) -> None:
+    return None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)  # an int means a CUDA ordinal
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """Stands in for ``torch`` inside one megatron module: tensor factories given a CUDA device get the CPU."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like")
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__("torch")
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._real, name)
+        if name in self._FACTORIES:
+            @functools.wraps(value)
+            def factory(*args: Any, **kwargs: Any) -> Any:
+                if _is_cuda_device(kwargs.get("device")):
+                    kwargs["device"] = "cpu"
+                return value(*args, **kwargs)
+
+            return factory
+        return value
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """Upper-triangular (future positions) boolean mask ``[sq, sq]`` on the CPU."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _make_cpu_tracker_class(base: type) -> type:
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        """Megatron's named RNG streams, kept as CPU generator states.
+
+        ``add(name, seed)`` records the CPU generator state after seeding with ``seed``; ``fork(name)`` swaps
+        that state in, runs the block, saves the advanced state and restores the outer one -- the same
+        contract as the CUDA tracker, so dropout inside TP regions stays rank-specific and reproducible.
+        """
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            outer = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker
+
+
+CpuRNGStatesTracker: Optional[type] = None  # set by install_cpu_shims (needs megatron-core)
+
+
+def install_cpu_shims() -> None:
+    """Install the CPU shims listed in the module docstring. Idempotent; a no-op when CUDA is available."""
+    global _INSTALLED, CpuRNGStatesTracker
+    if _INSTALLED or torch.cuda.is_available():
+        return
+
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+    torch.cuda.synchronize = _noop_synchronize  # type: ignore[assignment]
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils as tutils
+
+    if not isinstance(schedules.torch, _CpuTorchProxy):
+        schedules.torch = _CpuTorchProxy(torch)
+
+    tutils.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+
+    if CpuRNGStatesTracker is None:
+        CpuRNGStatesTracker = _make_cpu_tracker_class(mrandom.CudaRNGStatesTracker)
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+    _INSTALLED = True
+
+
+# ------------------------------------------------------------------------------------------ distributed
+def init_cpu_distributed(
+    rank: int,
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: Optional[int] = None,
+    port: Optional[int] = None,
+    *,
+    ep: int = 1,
+    seed: int = 1234,
+    timeout_s: float = 120.0,
+) -> None:
+    """Install the shims, start a gloo process group on 127.0.0.1:``port`` (default: ``$MASTER_PORT``, as set
+    by :func:`~megatron_dynbatch.testing.multiproc.run_ranks`, else 29500) and initialise Megatron's
+    ``parallel_state`` (order tp-cp-ep-dp-pp, DP = world / (tp*pp*cp)) and its RNG tracker. Undo with
+    :func:`destroy`."""
+    install_cpu_shims()
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if world_size % (tp * pp * cp) != 0:
+        raise ValueError(f"world_size={world_size} is not divisible by tp*pp*cp={tp * pp * cp}")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    if port is None:
+        port = int(os.environ.get("MASTER_PORT", "29500"))
+    os.environ["MASTER_PORT"] = str(port)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    """Tear down ``parallel_state`` and the default process group (safe to call twice)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------- tiny model
+def tiny_gpt_config(**overrides: Any):
+    """A small fp32 ``TransformerConfig`` that runs on CPU: 2 layers, hidden 64, 4 heads / 2 query groups,
+    SwiGLU FFN 128, no dropout, deterministic, every CUDA-only fusion off. Parallel sizes are read from
+    ``parallel_state`` when it is initialised; ``overrides`` win over everything."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs: dict = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        deterministic_mode=True,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # allgather rejects variable_seq_lengths (even without MoE)
+    )
+    if parallel_state.model_parallel_is_initialized():
+        kwargs.update(
+            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        )
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        if vpp is not None:
+            kwargs["virtual_pipeline_model_parallel_size"] = vpp
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_tiny_gpt(
+    config: Any,
+    vocab_size: int = 128,
+    max_seq_len: int = 256,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    thd: bool = False,
+    *,
+    vp_stage: Optional[int] = None,
+):
+    """A real ``megatron.core.models.gpt.GPTModel`` with the local (non-TE) layer spec and RoPE.
+
+    ``pre_process``/``post_process`` default to this rank's first/last pipeline stage (virtual stage
+    ``vp_stage`` under VPP). ``thd=True`` swaps in :class:`~megatron_dynbatch.attention.ThdDotProductAttention`
+    so the model accepts THD ``packed_seq_params``.
+    """
+    install_cpu_shims()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    normalization = getattr(config, "normalization", None)
+    if thd:
+        from megatron_dynbatch.attention import get_thd_local_layer_spec
+
+        spec = get_thd_local_layer_spec(normalization=normalization)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=normalization)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq_len,
+        pre_process=pre_process,
+        post_process=post_process,
+        position_embedding_type="rope",
+        vp_stage=vp_stage,
+    )

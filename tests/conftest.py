@@ -1,0 +1,33 @@
+"""Shared fixtures (kept minimal)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def megatron_world1():
+    """megatron-core initialised in THIS process as a world of one gloo rank (CPU shims installed).
+
+    Session-scoped: torch.distributed can be initialised once per process. Tests that need other layouts
+    spawn ranks with ``megatron_dynbatch.testing.multiproc.run_ranks`` instead.
+    """
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+
+    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.testing.multiproc import free_port
+
+    if dist.is_initialized():  # someone else set it up; reuse it if it is a world of one
+        if dist.get_world_size() != 1:
+            pytest.skip("torch.distributed already initialised with world_size > 1 in this process")
+        megatron_cpu.install_cpu_shims()
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel()
+        yield
+        return
+    megatron_cpu.init_cpu_distributed(0, 1, port=free_port())
+    yield
+    megatron_cpu.destroy()
