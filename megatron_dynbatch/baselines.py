@@ -1,0 +1,607 @@
+"""Re-implementations of the dynamic-batching schemes users run today, for the benchmark.
+
+Every baseline is a :class:`Baseline`: a name, a description of the public behaviour it models, and a function
+``(lengths, ctx) -> micro_batches`` where ``micro_batches[r][j]`` lists the sample indices of DP rank ``r``'s
+``j``-th micro-batch in execution order -- the same layout as :attr:`Plan.micro_batches`. :func:`run_baseline`
+scores that assignment with :func:`megatron_dynbatch.planner.score_assignment`, i.e. with exactly the cost model
+the planner uses, so the benchmark compares like with like. Nothing here enforces the invariants the planner
+guarantees (same micro-batch count on every rank, hard token cap): the baselines are measured as they behave,
+and the benchmark counts what they break.
+
+Family (``BASELINES``; :func:`get_baseline` is the factory):
+
+* ``fixed_padded`` -- Megatron's default: a fixed micro-batch size, padded batches (see :func:`fixed_padded`);
+* ``slime`` -- slime ``--use-dynamic-batch-size --balance-data`` (pack first, distribute second);
+* ``slime_flops`` -- slime ``--use-dynamic-batch-size --balance-by-flops``;
+* ``slime_legacy`` -- slime's scheme before it moved scheduling to the rollout side (DP split first);
+* ``verl`` -- verl ``balance_batch`` + ``use_dynamic_bsz`` (``rearrange_micro_batches``);
+* ``nemo_rl`` -- NeMo-RL sequence packing with the modified first-fit-decreasing packer.
+
+The code is ours, written from the public documentation, help texts and observable behaviour of those
+projects (cited per function); no code was copied. Every baseline is deterministic: ties break on indices.
+
+The partitioning primitives they share are here too: :func:`karmarkar_karp` (k-way largest differencing),
+:func:`first_fit`, :func:`split_largest_bins`, :func:`modified_first_fit_decreasing` and
+:func:`adjust_bin_count`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+
+from .alignment import Alignment
+from .cost_model import CostModel
+from .errors import DynBatchConfigError
+from .parallel import ParallelConfig
+
+MicroBatches = List[List[List[int]]]
+
+#: verl's ``calculate_workload`` uses a fixed, model-independent estimate ``24576 * L + L**2`` (calibrated
+#: for hidden size 4096); we model it with the same published constant.
+VERL_WORKLOAD_LINEAR = 24576.0
+
+
+class BaselineInfeasible(RuntimeError):
+    """The modelled system would refuse this batch (assertion, crash or Megatron error); the message says why."""
+
+
+# ============================================================================================ context
+@dataclass(frozen=True)
+class BaselineContext:
+    """What a baseline may know about the job: the layout, the token budget and (optionally) the model.
+
+    ``max_tokens_per_gpu`` has the planner's meaning: a micro-batch holds at most ``cap =
+    max_tokens_per_gpu * cp`` tokens (slime's ``--max-tokens-per-gpu`` and verl's ``ppo_max_token_len_per_gpu``
+    are scaled by the CP size the same way).
+    """
+
+    parallel: ParallelConfig
+    max_tokens_per_gpu: int
+    model: Any = None
+    fp8_alignment: Union[None, str, int] = None
+
+    @classmethod
+    def build(cls, parallel: Any, max_tokens_per_gpu: int, model: Any = None,
+              fp8_alignment: Union[None, str, int] = None) -> "BaselineContext":
+        par = ParallelConfig.from_any(parallel)
+        spec = None
+        if model is not None:
+            from .model_spec import ModelSpec
+
+            spec = ModelSpec.from_any(model)
+        if isinstance(max_tokens_per_gpu, bool) or not isinstance(max_tokens_per_gpu, (int, np.integer)) \
+                or max_tokens_per_gpu < 1:
+            raise DynBatchConfigError("max_tokens_per_gpu", max_tokens_per_gpu, "must be a positive integer",
+                                      "pass the per-GPU token budget, e.g. 16384")
+        return cls(par, int(max_tokens_per_gpu), spec, fp8_alignment)
+
+    @property
+    def cap(self) -> int:
+        return self.max_tokens_per_gpu * self.parallel.cp
+
+    @property
+    def alignment(self) -> Alignment:
+        return Alignment.for_layout(self.parallel, self.fp8_alignment)
+
+    @property
+    def mb_multiple(self) -> int:
+        """Micro-batch counts per rank must be a multiple of this under VPP (Megatron's N), else 1."""
+        return self.parallel.vp_group_size if self.parallel.vpp > 1 else 1
+
+    def fwd_flops(self, lengths: np.ndarray) -> np.ndarray:
+        """Model-aware forward FLOPs per sample (slime's ``calculate_fwd_flops`` is model-aware too);
+        tokens when no model is given."""
+        lens = np.asarray(lengths, dtype=np.float64)
+        if self.model is None:
+            return lens
+        from .flops import flops_coefficients
+
+        c = flops_coefficients(self.model)
+        return c.linear * lens + c.quadratic * lens * lens
+
+
+# ============================================================================================ primitives
+def karmarkar_karp(weights: Sequence[float], k: int, equal_size: bool = False) -> List[List[int]]:
+    """k-way largest differencing method (Karmarkar & Karp 1982; k-way form as described on Wikipedia's
+    "Largest differencing method" page, which verl's and slime's ``get_seqlen_balanced_partitions`` cite).
+
+    Every item starts as a *state* of ``k`` sets (the item alone, the rest empty); the two states with the
+    largest spread (max set sum - min set sum) are merged repeatedly, pairing the heaviest set of one with the
+    lightest of the other, until one state remains. With ``equal_size`` the initial states are ``k``
+    consecutive items of the ascending order, one per set, so every final set holds ``n / k`` items (when ``k``
+    does not divide ``n``, zero-weight placeholders make up the difference and are dropped, so sizes differ by
+    at most one).
+
+    Implementation: a set is a singly linked list over the items (head/tail arrays), so merging two states is
+    ``O(k log k)`` vectorised work regardless of how many items they hold; a heap orders states by
+    ``(-spread, -largest sum, creation id)``, which makes the result deterministic. Returns ``k`` lists of item
+    indices (each ascending), heaviest set first; sets may be empty only when ``n < k``.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    n = w.size
+    if k < 1:
+        raise DynBatchConfigError("k", k, "must be >= 1", "ask for at least one partition")
+    if k == 1:
+        return [list(range(n))]
+    nxt = np.full(n + k, -1, dtype=np.int64)  # linked lists; indices >= n are zero-weight placeholders
+    heap: list = []
+    counter = 0
+
+    def push(sums: np.ndarray, heads: np.ndarray, tails: np.ndarray) -> None:
+        nonlocal counter
+        order = np.lexsort((np.arange(k), -sums))  # heaviest first, ties by position
+        sums, heads, tails = sums[order], heads[order], tails[order]
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), -sums[0], counter, sums, heads, tails))
+        counter += 1
+
+    order = np.lexsort((np.arange(n), w))  # ascending weight, ties by index
+    if equal_size:
+        pad = (-n) % k
+        items = np.concatenate([np.arange(n, n + pad, dtype=np.int64), order])  # placeholders weigh 0: first
+        for start in range(0, items.size, k):
+            chunk = items[start:start + k]
+            sums = np.array([w[i] if i < n else 0.0 for i in chunk])
+            push(sums, chunk.copy(), chunk.copy())
+    else:
+        for i in order:
+            sums = np.zeros(k)
+            sums[0] = w[i]
+            heads = np.full(k, -1, dtype=np.int64)
+            heads[0] = i
+            push(sums, heads, heads.copy())
+    while len(heap) > 1:
+        a = heapq.heappop(heap)
+        b = heapq.heappop(heap)
+        sa, ha, ta = a[3], a[4], a[5]
+        sb, hb, tb = b[3][::-1], b[4][::-1], b[5][::-1]  # heaviest of a meets lightest of b
+        both = (ha >= 0) & (hb >= 0)
+        nxt[ta[both]] = hb[both]
+        heads = np.where(ha >= 0, ha, hb)
+        tails = np.where(tb >= 0, tb, ta)
+        push(sa + sb, heads, tails)
+    if not heap:
+        return [[] for _ in range(k)]
+    _, _, _, _, heads, _ = heap[0]
+    out: List[List[int]] = []
+    for h in heads:
+        members = []
+        i = int(h)
+        while i >= 0:
+            if i < n:
+                members.append(i)
+            i = int(nxt[i])
+        out.append(sorted(members))
+    return out
+
+
+def first_fit(sizes: Sequence[int], cap: int) -> List[List[int]]:
+    """First-fit in the given order: each item goes to the first open bin with room, else opens a new one.
+    An item larger than ``cap`` gets a bin of its own. This is the packer slime documents for
+    ``--use-dynamic-batch-size`` (its help text: lengths 100, 200, 300 with budget 300 give ``[100, 200],
+    [300]``)."""
+    bins: List[List[int]] = []
+    loads = np.zeros(0, dtype=np.int64)
+    for i, s in enumerate(np.asarray(sizes, dtype=np.int64).tolist()):
+        fits = np.flatnonzero(loads + s <= cap) if loads.size else np.zeros(0, dtype=np.int64)
+        if fits.size:
+            j = int(fits[0])
+            bins[j].append(i)
+            loads[j] += s
+        else:
+            bins.append([i])
+            loads = np.append(loads, s)
+    return bins
+
+
+def _split_in_two(members: Sequence[int], sizes: np.ndarray) -> List[List[int]]:
+    """Split a bin into two halves of similar size: largest items first, each to the lighter half."""
+    halves: List[List[int]] = [[], []]
+    sums = [0, 0]
+    for i in sorted(members, key=lambda m: (-int(sizes[m]), m)):
+        h = 0 if sums[0] <= sums[1] else 1
+        halves[h].append(i)
+        sums[h] += int(sizes[i])
+    return halves
+
+
+def split_largest_bins(bins: List[List[int]], target: int, sizes: Sequence[int]) -> List[List[int]]:
+    """Grow ``bins`` to ``target`` bins by splitting the largest splittable bin in two (token-balanced halves;
+    the first half stays in place, the second is appended). Stops early when every bin holds one item.
+    Models slime's alignment of the micro-batch count to a multiple of ``dp`` (x ``N`` under VPP), which never
+    creates a bin larger than an existing one."""
+    s = np.asarray(sizes, dtype=np.int64)
+    out = [list(b) for b in bins]
+    while len(out) < target:
+        cands = [(int(s[b].sum()), j) for j, b in enumerate(out) if len(b) > 1]
+        if not cands:
+            break
+        _, j = max(cands)
+        left, right = _split_in_two(out[j], s)
+        out[j] = left
+        out.append(right)
+    return out
+
+
+def modified_first_fit_decreasing(sizes: Sequence[int], cap: int) -> List[List[int]]:
+    """Modified first-fit decreasing (Johnson & Garey 1985) as NeMo-RL documents its ``modified_first_fit_
+    decreasing`` packer: items are *large* (> C/2), *medium* (> C/3), *small* (> C/6) or *tiny*;
+
+    1. one bin per large item (largest first);
+    2. forward over those bins: add the largest medium item that fits;
+    3. backward over the bins without a medium item: add the smallest small item plus the largest other small
+       item that still fits (only if the two smallest fit together);
+    4. forward over the bins: repeatedly add the largest remaining item that fits;
+    5. the leftovers, largest first, each into the currently least-filled new bin if it fits, else a new bin
+       (NeMo-RL's ``O(n log n)`` leftover pass keeps its new bins sorted by fill and tries the emptiest).
+
+    Raises :class:`BaselineInfeasible` for an item larger than ``cap`` (NeMo-RL validates this).
+    """
+    s = np.asarray(sizes, dtype=np.int64)
+    if s.size and int(s.max()) > cap:
+        raise BaselineInfeasible(f"a sequence of {int(s.max())} tokens exceeds the bin capacity {cap}")
+    idx = list(range(s.size))
+    large = sorted((i for i in idx if s[i] > cap / 2), key=lambda i: (-s[i], i))
+    medium = sorted((i for i in idx if cap / 3 < s[i] <= cap / 2), key=lambda i: (-s[i], i))
+    small = sorted((i for i in idx if cap / 6 < s[i] <= cap / 3), key=lambda i: (s[i], i))
+    tiny = [i for i in idx if s[i] <= cap / 6]
+    bins = [[i] for i in large]
+    fill = [int(s[i]) for i in large]
+    has_medium = [False] * len(bins)
+    for b in range(len(bins)):  # phase 2
+        for pos, i in enumerate(medium):
+            if s[i] <= cap - fill[b]:
+                bins[b].append(medium.pop(pos))
+                fill[b] += int(s[i])
+                has_medium[b] = True
+                break
+    for b in reversed(range(len(bins))):  # phase 3
+        if has_medium[b] or len(small) < 2:
+            continue
+        room = cap - fill[b]
+        if s[small[0]] + s[small[1]] > room:
+            continue
+        first = small.pop(0)
+        for pos in range(len(small) - 1, -1, -1):
+            if s[small[pos]] <= room - s[first]:
+                second = small.pop(pos)
+                bins[b] += [first, second]
+                fill[b] += int(s[first] + s[second])
+                break
+        else:  # pragma: no cover - the two smallest fit, so some second item does
+            small.insert(0, first)
+    rest = sorted(medium + small + tiny, key=lambda i: (int(s[i]), -i))  # ascending; pop largest from the end
+    rest_sizes = [int(s[i]) for i in rest]
+    for b in range(len(bins)):  # phase 4
+        while rest:
+            room = cap - fill[b]
+            pos = bisect.bisect_right(rest_sizes, room) - 1
+            if pos < 0:  # rightmost fitting item: the largest size, lowest index among equals
+                break
+            bins[b].append(rest.pop(pos))
+            fill[b] += rest_sizes.pop(pos)
+    new_bins: List[List[int]] = []
+    heap: list = []  # (fill, creation id, bin index): the least-filled new bin is on top
+    for i in sorted(rest, key=lambda i: (-int(s[i]), i)):  # phase 5
+        if heap and s[i] <= cap - heap[0][0]:
+            f, cid, j = heapq.heappop(heap)
+            new_bins[j].append(i)
+            heapq.heappush(heap, (f + int(s[i]), cid, j))
+        else:
+            new_bins.append([i])
+            heapq.heappush(heap, (int(s[i]), len(new_bins) - 1, len(new_bins) - 1))
+    # NeMo-RL returns its leftover bins in fill order (least-filled first).
+    new_order = [j for _, _, j in sorted(heap)]
+    return bins + [new_bins[j] for j in new_order]
+
+
+def adjust_bin_count(bins: List[List[int]], minimum: int, multiple: int) -> List[List[int]]:
+    """Raise the bin count to at least ``minimum`` and to a multiple of ``multiple`` by moving single items
+    (the last item of the bin with the most items, among the original bins) into new bins -- how NeMo-RL's
+    packer meets its ``min_bin_count`` / ``bin_count_multiple`` (both set to the DP size). Raises
+    :class:`BaselineInfeasible` when there are fewer items than bins."""
+    target = max(len(bins), minimum)
+    if multiple > 1 and target % multiple:
+        target += multiple - target % multiple
+    if target == len(bins):
+        return [list(b) for b in bins]
+    total = sum(len(b) for b in bins)
+    if total < target:
+        raise BaselineInfeasible(f"cannot make {target} non-empty bins from {total} sequences")
+    out = [list(b) for b in bins]
+    by_count = sorted(((len(b), j) for j, b in enumerate(out)), reverse=True)
+    src = 0
+    for _ in range(target - len(bins)):
+        while len(out[by_count[src][1]]) < 2:
+            src += 1
+        out.append([out[by_count[src][1]].pop()])
+    return out
+
+
+def _valley(order_desc: List[Any]) -> List[Any]:
+    """verl's bubble-reducing order: given items heaviest first, small ones at both ends, large in the middle
+    (every other item reversed, then the rest)."""
+    return order_desc[::2][::-1] + order_desc[1::2]
+
+
+def _check_fits(lengths: np.ndarray, cap: int, who: str) -> None:
+    if lengths.size and int(lengths.max()) > cap:
+        raise BaselineInfeasible(f"{who} requires every sample to fit the budget: a sample has "
+                                 f"{int(lengths.max())} tokens > {cap}")
+
+
+# ============================================================================================ baselines
+def fixed_padded(lengths: np.ndarray, ctx: BaselineContext) -> MicroBatches:
+    """Megatron's default fixed micro-batch size (``--micro-batch-size``) without packing.
+
+    The global batch is cut into ``dp`` contiguous chunks in sample order (sizes differ by at most one when
+    ``dp`` does not divide the batch), and every rank runs consecutive groups of ``mbs`` samples padded to the
+    longest of the group (the benchmark scores it with ``pad_to_longest=True``, which is kinder than
+    Megatron's padding to ``--seq-length``). ``mbs`` is the largest power of two with ``mbs * max_len <= cap``
+    (``max_len``: the longest aligned sample of the batch, as a user sizing a fixed micro-batch must plan for
+    it), at least 1 and at most the smallest chunk; under VPP it is halved until the per-rank count is one
+    Megatron accepts. A short last group is kept (ragged) rather than dropped.
+    """
+    par = ctx.parallel
+    aligned = ctx.alignment.seq_len(lengths)
+    chunks = np.array_split(np.arange(lengths.size), par.dp)
+    max_len = int(aligned.max())
+    mbs = 1
+    while mbs * 2 * max_len <= ctx.cap and mbs * 2 <= min(c.size for c in chunks):
+        mbs *= 2
+    if par.vpp > 1:
+        from .planner.vpp import is_valid_microbatch_count
+
+        while mbs > 1 and not is_valid_microbatch_count(-(-chunks[0].size // mbs), par):
+            mbs //= 2
+    return [[c[j:j + mbs].tolist() for j in range(0, c.size, mbs)] for c in chunks]
+
+
+def _distribute_kk(bins: List[List[int]], flops: np.ndarray, dp: int) -> MicroBatches:
+    weights = [float(flops[b].sum()) for b in bins]
+    parts = karmarkar_karp(weights, dp, equal_size=True)
+    return [[bins[j] for j in part] for part in parts]
+
+
+def _slime_align(bins: List[List[int]], lengths: np.ndarray, ctx: BaselineContext) -> List[List[int]]:
+    align_to = ctx.parallel.dp * ctx.mb_multiple
+    target = max(-(-len(bins) // align_to) * align_to, align_to)
+    out = split_largest_bins(bins, target, lengths)
+    if len(out) != target:
+        raise BaselineInfeasible(f"slime could make only {len(out)} micro-batches after splitting every bin; "
+                                 f"it needs a multiple of {align_to}")
+    return out
+
+
+def slime(lengths: np.ndarray, ctx: BaselineContext) -> MicroBatches:
+    """slime ``--use-dynamic-batch-size --balance-data`` ("pack first, distribute second", slime's
+    ``dp_schedule`` since mid-2026).
+
+    1. first-fit over the step's samples in their order into micro-batches of ``<= max_tokens_per_gpu * cp``
+       real tokens (a sample over the budget sits alone);
+    2. the micro-batch count is raised to a multiple of ``dp`` (x ``microbatch_group_size_per_vp_stage`` under
+       VPP) by splitting the largest micro-batch in two token-balanced halves;
+    3. micro-batches go to ranks by Karmarkar-Karp on their estimated FLOPs with equal counts per rank; a
+       rank runs its micro-batches in index order.
+
+    Budget checks use real lengths: CP/TP alignment padding added later can push a micro-batch a few tokens
+    over the cap, which the benchmark counts.
+    """
+    bins = _slime_align(first_fit(lengths, ctx.cap), lengths, ctx)
+    return _distribute_kk(bins, ctx.fwd_flops(lengths), ctx.parallel.dp)
+
+
+def slime_flops(lengths: np.ndarray, ctx: BaselineContext) -> MicroBatches:
+    """slime ``--use-dynamic-batch-size --balance-by-flops`` (which implies ``--balance-data``).
+
+    The micro-batch count is ``ceil(total tokens / cap)`` (every sample alone if that is not below the sample
+    count); the samples are split into that many micro-batches by Karmarkar-Karp on estimated FLOPs
+    (``equal_size=False``), which balances FLOPs but does not enforce the token cap -- slime's help text and
+    code comment warn that such a micro-batch can exceed ``max_tokens_per_gpu`` and OOM. Then as
+    :func:`slime`: align the count to ``dp`` (x ``N``) by splitting, and distribute by Karmarkar-Karp.
+    """
+    flops = ctx.fwd_flops(lengths)
+    m = max(1, -(-int(lengths.sum()) // ctx.cap))
+    if m >= lengths.size:
+        bins = [[i] for i in range(lengths.size)]
+    else:
+        bins = karmarkar_karp(flops, m, equal_size=False)
+    bins = _slime_align(bins, lengths, ctx)
+    return _distribute_kk(bins, flops, ctx.parallel.dp)
+
+
+def slime_legacy(lengths: np.ndarray, ctx: BaselineContext) -> MicroBatches:
+    """slime ``--use-dynamic-batch-size --balance-data`` before scheduling moved to the rollout side (slime
+    releases up to spring 2026; still what many pinned deployments run).
+
+    1. the rollout is split over DP ranks by Karmarkar-Karp on token counts with equal sample counts;
+    2. each rank counts the micro-batches a first-fit pass over its samples needs; the count is all-reduced to
+       the maximum over DP ranks (under VPP it is then rounded *down* to a multiple of N, at least 1);
+    3. each rank splits its samples into that many micro-batches by Karmarkar-Karp on token counts
+       (``equal_size=False``): balanced, but not capped -- a rank whose first-fit needed fewer bins now has
+       more, and rounding down under VPP can leave a micro-batch over the budget.
+    """
+    par = ctx.parallel
+    parts = karmarkar_karp(lengths, par.dp, equal_size=True)
+    m = max(len(first_fit(lengths[p], ctx.cap)) for p in parts)
+    if par.vpp > 1:
+        n = par.vp_group_size
+        m = max(1, m // n * n)
+    out: MicroBatches = []
+    for p in parts:
+        if m > len(p):
+            raise BaselineInfeasible(f"slime_legacy: {m} micro-batches for a rank with {len(p)} samples")
+        local = karmarkar_karp(lengths[p], m, equal_size=False)
+        out.append([[p[i] for i in mb] for mb in local])
+    return out
+
+
+def verl(lengths: np.ndarray, ctx: BaselineContext) -> MicroBatches:
+    """verl with ``balance_batch=True`` and ``use_dynamic_bsz=True`` (Megatron actor).
+
+    1. ``balance_batch``: the batch is split over DP ranks by Karmarkar-Karp on verl's workload estimate
+       ``24576 * L + L**2`` (a fixed 7B-calibrated constant, not the trained model) with equal sample counts;
+       each rank's samples are ordered light-heavy-light;
+    2. ``rearrange_micro_batches``: each rank needs ``min(samples, ceil(tokens / cap))`` micro-batches, the count
+       is all-reduced to the maximum over DP, and under VPP rounded *up* to a multiple of N; the rank's samples
+       are split into that many micro-batches by Karmarkar-Karp on the workload (``equal_size=False``). That
+       balances workload but does not enforce the cap -- verl issues #6735 and #7553 report the resulting OOMs;
+    3. ``use_dynamic_bsz_balance``: micro-batches sorted by workload, then placed small at both ends.
+
+    verl asserts every sample fits the budget and that the count does not exceed a rank's samples; both
+    raise :class:`BaselineInfeasible` here.
+    """
+    par = ctx.parallel
+    _check_fits(lengths, ctx.cap, "verl")
+    work = VERL_WORKLOAD_LINEAR * lengths.astype(np.float64) + lengths.astype(np.float64) ** 2
+    parts = karmarkar_karp(work, par.dp, equal_size=True)
+    ranks = []
+    for p in parts:
+        asc = sorted(p, key=lambda i: (work[i], i))
+        ranks.append(asc[::2] + asc[1::2][::-1])
+    m = max(min(len(r), -(-int(lengths[r].sum()) // ctx.cap)) for r in ranks)
+    if ctx.mb_multiple > 1:
+        m = -(-m // ctx.mb_multiple) * ctx.mb_multiple
+    out: MicroBatches = []
+    for r in ranks:
+        if m > len(r):
+            raise BaselineInfeasible(f"verl: {m} micro-batches for a rank with {len(r)} samples")
+        local = karmarkar_karp(work[r], m, equal_size=False)
+        local.sort(key=lambda mb: (float(work[[r[i] for i in mb]].sum()), mb[0] if mb else 0), reverse=True)
+        out.append([[r[i] for i in mb] for mb in _valley(local)])
+    return out
+
+
+def nemo_rl(lengths: np.ndarray, ctx: BaselineContext) -> MicroBatches:
+    """NeMo-RL sequence packing (``algorithm: modified_first_fit_decreasing``).
+
+    Each sample is padded to the sequence pad multiple (here the CP alignment ``2*cp``), the whole batch is
+    packed by :func:`modified_first_fit_decreasing` into bins of ``<= max_tokens_per_gpu * cp`` tokens, the
+    bin count is raised to at least ``dp`` and to a multiple of ``dp`` by :func:`adjust_bin_count` (single
+    sequences moved into new bins; NeMo-RL's ``min_bin_count`` and ``bin_count_multiple`` are the shard count),
+    and bin ``j`` goes to rank ``j % dp`` (round-robin), run in packer order. Under VPP we align to
+    ``dp * N`` instead, the change a user must make for Megatron to accept the per-rank count.
+    """
+    par = ctx.parallel
+    aligned = ctx.alignment.seq_len(lengths)
+    bins = modified_first_fit_decreasing(aligned, ctx.cap)
+    bins = adjust_bin_count(bins, par.dp, par.dp * ctx.mb_multiple)
+    return [bins[r::par.dp] for r in range(par.dp)]
+
+
+# ============================================================================================ registry
+@dataclass(frozen=True)
+class Baseline:
+    """One baseline: ``baseline(lengths, ctx)`` returns ``micro_batches[rank][j] -> sample indices``."""
+
+    name: str
+    fn: Callable[[np.ndarray, BaselineContext], MicroBatches]
+    pad_to_longest: bool = False
+    provenance: str = ""
+
+    @property
+    def description(self) -> str:
+        doc = (self.fn.__doc__ or "").strip()
+        return doc.split("\n\n")[0].replace("\n", " ")
+
+    def __call__(self, lengths: Union[Sequence[int], np.ndarray], ctx: BaselineContext) -> MicroBatches:
+        lens = np.asarray(lengths, dtype=np.int64)
+        if lens.ndim != 1 or lens.size == 0 or (lens < 0).any():
+            raise DynBatchConfigError("lengths", f"array of shape {lens.shape}", "must be non-empty, 1-D, >= 0",
+                                      "pass one token count per sample")
+        if lens.size < ctx.parallel.dp:
+            raise BaselineInfeasible(f"{lens.size} samples cannot fill dp={ctx.parallel.dp} ranks")
+        return self.fn(lens, ctx)
+
+
+BASELINES: Dict[str, Baseline] = {
+    b.name: b for b in (
+        Baseline("fixed_padded", fixed_padded, pad_to_longest=True,
+                 provenance="Megatron-LM --micro-batch-size (fixed-shape micro-batches, no packing)"),
+        Baseline("slime", slime,
+                 provenance="slime --use-dynamic-batch-size --balance-data (slime/utils/dp_schedule.py behaviour)"),
+        Baseline("slime_flops", slime_flops,
+                 provenance="slime --use-dynamic-batch-size --balance-by-flops (help text: may exceed the budget)"),
+        Baseline("slime_legacy", slime_legacy,
+                 provenance="slime --balance-data + dynamic batch size before the rollout-side scheduler"),
+        Baseline("verl", verl,
+                 provenance="verl balance_batch + use_dynamic_bsz (rearrange_micro_batches, get_seqlen_balanced_"
+                            "partitions)"),
+        Baseline("nemo_rl", nemo_rl,
+                 provenance="NeMo-RL sequence_packing, modified_first_fit_decreasing, round-robin bins to DP"),
+    )
+}
+
+
+def get_baseline(name: str) -> Baseline:
+    """The baseline called ``name`` (see ``BASELINES``)."""
+    try:
+        return BASELINES[name]
+    except KeyError:
+        raise DynBatchConfigError("baseline", name, "unknown baseline", f"use one of {sorted(BASELINES)}") from None
+
+
+@dataclass
+class BaselineRun:
+    """A baseline's scored plan, or why it could not run."""
+
+    name: str
+    plan: Any = None  # megatron_dynbatch.planner.Plan
+    error: Optional[str] = None
+    planning_time_s: float = 0.0
+    notes: List[str] = field(default_factory=list)
+
+
+def run_baseline(name: str, lengths: Union[Sequence[int], np.ndarray], ctx: BaselineContext,
+                 cost_model: Optional[CostModel] = None) -> BaselineRun:
+    """Run baseline ``name`` and score it with ``score_assignment`` (same cost model as the planner).
+
+    A :class:`BaselineInfeasible` is returned as ``error`` (the modelled system would stop there), not raised.
+    """
+    from .planner import score_assignment
+
+    base = get_baseline(name)
+    lens = np.asarray(lengths, dtype=np.int64)
+    t0 = time.perf_counter()
+    try:
+        mbs = base(lens, ctx)
+    except BaselineInfeasible as exc:
+        return BaselineRun(name, error=str(exc), planning_time_s=time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    plan = score_assignment(mbs, lens, model=ctx.model, parallel=ctx.parallel,
+                            max_tokens_per_gpu=ctx.max_tokens_per_gpu, fp8_alignment=ctx.fp8_alignment,
+                            cost_model=cost_model, pad_to_longest=base.pad_to_longest, algorithm=name)
+    plan.planning_time_s = elapsed
+    return BaselineRun(name, plan=plan, planning_time_s=elapsed, notes=structural_problems(plan, lens.size))
+
+
+def structural_problems(plan: Any, num_samples: int) -> List[str]:
+    """What Megatron (or the training loop) would reject in a plan: ranks with different micro-batch counts,
+    empty micro-batches, an interleaved-pipeline count Megatron refuses, or samples lost / duplicated."""
+    from .planner.vpp import is_valid_microbatch_count
+
+    notes: List[str] = []
+    counts = {len(r) for r in plan.micro_batches}
+    if len(counts) > 1:
+        notes.append(f"ragged micro-batch counts {min(counts)}..{max(counts)}")
+    if any(not mb for r in plan.micro_batches for mb in r):
+        notes.append("empty micro-batch")
+    if plan.parallel.vpp > 1 and not all(is_valid_microbatch_count(c, plan.parallel) for c in counts):
+        notes.append("micro-batch count rejected by Megatron's interleaved schedule")
+    seen = sorted(i for r in plan.micro_batches for mb in r for i in mb)
+    if seen != list(range(num_samples)):
+        notes.append("samples lost or duplicated")
+    return notes
+
+
+__all__ = [
+    "BASELINES", "Baseline", "BaselineContext", "BaselineInfeasible", "BaselineRun", "MicroBatches",
+    "adjust_bin_count", "first_fit", "fixed_padded", "get_baseline", "karmarkar_karp",
+    "modified_first_fit_decreasing", "nemo_rl", "run_baseline", "slime", "slime_flops", "slime_legacy",
+    "split_largest_bins", "structural_problems", "verl",
+]

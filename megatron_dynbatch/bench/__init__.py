@@ -1,0 +1,14 @@
+"""The benchmark: built-in workloads (:mod:`.workloads`), the runner that plans and scores every algorithm
+with one cost model (:mod:`.runner`), text/JSON output (:mod:`.report`) and per-rank timelines (:mod:`.plot`,
+matplotlib imported only when a plot is asked for). ``megatron-dynbatch bench`` drives it; see
+``docs/benchmarks.md`` for a recorded run."""
+
+from .report import format_report, format_speed, format_table, verdicts
+from .runner import ALGORITHMS, BenchResult, Row, SpeedResult, run_bench, run_speed, run_workload
+from .workloads import WORKLOADS, Workload, default_workloads, select_workloads
+
+__all__ = [
+    "ALGORITHMS", "BenchResult", "Row", "SpeedResult", "WORKLOADS", "Workload", "default_workloads",
+    "format_report", "format_speed", "format_table", "run_bench", "run_speed", "run_workload",
+    "select_workloads", "verdicts",
+]

@@ -1,0 +1,133 @@
+"""Plain-text tables and verdicts for a :class:`~megatron_dynbatch.bench.runner.BenchResult`.
+
+With several seeds, a table row aggregates one (workload, algorithm) pair: ratios, imbalance, padding and
+micro-batch counts are means over seeds, cap violations are summed, planning time is the median. The JSON
+output (``BenchResult.to_json``) keeps every seed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from .runner import PRIMARY, BenchResult, Row
+
+COLUMNS: Tuple[Tuple[str, str], ...] = (
+    ("workload", "<"), ("algorithm", "<"), ("step s", ">"), ("x LB", ">"), ("x best base", ">"),
+    ("imbal", ">"), ("mb/rank (LB)", ">"), ("cap viol", ">"), ("peak/cap", ">"), ("pad %", ">"),
+    ("plan ms", ">"), ("notes", "<"),
+)
+
+
+def _fmt(x: float, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _aggregate(rows: Sequence[Row]) -> List[str]:
+    ok = [r for r in rows if r.ok]
+    first = rows[0]
+    if not ok:
+        return [first.workload, first.algorithm] + ["-"] * 9 + ["FAILED: " + (first.error or "")[:70]]
+    mean = lambda attr: float(np.mean([getattr(r, attr) for r in ok]))  # noqa: E731
+    if len(ok) == 1:
+        r0 = ok[0]
+        mb = str(r0.microbatches) if r0.microbatches_min == r0.microbatches else f"{r0.microbatches_min}-{r0.microbatches}"
+    else:
+        mb = f"{mean('microbatches'):.3g}"
+    lb_m = float(np.mean([r.lower_bound_microbatches for r in ok]))
+    notes = sorted({n for r in ok for n in r.notes})
+    if len(ok) < len(rows):
+        notes.append(f"failed on {len(rows) - len(ok)} seed(s)")
+    return [
+        first.workload, first.algorithm, _fmt(mean("step_time_s"), ".3f"), _fmt(mean("vs_lower_bound"), ".4f"),
+        _fmt(mean("vs_best_baseline"), ".4f"), _fmt(mean("imbalance"), ".4f"), f"{mb} ({lb_m:.4g})",
+        str(sum(r.cap_violations for r in ok)), _fmt(max(r.peak_over_cap for r in ok), ".3f"),
+        _fmt(100 * mean("padding_fraction"), ".1f"), _fmt(float(np.median([r.planning_ms for r in ok])), ".1f"),
+        "; ".join(notes),
+    ]
+
+
+def table_rows(result: BenchResult) -> List[List[str]]:
+    """One list of cells per (workload, algorithm), in run order."""
+    groups: Dict[Tuple[str, str], List[Row]] = {}
+    for r in result.rows:
+        groups.setdefault((r.workload, r.algorithm), []).append(r)
+    return [_aggregate(g) for g in groups.values()]
+
+
+def format_table(result: BenchResult) -> str:
+    """The aligned plain-text results table (a blank line between workloads)."""
+    body = table_rows(result)
+    header = [c for c, _ in COLUMNS]
+    widths = [max(len(header[i]), *(len(r[i]) for r in body)) if body else len(header[i])
+              for i in range(len(header))]
+    widths[-1] = len(header[-1])  # notes are not padded
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [f"{c:{a}{w}}" for c, (_, a), w in zip(cells, COLUMNS, widths)]
+        return "  ".join(parts).rstrip()
+
+    out = [line(header), line(["-" * w for w in widths])]
+    prev = None
+    for r in body:
+        if prev is not None and r[0] != prev:
+            out.append("")
+        out.append(line(r))
+        prev = r[0]
+    return "\n".join(out)
+
+
+def format_speed(result: BenchResult) -> str:
+    if not result.speed:
+        return ""
+    lines = ["planning speed (plan_global_batch, median of runs, single process):"]
+    for s in result.speed:
+        runs = ", ".join(f"{x:.1f}" for x in s.runs_ms)
+        verdict = "meets" if s.meets_target else "MISSES"
+        lines.append(f"  {s.samples:>6} samples / {s.dp:>5} DP ranks: {s.median_ms:8.1f} ms  (runs {runs}; "
+                     f"M={s.microbatches}; target < {s.target_ms:g} ms: {verdict})")
+    return "\n".join(lines)
+
+
+def verdicts(result: BenchResult, variants: Sequence[str] = (PRIMARY,)) -> List[str]:
+    """One line per workload and planner variant: is it ahead of every baseline on every seed (a baseline
+    that beats it is named, with its cap violations), and how far from the lower bound; plus a global line on
+    the planner's cap violations."""
+    lines = []
+    workloads = list(dict.fromkeys(r.workload for r in result.rows))
+    for w in workloads:
+        rows = result.rows_for(w)
+        for variant in variants:
+            mine = {r.seed: r for r in rows if r.algorithm == variant}
+            if not mine:
+                continue
+            failed = [r for r in mine.values() if not r.ok]
+            if failed:
+                lines.append(f"{w}: {variant} FAILED: {failed[0].error}")
+                continue
+            losers = []
+            for r in rows:
+                if r.family == "baseline" and r.ok and r.step_time_s < mine[r.seed].step_time_s * (1 - 1e-9):
+                    cap = f", {r.cap_violations} micro-batches over the cap" if r.cap_violations else ", within the cap"
+                    losers.append(f"{r.algorithm} on seed {r.seed} ({r.step_time_s:.4f} s < "
+                                  f"{mine[r.seed].step_time_s:.4f} s{cap})")
+            worst = max(r.vs_best_baseline for r in mine.values())
+            lb = max(r.vs_lower_bound for r in mine.values())
+            head = "ahead of every baseline" if not losers else "BEHIND " + "; ".join(losers)
+            lines.append(f"{w}: {variant} {head} over {len(mine)} seed(s); worst x best baseline {worst:.4f}, "
+                         f"worst x lower bound {lb:.4f}{' (> 1%)' if lb > 1.01 else ''}")
+    v = result.dynbatch_cap_violations
+    lines.append(f"planner cap violations: {v}" + ("  <-- BUG: the planner must never exceed the cap" if v else ""))
+    return lines
+
+
+def format_report(result: BenchResult) -> str:
+    parts = [format_table(result), "", *verdicts(result)]
+    speed = format_speed(result)
+    if speed:
+        parts += ["", speed]
+    if result.meta.get("wall_s") is not None:
+        parts += ["", f"(benchmark wall time {result.meta['wall_s']:.1f} s)"]
+    return "\n".join(parts)

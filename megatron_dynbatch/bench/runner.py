@@ -1,0 +1,350 @@
+"""Benchmark runner: every algorithm on every workload, scored with one cost model.
+
+For each workload and seed the global batch is generated once; the planner (``plan_global_batch``, in a few
+variants) and every baseline of :mod:`megatron_dynbatch.baselines` plan it, and each plan is scored by the
+same :class:`~megatron_dynbatch.cost_model.CostModel` (``CostModel.from_model`` of the workload's preset and
+layout). The results are :class:`Row` objects collected in a :class:`BenchResult` (JSON round-trippable).
+
+Also here: the planning-speed micro-benchmark (:func:`run_speed`), which times ``plan_global_batch`` on
+4,096 samples over 64 DP ranks and 65,536 over 1,024 (median of a few runs, single process).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..baselines import BASELINES, BaselineContext, run_baseline, structural_problems
+from ..cost_model import CostModel
+from ..errors import DynBatchConfigError
+from ..parallel import ParallelConfig
+from .workloads import Workload, grpo_lengths
+
+#: Planner variants benchmarked next to the baselines: name -> (plan_global_batch kwargs, needs group ids).
+#: ``dynbatch`` is the default call (with a model it balances FLOPs as the cost model's seconds);
+#: ``dynbatch-flops`` balances raw FLOPs (``balance_by="flops"``), to show what the objective is worth;
+#: ``dynbatch-groups`` keeps each GRPO group on one DP rank (a constraint no baseline honours).
+DYNBATCH_VARIANTS: Dict[str, Tuple[Dict[str, Any], bool]] = {
+    "dynbatch": ({}, False),
+    "dynbatch-flops": ({"balance_by": "flops"}, False),
+    "dynbatch-groups": ({}, True),
+}
+PRIMARY = "dynbatch"
+ALGORITHMS: Tuple[str, ...] = tuple(DYNBATCH_VARIANTS) + tuple(BASELINES)
+
+#: Planning-speed targets (samples, dp) -> milliseconds.
+SPEED_CASES: Tuple[Tuple[int, int, float], ...] = ((4096, 64, 20.0), (65536, 1024, 1000.0))
+
+
+@dataclass
+class Row:
+    """One (workload, seed, algorithm) result. Times in seconds unless named ``_ms``."""
+
+    workload: str
+    seed: int
+    algorithm: str
+    family: str  # "dynbatch" or "baseline"
+    step_time_s: float = float("nan")
+    lower_bound_s: float = float("nan")
+    vs_lower_bound: float = float("nan")
+    vs_best_baseline: float = float("nan")
+    imbalance: float = float("nan")
+    microbatches: int = 0          # most micro-batches on any rank
+    microbatches_min: int = 0      # fewest (differs only for ragged plans)
+    lower_bound_microbatches: int = 0
+    cap_violations: int = 0
+    peak_over_cap: float = float("nan")  # largest micro-batch / cap
+    padding_fraction: float = float("nan")
+    planning_ms: float = float("nan")
+    error: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return _json_safe(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Row":
+        kw: Dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in d:
+                continue
+            v = d[f.name]
+            if v is None and f.type == "float":  # strict JSON stores NaN as null
+                v = float("nan")
+            kw[f.name] = list(v) if f.name == "notes" else v
+        return cls(**kw)
+
+
+@dataclass
+class SpeedResult:
+    """Planning time of ``plan_global_batch`` for ``samples`` over ``dp`` ranks."""
+
+    samples: int
+    dp: int
+    runs_ms: List[float]
+    target_ms: float
+    microbatches: int = 0
+
+    @property
+    def median_ms(self) -> float:
+        return float(np.median(self.runs_ms)) if self.runs_ms else float("nan")
+
+    @property
+    def meets_target(self) -> bool:
+        return self.median_ms < self.target_ms
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d.update(median_ms=self.median_ms, meets_target=self.meets_target)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "SpeedResult":
+        return cls(int(d["samples"]), int(d["dp"]), [float(x) for x in d["runs_ms"]], float(d["target_ms"]),
+                   int(d.get("microbatches", 0)))
+
+
+@dataclass
+class BenchResult:
+    """Everything one benchmark run produced."""
+
+    rows: List[Row]
+    speed: List[SpeedResult] = field(default_factory=list)
+    workloads: List[Dict[str, Any]] = field(default_factory=list)
+    meta: Dict[str, Any] = field(default_factory=dict)
+    plans: Dict[Tuple[str, int, str], Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def rows_for(self, workload: str, seed: Optional[int] = None) -> List[Row]:
+        return [r for r in self.rows if r.workload == workload and (seed is None or r.seed == seed)]
+
+    @property
+    def dynbatch_cap_violations(self) -> int:
+        """Over-budget micro-batches in any planner plan (the planner guarantees none)."""
+        return sum(r.cap_violations for r in self.rows if r.family == "dynbatch")
+
+    @property
+    def dynbatch_errors(self) -> List[Row]:
+        return [r for r in self.rows if r.family == "dynbatch" and (r.error or r.notes)]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"meta": _json_safe(self.meta), "workloads": _json_safe(self.workloads),
+                "rows": [r.to_dict() for r in self.rows], "speed": [s.to_dict() for s in self.speed]}
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "BenchResult":
+        return cls(rows=[Row.from_dict(r) for r in d.get("rows", [])],
+                   speed=[SpeedResult.from_dict(s) for s in d.get("speed", [])],
+                   workloads=list(d.get("workloads", [])), meta=dict(d.get("meta", {})))
+
+    @classmethod
+    def from_json(cls, text: str) -> "BenchResult":
+        return cls.from_dict(json.loads(text))
+
+
+def _json_safe(obj: Any) -> Any:
+    """NaN/inf -> None and numpy scalars -> Python, so the JSON is strict."""
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        v = float(obj)
+        return v if np.isfinite(v) else None
+    return obj
+
+
+# ============================================================================================ one workload
+def _row_from_plan(w: Workload, seed: int, name: str, family: str, plan: Any, planning_s: float,
+                   notes: List[str]) -> Row:
+    counts = [len(r) for r in plan.micro_batches]
+    total = plan.real_tokens + plan.padding_tokens
+    return Row(
+        workload=w.name, seed=seed, algorithm=name, family=family,
+        step_time_s=plan.predicted_step_time, imbalance=plan.imbalance,
+        microbatches=max(counts), microbatches_min=min(counts),
+        cap_violations=plan.cap_violations, peak_over_cap=plan.max_microbatch_tokens / plan.cap,
+        padding_fraction=plan.padding_tokens / total if total else 0.0,
+        planning_ms=1e3 * planning_s, notes=list(notes),
+    )
+
+
+def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]] = None,
+                 keep_plans: bool = False) -> Tuple[List[Row], Dict[Tuple[str, int, str], Any]]:
+    """Plan and score one workload's batch of ``seed`` with every requested algorithm."""
+    from ..planner import plan_global_batch
+
+    algos = list(algorithms) if algorithms else list(ALGORITHMS)
+    batch = w.generate(seed)
+    lengths = batch.lengths
+    cm = CostModel.from_model(w.model, w.parallel)
+    rows: List[Row] = []
+    plans: Dict[Tuple[str, int, str], Any] = {}
+    for name in algos:
+        if name in DYNBATCH_VARIANTS:
+            kwargs, needs_groups = DYNBATCH_VARIANTS[name]
+            if needs_groups and (batch.group_ids is None or np.unique(batch.group_ids).size < w.parallel.dp):
+                continue  # no groups, or fewer groups than ranks: the constraint cannot be met
+            t0 = time.perf_counter()
+            try:
+                plan = plan_global_batch(lengths, model=w.model, parallel=w.parallel,
+                                         max_tokens_per_gpu=w.max_tokens_per_gpu, cost_model=cm,
+                                         group_ids=batch.group_ids if needs_groups else None, **kwargs)
+            except DynBatchConfigError as exc:
+                rows.append(Row(w.name, seed, name, "dynbatch", error=str(exc),
+                                planning_ms=1e3 * (time.perf_counter() - t0)))
+                continue
+            row = _row_from_plan(w, seed, name, "dynbatch", plan, plan.planning_time_s,
+                                 structural_problems(plan, lengths.size))
+            row.lower_bound_microbatches = plan.lower_bound_microbatches
+            row.lower_bound_s = plan.lower_bound_step_time
+        elif name in BASELINES:
+            ctx = BaselineContext.build(w.parallel, w.max_tokens_per_gpu, w.model)
+            res = run_baseline(name, lengths, ctx, cm)
+            if res.error is not None:
+                rows.append(Row(w.name, seed, name, "baseline", error=res.error,
+                                planning_ms=1e3 * res.planning_time_s))
+                continue
+            plan = res.plan
+            row = _row_from_plan(w, seed, name, "baseline", plan, res.planning_time_s, res.notes)
+            row.lower_bound_microbatches = plan.lower_bound_microbatches
+            row.lower_bound_s = plan.lower_bound_step_time
+        else:
+            raise DynBatchConfigError("--algorithms", name, "unknown algorithm", f"use a subset of {list(ALGORITHMS)}")
+        rows.append(row)
+        if keep_plans:
+            plans[(w.name, seed, name)] = plan
+    _relate(rows)
+    return rows, plans
+
+
+def _relate(rows: List[Row]) -> None:
+    """Fill the ratios: vs the planner's lower bound (shared by all rows of the batch) and vs the best
+    baseline that ran (including baselines that broke the cap: the conservative comparison)."""
+    primary = [r for r in rows if r.algorithm == PRIMARY and r.ok]
+    lb = primary[0].lower_bound_s if primary else min((r.lower_bound_s for r in rows if r.ok), default=float("nan"))
+    lb_m = primary[0].lower_bound_microbatches if primary else 0
+    best = min((r.step_time_s for r in rows if r.family == "baseline" and r.ok), default=float("nan"))
+    for r in rows:
+        r.lower_bound_s = lb
+        if lb_m:
+            r.lower_bound_microbatches = lb_m
+        if r.ok:
+            r.vs_lower_bound = r.step_time_s / lb if lb and lb > 0 else float("nan")
+            r.vs_best_baseline = r.step_time_s / best if best and best > 0 else float("nan")
+
+
+# ============================================================================================ speed
+def run_speed(cases: Sequence[Tuple[int, int, float]] = SPEED_CASES, repeats: int = 3,
+              model: str = "qwen3-8b", max_tokens_per_gpu: int = 32768) -> List[SpeedResult]:
+    """Median planning time of ``plan_global_batch`` (GRPO-like lengths, groups of 8, 16k max response,
+    ``tp=2``) for each ``(samples, dp, target_ms)`` case; one warm-up call first, then ``repeats`` timed."""
+    from ..planner import plan_global_batch
+
+    out = []
+    for samples, dp, target in cases:
+        batch = grpo_lengths(np.random.default_rng(samples), prompts=samples // 8, group=8, max_response=16384,
+                             median_response=3000)
+        par = ParallelConfig(dp=dp, tp=2)
+        cm = CostModel.from_model(model, par)
+
+        def once() -> Any:
+            return plan_global_batch(batch.lengths, model=model, parallel=par,
+                                     max_tokens_per_gpu=max_tokens_per_gpu, cost_model=cm)
+
+        plan = once()
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            once()
+            runs.append(1e3 * (time.perf_counter() - t0))
+        out.append(SpeedResult(samples, dp, runs, target, plan.num_microbatches))
+    return out
+
+
+# ============================================================================================ everything
+def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optional[Sequence[str]] = None,
+              speed: bool = True, speed_repeats: int = 3, progress: Optional[bool] = None,
+              keep_plans: bool = False, argv: Optional[Sequence[str]] = None) -> BenchResult:
+    """Run every workload for seeds ``0..seeds-1`` (and the speed micro-benchmark when ``speed``).
+
+    ``progress``: show a tqdm bar on stderr (default: only when stderr is a terminal).
+    """
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise DynBatchConfigError("--seeds", seeds, "must be a positive integer", "use e.g. --seeds 3")
+    if algorithms:
+        bad = [a for a in algorithms if a not in ALGORITHMS]
+        if bad:
+            raise DynBatchConfigError("--algorithms", bad[0], "unknown algorithm", f"use a subset of {list(ALGORITHMS)}")
+    tasks: List[Tuple[str, Any]] = [("workload", (w, s)) for w in workloads for s in range(seeds)]
+    if speed:
+        tasks += [("speed", case) for case in SPEED_CASES]
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = _progress(len(tasks), show)
+    result = BenchResult(rows=[], workloads=[w.to_dict() for w in workloads])
+    t_start = time.perf_counter()
+    for kind, task in tasks:
+        if kind == "workload":
+            w, s = task
+            bar.set_description(f"{w.name} seed {s}")
+            rows, plans = run_workload(w, s, algorithms, keep_plans)
+            result.rows += rows
+            result.plans.update(plans)
+            for wd in result.workloads:
+                if wd["name"] == w.name and "source" not in wd:
+                    wd["source"] = w.generate(s).source
+        else:
+            bar.set_description(f"planning speed {task[0]}/{task[1]}")
+            result.speed += run_speed([task], repeats=speed_repeats)
+        bar.update(1)
+    bar.close()
+    result.meta = {
+        "command": "megatron-dynbatch " + " ".join(argv) if argv is not None else None,
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "python": platform.python_version(), "numpy": np.__version__,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "seeds": seeds, "wall_s": time.perf_counter() - t_start,
+    }
+    return result
+
+
+class _NoBar:
+    def set_description(self, *_: Any) -> None: ...
+    def update(self, *_: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int, show: bool) -> Any:
+    if not show:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a core dependency
+        return _NoBar()
+    return tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def iter_algorithms(spec: Optional[str]) -> Optional[List[str]]:
+    """Parse a comma-separated ``--algorithms`` value (``None`` or empty: all)."""
+    if not spec:
+        return None
+    return [a.strip() for a in spec.split(",") if a.strip()]
+
+
+__all__ = ["ALGORITHMS", "BenchResult", "DYNBATCH_VARIANTS", "Row", "SpeedResult", "run_bench",
+                          "run_speed", "run_workload", "iter_algorithms"]

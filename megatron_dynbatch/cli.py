@@ -1,0 +1,404 @@
+"""``megatron-dynbatch``: the command line.
+
+Subcommands
+-----------
+``bench``  the built-in benchmark (all default workloads, every algorithm, planning speed); see
+           ``docs/benchmarks.md``;
+``plan``   plan one global batch read from a file and print a summary and the per-rank micro-batches;
+``flops``  FLOPs of a model at given sequence lengths and the linear/quadratic coefficients the planner uses;
+``demo``   a tiny GPT trained with real megatron-core on CPU ranks (``megatron_dynbatch.demo``, imported only
+           when asked for).
+
+Configuration errors (:class:`~megatron_dynbatch.errors.DynBatchConfigError`) print as one line on stderr and
+exit with status 2, like argparse's own usage errors; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+from .errors import DynBatchConfigError
+
+PROG = "megatron-dynbatch"
+
+
+# ============================================================================================ helpers
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _fp8(text: str) -> Any:
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _read_values(path: str, flag: str, *, integers: bool) -> List[Any]:
+    """Values from ``.txt`` (one per line; blank lines and ``#`` comments skipped), ``.json`` (a list, or an
+    object with a ``lengths``/``group_ids`` list) or ``.npy``."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DynBatchConfigError(flag, path, "file not found", "pass an existing .txt, .json or .npy file")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".npy":
+            values = np.load(p, allow_pickle=False).tolist()
+        elif suffix == ".json":
+            with open(p, encoding="utf-8") as fh:
+                values = json.load(fh)
+            if isinstance(values, dict):
+                key = next((k for k in ("lengths", "group_ids") if k in values), None)
+                if key is None:
+                    raise DynBatchConfigError(flag, path, "a JSON object needs a 'lengths' or 'group_ids' list",
+                                              "write a JSON list, or {\"lengths\": [...]}")
+                values = values[key]
+        else:
+            with open(p, encoding="utf-8") as fh:
+                values = [ln.split("#", 1)[0].strip() for ln in fh]
+            values = [v for v in values if v]
+    except (ValueError, OSError) as exc:
+        if isinstance(exc, DynBatchConfigError):
+            raise
+        raise DynBatchConfigError(flag, path, f"cannot be read ({exc})",
+                                  "use .txt (one value per line), .json (a list) or .npy") from None
+    if not isinstance(values, list):
+        raise DynBatchConfigError(flag, path, "does not hold a list of values", "write one value per sample")
+    if integers:
+        out = []
+        for i, v in enumerate(values):
+            try:
+                f = float(v)
+                if isinstance(v, bool) or f != int(f):
+                    raise ValueError
+                out.append(int(f))
+            except (TypeError, ValueError):
+                raise DynBatchConfigError(f"{flag}[{i}]", v, "is not a whole token count",
+                                          "write one integer per sample") from None
+        return out
+    return values
+
+
+def _add_layout_args(p: argparse.ArgumentParser, *, dp: bool = True) -> None:
+    g = p.add_argument_group("parallel layout")
+    if dp:
+        g.add_argument("--dp", type=_positive_int, default=1, help="data-parallel size: ranks that split the batch")
+    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
+    g.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size")
+    g.add_argument("--cp", type=_positive_int, default=1,
+                   help="context-parallel size (a micro-batch holds max_tokens_per_gpu * cp tokens)")
+    g.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size (MoE models)")
+    g.add_argument("--vpp", type=_positive_int, default=1, help="virtual pipeline stages per rank (interleaved 1F1B)")
+    g.add_argument("--microbatch-group-size-per-vp-stage", type=_positive_int, default=None,
+                   help="Megatron's N for interleaved pipelines (default: pp)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallelism: tokens per micro-batch must divide by tp")
+
+
+def _layout(args: argparse.Namespace) -> Any:
+    from .parallel import ParallelConfig
+
+    return ParallelConfig(dp=getattr(args, "dp", 1), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp,
+                          microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+                          sequence_parallel=args.sequence_parallel)
+
+
+# ============================================================================================ bench
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.report import format_report
+    from .bench.runner import ALGORITHMS, iter_algorithms, run_bench
+    from .bench.workloads import WORKLOADS, select_workloads
+
+    if args.list:
+        for w in WORKLOADS.values():
+            print(f"{w.name:<26} {'' if w.default else '(not in default run) '}{w.description}")
+        print("\nalgorithms: " + ", ".join(ALGORITHMS))
+        return 0
+    workloads = select_workloads(args.workloads)
+    plot_workload = args.plot_workload or workloads[0].name
+    if args.plot and plot_workload not in [w.name for w in workloads]:
+        raise DynBatchConfigError("--plot-workload", plot_workload, "is not among the workloads being run",
+                                  f"use one of {', '.join(w.name for w in workloads)}")
+    result = run_bench(workloads, seeds=args.seeds, algorithms=iter_algorithms(args.algorithms),
+                       speed=not args.no_speed, speed_repeats=args.speed_repeats, progress=args.progress,
+                       keep_plans=bool(args.plot), argv=args.argv)
+    if args.output:
+        Path(args.output).write_text(result.to_json(indent=1) + "\n", encoding="utf-8")
+    if args.json:
+        print(result.to_json(indent=1))
+    else:
+        print(format_report(result))
+    if args.plot:
+        from .bench.plot import plot_timelines
+
+        plans = {k[2]: v for k, v in result.plans.items() if k[0] == plot_workload and k[1] == 0}
+        plot_timelines(plans, args.plot, title=f"{plot_workload} (seed 0): per-rank timelines")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    bad = result.dynbatch_cap_violations
+    broken = [r for r in result.dynbatch_errors if r.algorithm == "dynbatch"]
+    if bad or broken:
+        print(f"{PROG}: error: the planner produced {bad} over-budget micro-batch(es) and {len(broken)} failed or "
+              f"malformed plan(s); this is a bug", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ============================================================================================ plan
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .planner import plan_global_batch
+
+    lengths = _read_values(args.lengths, "--lengths", integers=True)
+    group_ids = _read_values(args.group_ids, "--group-ids", integers=False) if args.group_ids else None
+    par = _layout(args)
+    if args.model:  # check the layout against the model (tp divides the heads, ep the experts, ...)
+        from .flops import per_gpu_flops
+
+        per_gpu_flops(1.0, args.model, par)
+    balance_by = args.balance_by or ("flops" if args.model else "tokens")
+    plan = plan_global_batch(lengths, model=args.model, parallel=par, max_tokens_per_gpu=args.max_tokens_per_gpu,
+                             balance_by=balance_by, group_ids=group_ids, samples_per_step=args.samples_per_step,
+                             oversize=args.oversize, fp8_alignment=args.fp8, num_microbatches=args.num_microbatches)
+    if args.json:
+        print(plan.to_json(indent=1))
+        return 0
+    print(_plan_summary(plan, args, balance_by, len(lengths)))
+    print()
+    print(_rank_table(plan, args.max_ranks))
+    if args.compare:
+        print()
+        print(_compare(plan, lengths, args, par))
+    return 0
+
+
+def _plan_summary(plan: Any, args: argparse.Namespace, balance_by: str, n: int) -> str:
+    p = plan.parallel
+    a = plan.alignment
+    total = plan.real_tokens + plan.padding_tokens
+    lines = [
+        f"plan: {n} samples over dp={p.dp} (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} vpp={p.vpp}), "
+        f"model {args.model or '(none)'}, balanced by {balance_by}",
+        f"budget: max_tokens_per_gpu={args.max_tokens_per_gpu} -> at most {plan.cap:,} tokens per micro-batch "
+        f"(sequences padded to x{a.seq_multiple}, micro-batches to x{a.total_multiple})",
+        f"micro-batches per rank: {plan.num_microbatches} (lower bound {plan.lower_bound_microbatches}); "
+        f"per optimizer step: {plan.microbatches_per_step}",
+        f"predicted step time: {plan.predicted_step_time:.4f} s (lower bound {plan.lower_bound_step_time:.4f} s, "
+        f"x{plan.step_time_vs_lower_bound:.4f}); imbalance (max/mean rank time) {plan.imbalance:.4f}",
+        f"tokens: {plan.real_tokens:,} real + {plan.padding_tokens:,} padding "
+        f"({100 * plan.padding_tokens / total if total else 0:.2f}%); largest micro-batch "
+        f"{plan.max_microbatch_tokens:,} / {plan.cap:,}; over budget: {plan.cap_violations}",
+        f"planning time: {1e3 * plan.planning_time_s:.1f} ms",
+    ]
+    if plan.oversize_samples:
+        lines.append(f"samples over budget, each alone: {plan.oversize_samples}")
+    return "\n".join(lines)
+
+
+def _rank_table(plan: Any, max_ranks: int) -> str:
+    head = f"{'rank':>5}  {'mbs':>4}  {'samples':>7}  {'tokens':>10}  {'fwd TFLOP':>10}  {'time s':>8}  " \
+           f"micro-batch tokens (execution order)"
+    rows = [head, "-" * len(head)]
+    for r in range(min(plan.dp, max_ranks)):
+        mbt = plan.microbatch_tokens[r]
+        shown = ", ".join(str(t) for t in mbt[:12]) + (f", ... (+{len(mbt) - 12})" if len(mbt) > 12 else "")
+        rows.append(f"{r:>5}  {len(plan.micro_batches[r]):>4}  {sum(len(m) for m in plan.micro_batches[r]):>7}  "
+                    f"{int(plan.rank_tokens[r]):>10,}  {plan.rank_flops[r] / 1e12:>10.2f}  "
+                    f"{plan.rank_time[r]:>8.4f}  [{shown}]")
+    if plan.dp > max_ranks:
+        rows.append(f"... {plan.dp - max_ranks} more ranks (raise --max-ranks to see them, or use --json)")
+    return "\n".join(rows)
+
+
+def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: Any) -> str:
+    from .baselines import BASELINES, BaselineContext, run_baseline
+    from .cost_model import CostModel
+
+    cm = CostModel.from_model(args.model, par) if args.model else CostModel.tokens_only(par)
+    ctx = BaselineContext.build(par, args.max_tokens_per_gpu, args.model, args.fp8)
+    lb = plan.lower_bound_step_time
+    out = [f"{'algorithm':<14} {'step s':>9} {'x LB':>7} {'mb/rank':>8} {'over budget':>11}",
+           f"{'dynbatch':<14} {plan.predicted_step_time:>9.4f} {plan.step_time_vs_lower_bound:>7.4f} "
+           f"{plan.num_microbatches:>8} {plan.cap_violations:>11}"]
+    for name in BASELINES:
+        res = run_baseline(name, lengths, ctx, cm)
+        if res.error:
+            out.append(f"{name:<14} failed: {res.error}")
+            continue
+        q = res.plan
+        counts = {len(r) for r in q.micro_batches}
+        mb = str(max(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
+        out.append(f"{name:<14} {q.predicted_step_time:>9.4f} {q.predicted_step_time / lb if lb else 0:>7.4f} "
+                   f"{mb:>8} {q.cap_violations:>11}")
+    return "\n".join(out)
+
+
+# ============================================================================================ flops
+def _cmd_flops(args: argparse.Namespace) -> int:
+    from .flops import FWD_BWD_FACTOR, flops_breakdown, per_gpu_flops
+    from .model_spec import ModelSpec
+
+    spec = ModelSpec.from_any(args.model)
+    par = _layout(args)
+    b = flops_breakdown(spec)
+    share = float(per_gpu_flops(1.0, spec, par))  # validates the layout against the model
+    rows = []
+    for L in args.seqlen:
+        fwd = b.linear * L + b.quadratic * L * L
+        rows.append({"seqlen": L, "fwd_flops": fwd, "fwd_bwd_flops": FWD_BWD_FACTOR * fwd,
+                     "fwd_bwd_flops_per_gpu": FWD_BWD_FACTOR * fwd * share,
+                     "attention_fraction": b.quadratic * L * L / fwd if fwd else 0.0})
+    if args.json:
+        print(json.dumps({"model": spec.name, "parallel": par.to_dict(), "linear": b.linear,
+                          "quadratic": b.quadratic, "breakdown": b.to_dict(), "gpus_per_replica": round(1 / share),
+                          "rows": rows}, indent=1))
+        return 0
+    print(f"model: {spec.name or args.model}  ({spec.num_layers} layers, hidden {spec.hidden_size}"
+          f"{', MoE ' + str(spec.num_experts) + ' experts top-' + str(spec.moe_router_topk) if spec.num_experts else ''})")
+    print("forward FLOPs of one sequence of length L: linear*L + quadratic*L^2 with")
+    print(f"  linear    = {b.linear:.6e} FLOPs/token")
+    print(f"  quadratic = {b.quadratic:.6e} FLOPs/token^2 (causal core attention)")
+    parts = {k: v for k, v in b.to_dict().items() if k != "attention_core_per_sq_token" and v}
+    print("  linear breakdown: " + ", ".join(f"{k.replace('_per_token', '')} {v:.3e}" for k, v in parts.items()))
+    print(f"per-GPU share: 1/(tp*pp*cp) = 1/{round(1 / share)} (tp={par.tp} pp={par.pp} cp={par.cp}; ep={par.ep} "
+          f"moves routed-expert work but not the average)")
+    print()
+    head = f"{'seqlen':>8}  {'fwd TFLOP':>11}  {'fwd+bwd TFLOP':>13}  {'per GPU TFLOP':>13}  {'attention %':>11}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['seqlen']:>8}  {r['fwd_flops'] / 1e12:>11.3f}  {r['fwd_bwd_flops'] / 1e12:>13.3f}  "
+              f"{r['fwd_bwd_flops_per_gpu'] / 1e12:>13.3f}  {100 * r['attention_fraction']:>11.1f}")
+    return 0
+
+
+# ============================================================================================ demo
+def _cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        from .demo import main as demo_main
+    except ModuleNotFoundError as exc:
+        if exc.name in ("megatron_dynbatch.demo",):
+            print(f"{PROG}: error: the demo is not available in this installation (megatron_dynbatch/demo.py is "
+                  f"missing)", file=sys.stderr)
+        else:
+            print(f"{PROG}: error: the demo needs torch and megatron-core ({exc.name} is not installed); "
+                  f"pip install 'megatron-dynbatch[megatron]' (see scripts/setup.sh)", file=sys.stderr)
+        return 2
+    rc = demo_main(list(args.demo_args))
+    return int(rc or 0)
+
+
+# ============================================================================================ parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="FLOPs-balanced dynamic micro-batching for Megatron-Core: benchmark, plan, FLOPs.")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,plan,flops,demo}")
+
+    b = sub.add_parser("bench", help="run the built-in benchmark (defaults: every default workload, all algorithms)",
+                       description="Plan every built-in workload with dynbatch and the baselines, score all with "
+                                   "the same cost model, and print a table (or JSON).")
+    b.add_argument("--workloads", default=None,
+                   help="comma-separated workload names (default: all default workloads; see --list)")
+    b.add_argument("--algorithms", default=None,
+                   help="comma-separated subset of algorithms to run (default: all; see --list)")
+    b.add_argument("--seeds", type=_positive_int, default=1,
+                   help="repeat every workload with seeds 0..N-1 (table shows means; JSON keeps every seed)")
+    b.add_argument("--json", action="store_true", help="print the results as JSON on stdout instead of the table")
+    b.add_argument("--output", metavar="FILE", default=None, help="also write the JSON results to FILE")
+    b.add_argument("--plot", metavar="PNG", default=None,
+                   help="write per-rank timelines (one panel per algorithm) of one workload to this image")
+    b.add_argument("--plot-workload", default=None, help="workload to plot (default: the first one run)")
+    b.add_argument("--no-speed", action="store_true", help="skip the planning-speed micro-benchmark")
+    b.add_argument("--speed-repeats", type=_positive_int, default=3,
+                   help="timed runs per planning-speed case (median reported; default 3)")
+    b.add_argument("--list", action="store_true", help="list the workloads and algorithms and exit")
+    prog = b.add_mutually_exclusive_group()
+    prog.add_argument("--progress", dest="progress", action="store_true", default=None,
+                      help="always show the progress bar (default: only when stderr is a terminal)")
+    prog.add_argument("--no-progress", dest="progress", action="store_false", help="never show the progress bar")
+    b.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("plan", help="plan one global batch read from a file",
+                       description="Plan one global batch and print the summary and each rank's micro-batches.")
+    p.add_argument("--lengths", required=True, metavar="FILE",
+                   help="tokens per sample: .txt (one per line), .json (a list) or .npy")
+    p.add_argument("--model", default=None,
+                   help="model preset name (e.g. qwen3-8b) or a YAML/JSON/config.json path; needed to balance FLOPs")
+    _add_layout_args(p)
+    p.add_argument("--max-tokens-per-gpu", type=_positive_int, required=True,
+                   help="per-GPU token budget; a micro-batch holds at most this times cp tokens")
+    bal = p.add_mutually_exclusive_group()
+    bal.add_argument("--balance-by-flops", dest="balance_by", action="store_const", const="flops",
+                     help="balance model FLOPs across ranks and micro-batches (default when --model is given)")
+    bal.add_argument("--balance-by-tokens", dest="balance_by", action="store_const", const="tokens",
+                     help="balance token counts (default without --model)")
+    bal.add_argument("--balance-by-time", dest="balance_by", action="store_const", const="time",
+                     help="balance the cost model's predicted seconds (attention and GEMMs at their own efficiency)")
+    p.add_argument("--group-ids", metavar="FILE", default=None,
+                   help="one group id per sample (same formats); a group (GRPO prompt) stays on one DP rank")
+    p.add_argument("--samples-per-step", type=_positive_int, default=None,
+                   help="split the batch into optimizer steps of exactly this many consecutive samples")
+    p.add_argument("--oversize", choices=("error", "alone"), default="error",
+                   help="a sample over the budget: fail (default) or run it alone in its own micro-batch")
+    p.add_argument("--fp8", type=_fp8, default=None, metavar="RECIPE|N",
+                   help="FP8 token alignment: fp8, mxfp8, nvfp4, blockwise, or a token multiple")
+    p.add_argument("--num-microbatches", type=_positive_int, default=None,
+                   help="force this many micro-batches per rank (fails if the budget cannot hold it)")
+    p.add_argument("--max-ranks", type=_positive_int, default=32, help="ranks shown in the table (default 32)")
+    p.add_argument("--compare", action="store_true",
+                   help="also score the baselines (fixed_padded, slime, verl, nemo_rl, ...) on the same batch")
+    p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    p.set_defaults(func=_cmd_plan)
+
+    f = sub.add_parser("flops", help="FLOPs of a model at given sequence lengths",
+                       description="Forward and forward+backward FLOPs, the per-GPU share, and the linear/quadratic "
+                                   "coefficients the planner balances.")
+    f.add_argument("--model", required=True, help="model preset name or YAML/JSON/config.json path")
+    f.add_argument("--seqlen", type=_positive_int, nargs="+", default=[4096],
+                   help="one or more sequence lengths (default 4096)")
+    _add_layout_args(f, dp=False)
+    f.add_argument("--json", action="store_true", help="print JSON")
+    f.set_defaults(func=_cmd_flops)
+
+    d = sub.add_parser("demo", help="train a tiny GPT with real megatron-core on CPU ranks (needs torch)",
+                       description="Runs megatron_dynbatch.demo; arguments after 'demo' are passed to it.")
+    d.add_argument("demo_args", nargs=argparse.REMAINDER, help="arguments for the demo (see 'demo --help')")
+    d.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``megatron-dynbatch`` console script; returns the exit status."""
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["demo"]:  # everything after 'demo' (including --help) belongs to the demo's own parser
+        return _cmd_demo(argparse.Namespace(demo_args=raw[1:]))
+    parser = build_parser()
+    try:
+        args = parser.parse_args(raw)
+    except SystemExit as exc:  # argparse usage errors (2) and --help (0)
+        return int(exc.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    args.argv = raw
+    try:
+        return int(args.func(args) or 0)
+    except DynBatchConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""``megatron-dynbatch`` subcommands, called in-process through ``main([...])`` (one subprocess check)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_dynbatch.cli import main
+from megatron_dynbatch.planner import Plan
+
+LENGTHS = [300, 1200, 40, 800, 2000, 75, 640, 900, 1500, 60, 333, 1024]
+
+
+@pytest.fixture()
+def lengths_txt(tmp_path):
+    p = tmp_path / "lengths.txt"
+    p.write_text("# tokens per sample\n" + "\n".join(map(str, LENGTHS)) + "\n\n")
+    return str(p)
+
+
+def test_flops_table(capsys):
+    assert main(["flops", "--model", "tiny-gpt", "--seqlen", "128", "4096", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "linear" in out and "quadratic" in out and "1/2" in out
+    assert "4096" in out and "attention %" in out
+
+
+def test_flops_json(capsys):
+    assert main(["flops", "--model", "qwen3-30b-a3b", "--ep", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["linear"] > 0 and data["quadratic"] > 0 and data["rows"][0]["seqlen"] == 4096
+    assert data["breakdown"]["routed_experts_per_token"] > 0
+
+
+def test_plan_summary_and_rank_table(lengths_txt, capsys):
+    rc = main(["plan", "--lengths", lengths_txt, "--model", "tiny-gpt", "--dp", "2", "--max-tokens-per-gpu", "2500",
+               "--compare"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "micro-batches per rank" in out and "predicted step time" in out and "over budget: 0" in out
+    assert "rank" in out and "verl" in out and "nemo_rl" in out
+
+
+@pytest.mark.parametrize("fmt", ["json", "npy"])
+def test_plan_json_output_and_file_formats(tmp_path, capsys, fmt):
+    path = tmp_path / f"lengths.{fmt}"
+    if fmt == "json":
+        path.write_text(json.dumps(LENGTHS))
+    else:
+        np.save(path, np.array(LENGTHS))
+    groups = tmp_path / "groups.txt"
+    groups.write_text("\n".join(str(i // 3) for i in range(len(LENGTHS))))
+    rc = main(["plan", "--lengths", str(path), "--dp", "2", "--max-tokens-per-gpu", "2500", "--balance-by-tokens",
+               "--group-ids", str(groups), "--json"])
+    assert rc == 0
+    plan = Plan.from_dict(json.loads(capsys.readouterr().out))
+    plan.validate(len(LENGTHS))
+    for g in range(4):  # every group of 3 stays on one rank
+        ranks = {r for r in range(plan.dp) for i in plan.rank_samples(r) if i // 3 == g}
+        assert len(ranks) == 1
+
+
+def test_bench_small_workload(capsys):
+    assert main(["bench", "--workloads", "smoke", "--no-speed", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "dynbatch" in out and "nemo_rl" in out and "planner cap violations: 0" in out
+
+
+def test_bench_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    rc = main(["bench", "--workloads", "smoke", "--no-speed", "--json", "--plot", str(png),
+               "--algorithms", "dynbatch,verl,fixed_padded"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {r["algorithm"] for r in data["rows"]} == {"dynbatch", "verl", "fixed_padded"}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_list(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo-longcot-8b" in out and "slime" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--lengths", "x.txt", "--dp", "0", "--max-tokens-per-gpu", "10"], "--dp"),
+    (["plan", "--lengths", "/nonexistent/l.txt", "--max-tokens-per-gpu", "10"], "file not found"),
+    (["bench", "--workloads", "nope"], "unknown workload"),
+    (["flops", "--model", "qwen3-8b", "--tp", "3"], "parallel.tp=3"),
+    (["flops", "--model", "no-such-model"], "unknown model preset"),
+])
+def test_errors_exit_2_with_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_oversize_sample_error_message(lengths_txt, capsys):
+    assert main(["plan", "--lengths", lengths_txt, "--max-tokens-per-gpu", "1000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron-dynbatch: error: --max-tokens-per-gpu=1000") and "Fix:" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_bad_lengths_value(tmp_path, capsys):
+    p = tmp_path / "l.txt"
+    p.write_text("12\nabc\n")
+    assert main(["plan", "--lengths", str(p), "--max-tokens-per-gpu", "100"]) == 2
+    assert "--lengths[1]='abc'" in capsys.readouterr().err
+
+
+def test_demo_missing_is_a_clear_message(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "megatron_dynbatch.demo", None)  # import now fails as if absent
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert "demo" in err and "Traceback" not in err
+
+
+def test_console_entry_point_exit_code():
+    proc = subprocess.run([sys.executable, "-m", "megatron_dynbatch.cli", "flops", "--model", "tiny-gpt",
+                           "--seqlen", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--seqlen" in proc.stderr and "Traceback" not in proc.stderr
