@@ -130,8 +130,9 @@ def plan_global_batch(
             need = -(-int(aligned[over].max()) // par.cp)
             raise OversizeSampleError(
                 "--max-tokens-per-gpu", max_tokens_per_gpu, where,
-                f"raise --max-tokens-per-gpu to at least {need}, truncate the sample, or pass "
-                f"--dynbatch-oversize alone (oversize='alone') to run it in a micro-batch of its own",
+                f"raise --max-tokens-per-gpu to at least {need}, truncate the sample, or run it in a micro-batch "
+                f"of its own with oversize='alone' (--dynbatch-oversize alone in a Megatron launch, --oversize "
+                f"alone for megatron-dynbatch plan)",
             )
         warnings.warn(f"oversize='alone': {where}; each runs alone in its own micro-batch over the budget",
                       OversizeSampleWarning, stacklevel=2)
@@ -296,7 +297,7 @@ def _plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, lens: np.ndar
 
     lockstep = cm.ep_group > 1 and inp.singletons
 
-    def evaluate(m, polish_evals=300):
+    def evaluate(m, polish_evals=120):
         bins = plan_for_count(inp, dp, m, rounds)
         if bins is not None and pipeline_polish:
             polish_pipeline(bins, inp.aligned, sq, inp.oversize, cap, cm, align, max_evals=polish_evals)
@@ -338,7 +339,7 @@ def _plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, lens: np.ndar
         if res is not None and res[1] < best[1] * (1 - 1e-9):
             best, chosen = res, cand
     if pipeline_polish:  # spend the larger polishing budget on the winner only
-        final = evaluate(chosen, polish_evals=3000)
+        final = evaluate(chosen, polish_evals=1500)
         if final[1] <= best[1]:
             best = final
     return best[0], lb_m
@@ -370,7 +371,7 @@ def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, in
         target = int(math.ceil(math.sqrt(bubble * max(w, 1e-12) / cm.overhead_s)))
         hi = min(m_max, max(m, target))
         if hi > m:
-            raw = np.unique(np.geomspace(m + 1, hi, num=min(6, hi - m)).round().astype(int))
+            raw = np.unique(np.geomspace(m + 1, hi, num=min(5, hi - m)).round().astype(int))
             out = sorted({next_valid_microbatch_count(int(c), par) for c in raw})
     elif best[2] > 1.002:
         out = [next_valid_microbatch_count(m + 1, par)]

@@ -140,7 +140,7 @@ def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) 
 
 
 def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int, rtol: float = 1e-4,
-                 global_budget: int = 20_000_000) -> None:
+                 global_budget: int = 1_000_000) -> None:
     """Phase 2: in place, shrink the heaviest rank by moving or swapping one unit with a light rank.
 
     Cheap first: the heaviest rank against each of the four lightest, the exchange closest to half their gap.
