@@ -1,0 +1,566 @@
+"""Run presets: one typed, validated object for everything a dynamic-batching training run decides.
+
+A :class:`RunConfig` names the model (a preset such as ``"qwen3-8b"`` or an inline mapping of
+:class:`~megatron_dynbatch.model_spec.ModelSpec` fields), the parallel layout, the token budgets, the
+balancing mode, the oversize policy, FP8 alignment, the loss normalisation and the optimizer-step size. It is
+the single source for three consumers that must agree with each other:
+
+* the planner -- :meth:`RunConfig.planner_kwargs` gives the exact keyword arguments of
+  :func:`~megatron_dynbatch.plan_global_batch` (training, or the forward-only log-prob pass);
+* Megatron -- :meth:`RunConfig.to_megatron_args` gives the command-line flags the preset implies (layout,
+  dispatcher, batching flags); model-shape flags stay in the launch script;
+* people -- ``configs/runs/<name>.yaml`` is readable and is checked at load time.
+
+Every problem raises :class:`~megatron_dynbatch.errors.DynBatchConfigError` at construction, naming the field,
+its value and the fix; unknown keys are rejected with close-match suggestions. Bare names resolve in the
+``runs/`` sibling of every model-preset directory (:func:`run_preset_dirs`), so ``$MEGATRON_DYNBATCH_CONFIGS``
+works for both kinds of preset.
+
+This module is pure Python (+ PyYAML): it never imports torch or megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from .alignment import Alignment
+from .errors import DynBatchConfigError
+from .model_spec import ModelSpec, available_presets, preset_dirs
+from .parallel import ParallelConfig
+
+__all__ = ["RunConfig", "run_preset_dirs", "available_run_presets", "LOSS_MODES", "BALANCE_MODES",
+           "OVERSIZE_POLICIES", "MOE_DISPATCHERS"]
+
+# Kept as literals (not imported from planner/loss/args) so that this module stays import-light; tests check
+# them against those modules. Balancing by "time" needs a calibrated CostModel object: use the Python API.
+BALANCE_MODES = ("flops", "tokens")
+OVERSIZE_POLICIES = ("error", "alone")
+LOSS_MODES = ("token_mean", "sample_mean", "group_mean", "token_sum")
+GROUP_REDUCE = ("token", "sample")
+#: MoE token dispatchers that accept variable token counts per rank (``allgather`` does not).
+MOE_DISPATCHERS = ("alltoall", "flex")
+
+# Keys of the ``parallel:`` mapping beyond ParallelConfig's own fields.
+_PARALLEL_EXTRA = ("world_size", "etp", "expert_tensor_parallel_size")
+# Megatron flags that make an uneven pipeline split legal (layers not divisible by pp * vpp).
+_UNEVEN_PP_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                    "--pipeline-model-parallel-layout")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A validated run preset. Build it with :meth:`from_yaml` (a file or a preset name), :meth:`from_dict` or
+    :meth:`from_any`; see ``configs/runs/*.yaml`` for the YAML form and the module docstring for the purpose.
+
+    Fields:
+        name: label of the run.
+        model: a model preset name (``"qwen3-8b"``) or a mapping of ModelSpec fields.
+        layout: the :class:`ParallelConfig` -- the ``parallel:`` mapping of the YAML form (``dp`` is derived from
+            ``world_size`` when given; ``etp`` goes to ``expert_tensor_parallel_size``). Read it with
+            :meth:`parallel`.
+        max_tokens_per_gpu: per-GPU token budget of a training micro-batch (a micro-batch holds at most
+            ``max_tokens_per_gpu * cp`` tokens after alignment padding).
+        log_probs_max_tokens_per_gpu: budget of forward-only passes (log-probs, reference model); no
+            activations are kept for backward there, so it is usually larger. Default: ``max_tokens_per_gpu``.
+        balance_by: ``"flops"`` (default) or ``"tokens"``.
+        oversize: ``"error"`` (default) or ``"alone"`` for a sample longer than the budget.
+        fp8_alignment: ``None``, a recipe name (``"fp8"``, ``"mxfp8"``, ``"nvfp4"``, ...) or a token multiple.
+        loss_mode: ``"token_mean"`` (default), ``"sample_mean"``, ``"group_mean"`` or ``"token_sum"``.
+        group_reduce: for ``group_mean``: ``"token"`` (default) or ``"sample"``.
+        samples_per_step: samples per optimizer step (Megatron's ``--global-batch-size``); ``None`` = the whole
+            global batch is one step.
+        group_size: samples per group (GRPO responses per prompt); consecutive samples form a group and stay on
+            one DP rank. ``None`` = no groups.
+        expert_tensor_parallel_size: Megatron's ETP for expert layers (default: ``tp``).
+        moe_token_dispatcher_type: ``"alltoall"`` (default for MoE) or ``"flex"``; ``"allgather"`` is refused.
+        megatron_args: extra Megatron flags appended verbatim by :meth:`to_megatron_args`.
+        description: free text.
+    """
+
+    name: str
+    model: Union[str, Mapping[str, Any]]
+    layout: ParallelConfig
+    max_tokens_per_gpu: int
+    log_probs_max_tokens_per_gpu: Optional[int] = None
+    balance_by: str = "flops"
+    oversize: str = "error"
+    fp8_alignment: Union[None, str, int] = None
+    loss_mode: str = "token_mean"
+    group_reduce: str = "token"
+    samples_per_step: Optional[int] = None
+    group_size: Optional[int] = None
+    expert_tensor_parallel_size: Optional[int] = None
+    moe_token_dispatcher_type: Optional[str] = None
+    megatron_args: Tuple[str, ...] = ()
+    description: str = ""
+    _spec: Optional[ModelSpec] = field(default=None, init=False, repr=False, compare=False)
+
+    # ------------------------------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise DynBatchConfigError("name", self.name, "must be a non-empty string", "name the run, e.g. 'qwen3-8b-grpo'")
+        if not isinstance(self.description, str):
+            raise DynBatchConfigError("description", self.description, "must be a string", "write free text or omit it")
+        spec = self._resolve_model()
+        set_("_spec", spec)
+        if not isinstance(self.layout, ParallelConfig):
+            set_("layout", ParallelConfig.from_any(self.layout))
+        par: ParallelConfig = self.layout
+
+        self._check_budgets(par)
+        self._check_choices()
+        self._check_steps(par)
+        self._check_layout(spec, par)
+        self._check_moe(spec, par)
+        if isinstance(self.megatron_args, str) or not all(isinstance(a, str) for a in self.megatron_args):
+            raise DynBatchConfigError("megatron_args", self.megatron_args, "must be a list of strings",
+                                      "write one flag or value per list entry, e.g. ['--recompute-granularity', 'full']")
+        set_("megatron_args", tuple(self.megatron_args))
+
+    def _resolve_model(self) -> ModelSpec:
+        if isinstance(self.model, str):
+            if not self.model.strip():
+                raise DynBatchConfigError("model", self.model, "is empty", f"use a preset name ({', '.join(available_presets())})")
+            return ModelSpec.from_yaml(self.model)
+        if isinstance(self.model, Mapping):
+            return ModelSpec.from_dict({"name": self.name, **dict(self.model)})
+        raise DynBatchConfigError("model", self.model, "must be a model preset name or a mapping of ModelSpec fields",
+                                  "write model: qwen3-8b, or model: {num_layers: ..., hidden_size: ...}")
+
+    def _check_budgets(self, par: ParallelConfig) -> None:
+        align = Alignment.for_layout(par, self.fp8_alignment)  # also validates fp8_alignment
+        for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+            value = getattr(self, name)
+            if value is None and name == "log_probs_max_tokens_per_gpu":
+                continue
+            if not _is_int(value) or value < 1:
+                raise DynBatchConfigError(name, value, "must be a positive integer",
+                                          f"set {name} to a per-GPU token count, e.g. 16384")
+            cap = value * par.cp
+            if align.effective_cap(cap) < align.seq_multiple:
+                need = -(-max(align.total_multiple, align.seq_multiple) // par.cp)
+                raise DynBatchConfigError(
+                    name, value, f"a micro-batch of {cap} tokens cannot hold one aligned sequence (per-sequence "
+                    f"multiple {align.seq_multiple}, micro-batch multiple {align.total_multiple})",
+                    f"use {name} >= {need}")
+
+    def _check_choices(self) -> None:
+        for name, allowed in (("balance_by", BALANCE_MODES), ("oversize", OVERSIZE_POLICIES),
+                              ("loss_mode", LOSS_MODES), ("group_reduce", GROUP_REDUCE)):
+            value = getattr(self, name)
+            if value not in allowed:
+                close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise DynBatchConfigError(name, value, "is not a known choice", f"{hint}use one of {list(allowed)}")
+
+    def _check_steps(self, par: ParallelConfig) -> None:
+        for name in ("samples_per_step", "group_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise DynBatchConfigError(name, value, "must be a positive integer or null",
+                                          f"set {name} to a whole number, or remove it")
+        g = self.group_size or 1
+        if self.samples_per_step is not None:
+            if self.samples_per_step % g:
+                raise DynBatchConfigError("samples_per_step", self.samples_per_step,
+                                          f"is not a multiple of group_size={g}, so a group would span two steps",
+                                          f"use a multiple of {g}")
+            if self.samples_per_step % par.dp:
+                raise DynBatchConfigError(
+                    "samples_per_step", self.samples_per_step,
+                    f"is not divisible by dp={par.dp}; it becomes Megatron's --global-batch-size, which must divide by "
+                    f"--micro-batch-size (1) x dp", f"use a multiple of {par.dp}")
+            if self.samples_per_step // g < par.dp:
+                what = "groups" if self.group_size else "samples"
+                raise DynBatchConfigError(
+                    "samples_per_step", self.samples_per_step,
+                    f"gives {self.samples_per_step // g} {what} per step for dp={par.dp} ranks, so a rank would run "
+                    f"an empty micro-batch", f"use at least {par.dp * g}")
+        if self.loss_mode == "group_mean" and self.group_size is None:
+            raise DynBatchConfigError("group_size", None, "loss_mode='group_mean' needs groups",
+                                      "set group_size (responses per prompt), or use loss_mode: token_mean")
+
+    def _check_layout(self, spec: ModelSpec, par: ParallelConfig) -> None:
+        heads, groups = spec.num_attention_heads, spec.num_query_groups
+        if heads % par.tp:
+            raise DynBatchConfigError("parallel.tp", par.tp, f"does not divide num_attention_heads={heads} of "
+                                      f"{spec.name}", f"use a tp that divides {heads}")
+        if not spec.multi_latent_attention and groups % par.tp:
+            raise DynBatchConfigError("parallel.tp", par.tp, f"does not divide num_query_groups={groups} of "
+                                      f"{spec.name} (Megatron splits KV heads over TP ranks)",
+                                      f"use a tp that divides {groups}")
+        if par.sequence_parallel and par.tp == 1:
+            raise DynBatchConfigError("parallel.sequence_parallel", True, "needs tensor parallelism (tp > 1); "
+                                      "Megatron silently turns it off at tp=1", "set sequence_parallel: false or tp > 1")
+        uneven = any(a in self.megatron_args for a in _UNEVEN_PP_FLAGS)
+        chunks = par.pp * par.vpp
+        if chunks > 1 and spec.num_layers % chunks and not uneven:
+            raise DynBatchConfigError(
+                "parallel.pp", par.pp, f"pp x vpp = {chunks} does not divide num_layers={spec.num_layers}",
+                f"choose pp/vpp dividing {spec.num_layers}, or add an uneven split to megatron_args "
+                f"({' / '.join(_UNEVEN_PP_FLAGS)})")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and (not _is_int(etp) or etp < 1):
+            raise DynBatchConfigError("parallel.etp", etp, "must be a positive integer", "use 1 or leave it unset (= tp)")
+
+    def _check_moe(self, spec: ModelSpec, par: ParallelConfig) -> None:
+        dispatcher = self.moe_token_dispatcher_type
+        if not spec.is_moe:
+            if par.ep > 1:
+                raise DynBatchConfigError("parallel.ep", par.ep, f"expert parallelism needs an MoE model; "
+                                          f"{spec.name} is dense", "set ep: 1")
+            if dispatcher is not None:
+                raise DynBatchConfigError("moe_token_dispatcher_type", dispatcher, f"{spec.name} is dense",
+                                          "remove moe_token_dispatcher_type")
+            return
+        if dispatcher is None:
+            object.__setattr__(self, "moe_token_dispatcher_type", "alltoall")
+        elif dispatcher not in MOE_DISPATCHERS:
+            why = ("the allgather dispatcher needs the same token count on every rank, which dynamic micro-batches "
+                   "do not have" if dispatcher == "allgather" else "unknown dispatcher")
+            raise DynBatchConfigError("moe_token_dispatcher_type", dispatcher, why, f"use one of {list(MOE_DISPATCHERS)}")
+        experts = int(spec.num_experts or 0)
+        if experts % par.ep:
+            raise DynBatchConfigError("parallel.ep", par.ep, f"does not divide num_experts={experts}",
+                                      f"use an ep that divides {experts}")
+        etp = self.expert_tensor_parallel_size or par.tp
+        group = etp * par.ep * par.pp
+        if par.world_size % group:
+            raise DynBatchConfigError(
+                "parallel.ep", par.ep, f"world size {par.world_size} is not divisible by etp x ep x pp = "
+                f"{etp} x {par.ep} x {par.pp} (Megatron's expert-parallel grid)",
+                "choose ep (and etp) so that etp * ep * pp divides dp * tp * pp * cp")
+
+    # --------------------------------------------------------------------------------------------- views
+    def model_spec(self) -> ModelSpec:
+        """The resolved :class:`ModelSpec` (validated at construction)."""
+        assert self._spec is not None
+        return self._spec
+
+    def parallel(self) -> ParallelConfig:
+        """The :class:`ParallelConfig` of the run (the YAML ``parallel:`` mapping, validated)."""
+        return self.layout
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def effective_log_probs_max_tokens_per_gpu(self) -> int:
+        return self.log_probs_max_tokens_per_gpu or self.max_tokens_per_gpu
+
+    def group_ids(self, num_samples: int) -> Optional[List[int]]:
+        """Group id of each sample when consecutive ``group_size`` samples form a group (GRPO layout), else
+        ``None``. Pass it as ``plan_global_batch(..., group_ids=...)``."""
+        if self.group_size is None:
+            return None
+        if num_samples % self.group_size:
+            raise DynBatchConfigError("num_samples", num_samples, f"is not a multiple of group_size={self.group_size}",
+                                      "pass whole groups (prompts x responses per prompt)")
+        return [i // self.group_size for i in range(num_samples)]
+
+    def planner_kwargs(self, *, forward_only: bool = False) -> Dict[str, Any]:
+        """Keyword arguments for :func:`~megatron_dynbatch.plan_global_batch` (add ``lengths`` and, with groups,
+        ``group_ids=self.group_ids(n)``).
+
+        ``forward_only=True`` plans a log-prob / reference pass: the budget is
+        ``log_probs_max_tokens_per_gpu`` and there is no optimizer step, so ``samples_per_step`` is dropped."""
+        return {
+            "model": self.model_spec(),
+            "parallel": self.layout,
+            "max_tokens_per_gpu": self.effective_log_probs_max_tokens_per_gpu if forward_only else self.max_tokens_per_gpu,
+            "balance_by": self.balance_by,
+            "oversize": self.oversize,
+            "fp8_alignment": self.fp8_alignment,
+            "samples_per_step": None if forward_only else self.samples_per_step,
+        }
+
+    def to_megatron_args(self) -> List[str]:
+        """The Megatron-LM command-line flags this preset implies, as an argv list.
+
+        Layout (``--tensor-model-parallel-size`` ... ``--sequence-parallel``), the MoE dispatcher, the batch
+        shape Megatron's bookkeeping needs (``--micro-batch-size 1 --global-batch-size samples_per_step``: the
+        learning-rate schedule and the consumed-samples counter then count samples exactly), and the
+        dynamic-batching flags of :mod:`megatron_dynbatch.args` (without ``fp8_alignment`` the flag is left out,
+        so that :mod:`megatron_dynbatch.args` derives it from Megatron's own ``--fp8-*`` flags).
+        ``group_size`` has no flag: at run time groups come from each sample's ``group_id``. Model-shape flags (``--num-layers``, norms,
+        RoPE, ...) are not implied by a :class:`ModelSpec` and stay in the launch script. ``dp`` is not a flag:
+        Megatron derives it from the world size.
+        """
+        p = self.layout
+        out = ["--tensor-model-parallel-size", str(p.tp), "--pipeline-model-parallel-size", str(p.pp),
+               "--context-parallel-size", str(p.cp)]
+        if p.vpp > 1:
+            out += ["--num-virtual-stages-per-pipeline-rank", str(p.vpp)]
+        if p.microbatch_group_size_per_vp_stage is not None:
+            out += ["--microbatch-group-size-per-virtual-pipeline-stage", str(p.microbatch_group_size_per_vp_stage)]
+        if p.sequence_parallel:
+            out.append("--sequence-parallel")
+        if self.model_spec().is_moe:
+            out += ["--expert-model-parallel-size", str(p.ep)]
+            if self.expert_tensor_parallel_size is not None:
+                out += ["--expert-tensor-parallel-size", str(self.expert_tensor_parallel_size)]
+            out += ["--moe-token-dispatcher-type", str(self.moe_token_dispatcher_type)]
+        if self.samples_per_step is not None:
+            out += ["--micro-batch-size", "1", "--global-batch-size", str(self.samples_per_step),
+                    "--dynbatch-samples-per-step", str(self.samples_per_step)]
+        out += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(self.max_tokens_per_gpu)]
+        if self.log_probs_max_tokens_per_gpu is not None:
+            out += ["--log-probs-max-tokens-per-gpu", str(self.log_probs_max_tokens_per_gpu)]
+        if self.balance_by == "flops":
+            out.append("--balance-by-flops")
+        if self.oversize != "error":
+            out += ["--dynbatch-oversize", self.oversize]
+        if self.fp8_alignment is not None:
+            out += ["--dynbatch-fp8-alignment", str(self.fp8_alignment)]
+        if self.loss_mode != "token_mean":
+            out += ["--dynbatch-loss-mode", self.loss_mode]
+        if self.group_reduce != "token":
+            out += ["--dynbatch-group-reduce", self.group_reduce]
+        return out + list(self.megatron_args)
+
+    # ----------------------------------------------------------------------------------- serialisation
+    def to_dict(self) -> Dict[str, Any]:
+        """The YAML form (``parallel:`` as a mapping, model as given); ``RunConfig.from_dict(d) == self``."""
+        out: Dict[str, Any] = {}
+        for f in fields(self):
+            if f.name.startswith("_"):
+                continue
+            value = getattr(self, f.name)
+            if f.name == "layout":
+                value = value.to_dict()
+                if self.expert_tensor_parallel_size is not None:
+                    value["etp"] = self.expert_tensor_parallel_size
+                out["parallel"] = value
+                continue
+            if f.name == "expert_tensor_parallel_size":
+                continue
+            if f.name == "megatron_args":
+                value = list(value)
+            if f.name == "model" and isinstance(value, Mapping):
+                value = dict(value)
+            out[f.name] = value
+        return out
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A copy with some fields changed (validated again). ``parallel=`` (a mapping merged into the current
+        layout, or a ParallelConfig) is accepted for ``layout=``."""
+        if "parallel" in changes:
+            changes["layout"] = changes.pop("parallel")
+        if "layout" in changes and not isinstance(changes["layout"], ParallelConfig):
+            new = dict(changes["layout"])
+            merged = {**self.layout.to_dict(), **new}
+            if "world_size" in new and "dp" not in new:
+                merged.pop("dp")  # dp follows the new world size
+            par, etp = _parallel_from_mapping(merged)
+            changes["layout"] = par
+            if etp is not None:
+                changes.setdefault("expert_tensor_parallel_size", etp)
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, name: Optional[str] = None) -> "RunConfig":
+        """Build from the YAML mapping. Unknown keys raise an error naming the key with close matches."""
+        if isinstance(data, RunConfig):
+            return data
+        if not isinstance(data, Mapping):
+            raise DynBatchConfigError("run", type(data).__name__, "must be a mapping of run fields",
+                                      "write 'model: ...', 'parallel: {...}', 'max_tokens_per_gpu: ...' at the top level")
+        known = ["parallel" if f.name == "layout" else f.name for f in fields(cls) if f.init]
+        kwargs: Dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in known:
+                if key in {f.name for f in fields(ParallelConfig)} or key in _PARALLEL_EXTRA:
+                    fix = f"layout keys go under 'parallel:' (parallel: {{{key}: {value!r}}})"
+                else:
+                    close = _suggest(str(key), known)
+                    fix = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {', '.join(known)}"
+                raise DynBatchConfigError(str(key), value, "unknown run field", fix)
+            kwargs[key] = value
+        if name is not None and "name" not in kwargs:
+            kwargs["name"] = name
+        for required in ("model", "parallel", "max_tokens_per_gpu", "name"):
+            if required not in kwargs:
+                raise DynBatchConfigError(required, None, "is required", f"add '{required}: ...' to the run config")
+        par = kwargs.pop("parallel")
+        kwargs["layout"] = par
+        if not isinstance(par, ParallelConfig):
+            par, etp = _parallel_from_mapping(par)
+            kwargs["layout"] = par
+            if etp is not None:
+                if kwargs.get("expert_tensor_parallel_size") not in (None, etp):
+                    raise DynBatchConfigError("parallel.etp", etp, "conflicts with expert_tensor_parallel_size",
+                                              "give the expert tensor-parallel size once")
+                kwargs["expert_tensor_parallel_size"] = etp
+        if "megatron_args" in kwargs and isinstance(kwargs["megatron_args"], list):
+            kwargs["megatron_args"] = tuple(str(a) if _is_int(a) else a for a in kwargs["megatron_args"])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path_or_name: Union[str, os.PathLike]) -> "RunConfig":
+        """Load ``configs/runs/<name>.yaml`` by bare name (see :func:`run_preset_dirs`) or any YAML file."""
+        path = _resolve_run_path(path_or_name)
+        return cls.from_dict(_load_yaml_mapping(path), name=path.stem)
+
+    @classmethod
+    def from_any(cls, run: Union["RunConfig", Mapping[str, Any], str, os.PathLike]) -> "RunConfig":
+        """A ``RunConfig``, a mapping, a preset name or a YAML path."""
+        if isinstance(run, RunConfig):
+            return run
+        if isinstance(run, Mapping):
+            return cls.from_dict(run)
+        if isinstance(run, (str, os.PathLike)):
+            return cls.from_yaml(run)
+        raise DynBatchConfigError("run", run, "cannot build a RunConfig from this",
+                                  f"pass a preset name ({', '.join(available_run_presets())}), a YAML path or a dict")
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _suggest(key: str, known: Sequence[str]) -> List[str]:
+    """Close matches of ``key`` among ``known``, keeping only those about as close as the best one."""
+    scored = sorted(((difflib.SequenceMatcher(None, key, k).ratio(), k) for k in known), reverse=True)
+    if not scored or scored[0][0] < 0.6:
+        return []
+    return [k for r, k in scored[:3] if r >= 0.6 and r >= scored[0][0] - 0.1]
+
+
+def _parallel_from_mapping(par: Any) -> Tuple[ParallelConfig, Optional[int]]:
+    """ParallelConfig from the YAML ``parallel:`` mapping: ``world_size`` derives ``dp``; ``etp`` is split off."""
+    if not isinstance(par, Mapping):
+        raise DynBatchConfigError("parallel", par, "must be a mapping", "write parallel: {world_size: 8, tp: 1, ...}")
+    par = dict(par)
+    for k in list(par):
+        if k not in {f.name for f in fields(ParallelConfig)} and k not in (
+                "vp", "virtual_pipeline_model_parallel_size", "tensor_model_parallel_size",
+                "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                "data_parallel_size") + _PARALLEL_EXTRA:
+            known = [f.name for f in fields(ParallelConfig)] + list(_PARALLEL_EXTRA)
+            close = _suggest(str(k), known)
+            fix = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {known}"
+            raise DynBatchConfigError(f"parallel.{k}", par[k], "unknown parallel field", fix)
+    etp = par.pop("etp", None)
+    etp2 = par.pop("expert_tensor_parallel_size", None)
+    if etp is not None and etp2 is not None and etp != etp2:
+        raise DynBatchConfigError("parallel.etp", etp, f"conflicts with expert_tensor_parallel_size={etp2}",
+                                  "give it once")
+    etp = etp if etp is not None else etp2
+    world = par.pop("world_size", None)
+    if world is not None:
+        if not _is_int(world) or world < 1:
+            raise DynBatchConfigError("parallel.world_size", world, "must be a positive integer",
+                                      "give the total GPU count, e.g. 256")
+        probe = ParallelConfig.from_any({**par, "dp": 1})  # validates tp/pp/cp first
+        mp = probe.model_parallel_size
+        if world % mp:
+            raise DynBatchConfigError(
+                "parallel.world_size", world, f"is not divisible by tp x pp x cp = {probe.tp} x {probe.pp} x "
+                f"{probe.cp} = {mp}", f"use a world size that is a multiple of {mp}, or change the layout")
+        dp = world // mp
+        if "dp" in par and par["dp"] is not None and par["dp"] != dp:
+            raise DynBatchConfigError("parallel.dp", par["dp"], f"world_size={world} / (tp*pp*cp={mp}) gives dp={dp}",
+                                      "give either dp or world_size, or make them agree")
+        par["dp"] = dp
+    return ParallelConfig.from_any(par), etp
+
+
+def run_preset_dirs() -> List[Path]:
+    """Where run preset names are looked up: the ``runs/`` sibling of every ``models/`` directory that
+    :func:`megatron_dynbatch.model_spec.preset_dirs` lists (``$MEGATRON_DYNBATCH_CONFIGS/runs``, then the
+    repository's ``configs/runs``)."""
+    out: List[Path] = []
+    for d in preset_dirs():
+        if d.name == "models":
+            cand = d.parent / "runs"
+            if cand not in out:
+                out.append(cand)
+    return out
+
+
+def available_run_presets() -> List[str]:
+    """Names of every run preset found in :func:`run_preset_dirs` (sorted)."""
+    names: set = set()
+    for d in run_preset_dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def _resolve_run_path(path_or_name: Union[str, os.PathLike]) -> Path:
+    p = Path(path_or_name).expanduser()
+    if p.is_file():
+        return p
+    text = str(path_or_name)
+    looks_like_path = p.suffix.lower() in (".yaml", ".yml") or os.sep in text or "/" in text
+    names = available_run_presets()
+    if looks_like_path:
+        raise DynBatchConfigError("run", text, "file not found", f"check the path, or use a run preset ({', '.join(names)})")
+    key = text.strip().lower()
+    for d in run_preset_dirs():
+        for cand in (d / f"{key}.yaml", d / f"{key}.yml"):
+            if cand.is_file():
+                return cand
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    if key in available_presets():
+        hint = f"{key!r} is a MODEL preset; a run preset names one in its 'model:' field. " + hint
+    raise DynBatchConfigError("run", text, "unknown run preset",
+                              f"{hint}available run presets: {', '.join(names) or '(none found)'}")
+
+
+def _load_yaml_mapping(path: Path) -> Dict[str, Any]:
+    import yaml
+
+    with open(path, encoding="utf-8") as fh:
+        try:
+            data = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise DynBatchConfigError("run", str(path), f"is not valid YAML ({exc})", "fix the file syntax") from None
+    if not isinstance(data, Mapping):
+        raise DynBatchConfigError("run", str(path), "must contain a mapping of run fields",
+                                  "write 'model: ...', 'parallel: {...}', 'max_tokens_per_gpu: ...' at the top level")
+    return dict(data)
+
+
+# ------------------------------------------------------------------------------------------ tiny CLI
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m megatron_dynbatch.run_config {list | show NAME | args NAME}``: list presets, print one as
+    YAML, or print the Megatron flags it implies (one line, shell-quoted) for launch scripts."""
+    import shlex
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("list", "show", "args"):
+        print(main.__doc__.strip() if main.__doc__ else "", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "list":
+        print("\n".join(available_run_presets()))
+        return 0
+    if len(argv) != 2:
+        print(f"usage: python -m megatron_dynbatch.run_config {argv[0]} NAME_OR_PATH", file=sys.stderr)
+        return 2
+    try:
+        rc = RunConfig.from_yaml(argv[1])
+    except DynBatchConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if argv[0] == "args":
+        print(" ".join(shlex.quote(a) for a in rc.to_megatron_args()))
+    else:
+        import yaml
+
+        print(yaml.safe_dump(rc.to_dict(), sort_keys=False).rstrip())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""Run presets (``megatron_dynbatch.run_config``) and the memory estimate (``megatron_dynbatch.memory``)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_dynbatch import DynBatchConfigError, ParallelConfig, plan_global_batch
+from megatron_dynbatch.memory import (
+    _layer_activation_bytes,
+    estimate_max_tokens_per_gpu,
+    estimate_memory,
+    parameter_counts,
+)
+from megatron_dynbatch.model_spec import ModelSpec
+from megatron_dynbatch.run_config import (
+    BALANCE_MODES,
+    GROUP_REDUCE,
+    LOSS_MODES,
+    OVERSIZE_POLICIES,
+    RunConfig,
+    available_run_presets,
+    main,
+    run_preset_dirs,
+)
+
+SHIPPED = ["deepseek-v3-example", "llama-3.1-70b-longcot", "qwen3-30b-a3b-grpo", "qwen3-8b-grpo", "tiny-cpu-demo"]
+
+
+def _base(**overrides):
+    d = {"name": "t", "model": "qwen3-8b", "parallel": {"world_size": 8}, "max_tokens_per_gpu": 8192}
+    d.update(overrides)
+    return d
+
+
+def _lengths(rc: RunConfig, n: int, seed: int = 0) -> np.ndarray:
+    cap = rc.max_tokens_per_gpu * rc.parallel().cp
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(cap / 8), 1.0, n).astype(int), 0, cap // 2)
+
+
+# ------------------------------------------------------------------------------------------- presets
+def test_shipped_presets_are_found():
+    assert set(SHIPPED) <= set(available_run_presets())
+    assert any(d.name == "runs" and d.parent.name == "configs" for d in run_preset_dirs())
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_preset_loads_and_plans(name):
+    rc = RunConfig.from_yaml(name)
+    assert rc.name == name
+    assert rc.model_spec().num_layers > 0
+    assert rc.parallel().world_size == rc.parallel().dp * rc.parallel().tp * rc.parallel().pp * rc.parallel().cp
+    n = rc.samples_per_step or 8 * rc.parallel().dp
+    lengths = _lengths(rc, n)
+    plan = plan_global_batch(lengths, group_ids=rc.group_ids(n), **rc.planner_kwargs())
+    plan.validate(num_samples=n)
+    assert max(max(t) for t in plan.microbatch_tokens) <= rc.max_tokens_per_gpu * rc.parallel().cp
+    fwd = rc.planner_kwargs(forward_only=True)
+    assert fwd["max_tokens_per_gpu"] == rc.effective_log_probs_max_tokens_per_gpu
+    assert fwd["samples_per_step"] is None
+    plan_global_batch(lengths, **fwd).validate(num_samples=n)
+    assert RunConfig.from_dict(rc.to_dict()) == rc  # YAML form round-trips
+
+
+def test_preset_layouts_are_what_the_names_promise():
+    q8 = RunConfig.from_yaml("qwen3-8b-grpo")
+    assert (q8.parallel().dp, q8.parallel().tp, q8.group_size) == (8, 1, 8)
+    moe = RunConfig.from_yaml("qwen3-30b-a3b-grpo")
+    assert (moe.parallel().ep, moe.moe_token_dispatcher_type) == (8, "alltoall")
+    llama = RunConfig.from_yaml("llama-3.1-70b-longcot")
+    p = llama.parallel()
+    assert (p.tp, p.pp, p.cp, p.dp, p.world_size, p.sequence_parallel) == (8, 2, 8, 2, 256, True)
+    ds = RunConfig.from_yaml("deepseek-v3-example")
+    assert (ds.parallel().ep, ds.expert_tensor_parallel_size, ds.parallel().dp) == (64, 1, 32)
+    assert "--decoder-first-pipeline-num-layers" in ds.megatron_args  # 61 layers over pp=16
+
+
+def test_tiny_preset_matches_the_demo_defaults():
+    demo = pytest.importorskip("megatron_dynbatch.demo")
+    rc = RunConfig.from_yaml("tiny-cpu-demo")
+    parser = demo._parser()
+    assert rc.max_tokens_per_gpu == parser.get_default("max_tokens_per_gpu")
+    assert rc.parallel().dp == parser.get_default("dp")
+    assert rc.model_spec().padded_vocab_size == demo.VOCAB
+
+
+def test_from_yaml_accepts_a_path_and_env_preset_dirs(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "my-run.yaml").write_text("model: qwen3-0.6b\nparallel: {dp: 2}\nmax_tokens_per_gpu: 4096\n")
+    monkeypatch.setenv("MEGATRON_DYNBATCH_CONFIGS", str(tmp_path))
+    rc = RunConfig.from_yaml("my-run")
+    assert (rc.name, rc.parallel().dp) == ("my-run", 2)
+    assert RunConfig.from_yaml(runs / "my-run.yaml") == rc
+    assert RunConfig.from_any("my-run") == rc
+
+
+# -------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("data, field, words", [
+    (_base(max_token_per_gpu=1), "max_token_per_gpu", "did you mean 'max_tokens_per_gpu'"),
+    (_base(parallel={"world_size": 8, "tpp": 2}), "parallel.tpp", "did you mean 'tp'"),
+    (_base(parallel={"world_size": 12, "tp": 8}), "parallel.world_size", "not divisible by tp x pp x cp"),
+    (_base(parallel={"world_size": 16, "dp": 4}), "parallel.dp", "dp=16"),
+    (_base(parallel={"dp": 8, "ep": 2}), "parallel.ep", "dense"),
+    (_base(model="qwen3-30b-a3b", parallel={"dp": 8, "ep": 3}), "parallel.ep", "num_experts=128"),
+    (_base(model="qwen3-30b-a3b", parallel={"dp": 2, "pp": 2, "ep": 8}), "parallel.ep", "etp x ep x pp"),
+    (_base(model="qwen3-30b-a3b", moe_token_dispatcher_type="allgather"), "moe_token_dispatcher_type", "alltoall"),
+    (_base(parallel={"dp": 8, "sequence_parallel": True}), "parallel.sequence_parallel", "tp > 1"),
+    (_base(parallel={"dp": 1, "tp": 16}), "parallel.tp", "num_query_groups=8"),
+    (_base(parallel={"dp": 1, "pp": 5}), "parallel.pp", "does not divide num_layers=36"),
+    (_base(parallel={"dp": 1, "cp": 8}, max_tokens_per_gpu=1), "max_tokens_per_gpu", "use max_tokens_per_gpu >= 2"),
+    (_base(max_tokens_per_gpu=0), "max_tokens_per_gpu", "positive integer"),
+    (_base(log_probs_max_tokens_per_gpu="big"), "log_probs_max_tokens_per_gpu", "positive integer"),
+    (_base(loss_mode="token_means"), "loss_mode", "did you mean 'token_mean'"),
+    (_base(balance_by="time"), "balance_by", "['flops', 'tokens']"),
+    (_base(loss_mode="group_mean"), "group_size", "needs groups"),
+    (_base(samples_per_step=32, group_size=8), "samples_per_step", "at least 64"),
+    (_base(samples_per_step=64, group_size=3), "samples_per_step", "multiple of 3"),
+    (_base(samples_per_step=12), "samples_per_step", "--global-batch-size"),
+    (_base(fp8_alignment="fp9"), "fp8_alignment", "unknown FP8 recipe"),
+    (_base(model="qwen3-9b"), "model", "did you mean 'qwen3-8b'"),
+    (_base(megatron_args="--foo"), "megatron_args", "list of strings"),
+    ({"model": "qwen3-8b", "parallel": {"dp": 1}}, "max_tokens_per_gpu", "is required"),
+])
+def test_bad_configs_name_field_value_and_fix(data, field, words):
+    with pytest.raises(DynBatchConfigError) as exc:
+        RunConfig.from_dict(data)
+    assert exc.value.field == field
+    assert words in str(exc.value)
+    assert "Fix:" in str(exc.value)
+
+
+def test_uneven_pipeline_is_allowed_with_megatron_flags():
+    rc = RunConfig.from_dict(_base(parallel={"dp": 1, "pp": 5},
+                                   megatron_args=["--decoder-first-pipeline-num-layers", "4"]))
+    assert rc.parallel().pp == 5
+
+
+def test_unknown_run_preset_suggests_and_points_at_model_presets(tmp_path):
+    with pytest.raises(DynBatchConfigError, match="did you mean 'qwen3-8b-grpo'"):
+        RunConfig.from_yaml("qwen3-8b-grp")
+    with pytest.raises(DynBatchConfigError, match="is a MODEL preset"):
+        RunConfig.from_yaml("qwen3-8b")
+    with pytest.raises(DynBatchConfigError, match="file not found"):
+        RunConfig.from_yaml(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(DynBatchConfigError, match="not valid YAML"):
+        RunConfig.from_yaml(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(DynBatchConfigError, match="mapping of run fields"):
+        RunConfig.from_yaml(bad)
+
+
+# ---------------------------------------------------------------------------------------------- views
+def test_group_ids_and_replace():
+    rc = RunConfig.from_yaml("qwen3-8b-grpo")
+    assert rc.group_ids(16) == [i // 8 for i in range(16)]
+    with pytest.raises(DynBatchConfigError, match="multiple of group_size"):
+        rc.group_ids(12)
+    small = rc.replace(parallel={"world_size": 4}, samples_per_step=32)
+    assert (small.parallel().dp, small.samples_per_step) == (4, 32)
+    with pytest.raises(DynBatchConfigError, match="32 groups per step for dp=64"):
+        rc.replace(parallel={"world_size": 64})
+
+
+def test_to_megatron_args_layout_and_batching_flags():
+    args = RunConfig.from_yaml("llama-3.1-70b-longcot").to_megatron_args()
+    text = " ".join(args)
+    for piece in ("--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 2", "--context-parallel-size 8",
+                  "--sequence-parallel", "--use-dynamic-batch-size", "--max-tokens-per-gpu 16384",
+                  "--balance-by-flops", "--micro-batch-size 1", "--global-batch-size 64"):
+        assert piece in text
+    moe = " ".join(RunConfig.from_yaml("qwen3-30b-a3b-grpo").to_megatron_args())
+    assert "--expert-model-parallel-size 8" in moe and "--moe-token-dispatcher-type alltoall" in moe
+    tokens = RunConfig.from_dict(_base(balance_by="tokens", oversize="alone", fp8_alignment="mxfp8",
+                                       loss_mode="sample_mean")).to_megatron_args()
+    assert "--balance-by-flops" not in tokens
+    assert tokens[tokens.index("--dynbatch-oversize") + 1] == "alone"
+    assert tokens[tokens.index("--dynbatch-fp8-alignment") + 1] == "mxfp8"
+    vpp = RunConfig.from_dict(_base(parallel={"dp": 2, "pp": 2, "vpp": 2, "microbatch_group_size_per_vp_stage": 4}))
+    v = vpp.to_megatron_args()
+    assert v[v.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2"
+    assert v[v.index("--microbatch-group-size-per-virtual-pipeline-stage") + 1] == "4"
+
+
+def test_choice_tuples_match_the_modules_that_own_them():
+    from megatron_dynbatch import loss
+    from megatron_dynbatch.planner import api
+
+    assert set(BALANCE_MODES) <= set(api.BALANCE_MODES)
+    assert OVERSIZE_POLICIES == api.OVERSIZE_POLICIES
+    assert LOSS_MODES == loss.LOSS_MODES
+    assert GROUP_REDUCE == loss.GROUP_REDUCE
+
+
+_MEGATRON_STUB_FLAGS = {  # the Megatron-LM flags to_megatron_args may emit, with their argument count
+    "--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--context-parallel-size": 1,
+    "--num-virtual-stages-per-pipeline-rank": 1, "--microbatch-group-size-per-virtual-pipeline-stage": 1,
+    "--sequence-parallel": 0, "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1,
+    "--moe-token-dispatcher-type": 1, "--micro-batch-size": 1, "--global-batch-size": 1,
+}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_megatron_args_parse_back_to_the_same_plan(name):
+    """to_megatron_args -> megatron_dynbatch.args (the flags' owner) -> plan kwargs == planner_kwargs."""
+    args_mod = pytest.importorskip("megatron_dynbatch.args")
+    rc = RunConfig.from_yaml(name)
+    parser = argparse.ArgumentParser()
+    for flag, nargs in _MEGATRON_STUB_FLAGS.items():
+        dest = flag[2:].replace("-", "_")
+        if nargs:
+            parser.add_argument(flag, dest=dest, type=lambda s: int(s) if s.isdigit() else s)
+        else:
+            parser.add_argument(flag, dest=dest, action="store_true")
+    args_mod.add_dynamic_batch_args(parser)
+    ns, rest = parser.parse_known_args(rc.to_megatron_args())
+    assert all(r in rc.megatron_args for r in rest)  # only the preset's own extra flags are left
+    ns.virtual_pipeline_model_parallel_size = ns.num_virtual_stages_per_pipeline_rank
+    ns.microbatch_group_size_per_vp_stage = ns.microbatch_group_size_per_virtual_pipeline_stage
+    ns.world_size = rc.world_size
+    spec = rc.model_spec()
+    for key, value in spec.to_dict().items():  # what Megatron's model flags would give
+        setattr(ns, key, value)
+    ns.num_experts = spec.num_experts
+    ns.group_query_attention = True
+    args_mod.validate_dynamic_batch_args(ns)
+    got = args_mod.plan_kwargs_from_args(ns)
+    want = rc.planner_kwargs()
+    assert got["parallel"] == want["parallel"]
+    assert got["max_tokens_per_gpu"] == want["max_tokens_per_gpu"]
+    assert got["balance_by_flops"] == (want["balance_by"] == "flops")
+    assert got["oversize"] == want["oversize"]
+    assert got["fp8_alignment"] == want["fp8_alignment"]
+    assert got.get("samples_per_step") == want["samples_per_step"]
+    assert ns.log_probs_max_tokens_per_gpu == rc.effective_log_probs_max_tokens_per_gpu
+    assert ns.dynbatch_loss_mode == rc.loss_mode
+
+
+def test_module_cli(capsys):
+    assert main(["list"]) == 0
+    assert "qwen3-8b-grpo" in capsys.readouterr().out.split()
+    assert main(["args", "qwen3-30b-a3b-grpo"]) == 0
+    assert shlex.split(capsys.readouterr().out) == RunConfig.from_yaml("qwen3-30b-a3b-grpo").to_megatron_args()
+    assert main(["show", "tiny-cpu-demo"]) == 0
+    assert "max_tokens_per_gpu: 160" in capsys.readouterr().out
+    assert main(["args", "nope"]) == 2
+    assert "unknown run preset" in capsys.readouterr().err
+    assert main([]) == 2
+
+
+# ----------------------------------------------------------------------------------- memory estimate
+def _tiny(**kw) -> ModelSpec:
+    d = dict(num_layers=1, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096, vocab_size=128)
+    d.update(kw)
+    return ModelSpec.from_dict(d)
+
+
+def test_activation_count_reproduces_korthikanti_without_dropout():
+    """Per token per layer, classic MHA + 4h GELU MLP, flash attention, no dropout: 32h bytes; with TP and no
+    sequence parallelism 8h + 24h/t; with sequence parallelism 32h/t (plus fp32 softmax statistics)."""
+    m, h = _tiny(), 1024
+    stats = lambda t: 4.0 * 8 / t  # noqa: E731
+    assert _layer_activation_bytes(m, ParallelConfig(), 1, False, 1.0) == pytest.approx(32 * h + stats(1))
+    assert _layer_activation_bytes(m, ParallelConfig(tp=4), 4, False, 1.0) == pytest.approx(8 * h + 24 * h / 4 + stats(4))
+    sp = ParallelConfig(tp=4, sequence_parallel=True)
+    assert _layer_activation_bytes(m, sp, 4, False, 1.0) == pytest.approx(32 * h / 4 + stats(4))
+
+
+def test_parameter_count_and_fp32_logits_term():
+    counts = parameter_counts("qwen3-8b")
+    assert counts["total"] == pytest.approx(8.19e9, rel=0.01)
+    assert parameter_counts("qwen3-30b-a3b")["total"] == pytest.approx(30.5e9, rel=0.02)
+    assert parameter_counts("deepseek-v3")["total"] == pytest.approx(671e9, rel=0.02)
+    # fp32 logits for the loss: 4 bytes x T x V/TP; Qwen3, TP=1, T=16384 -> ~10 GB (decimal)
+    e = estimate_memory("qwen3-8b", {"dp": 8}, 16384, logits_fp32_copies=1)
+    V = ModelSpec.from_yaml("qwen3-8b").padded_vocab_size
+    fp32_part = 4 * 16384 * V
+    assert fp32_part == pytest.approx(10e9, rel=0.01)
+    assert e.logits_gb * 2**30 == pytest.approx(16384 * (V * 6 + 2 * 4096), rel=1e-9)
+
+
+def test_max_tokens_estimate_moves_the_right_way():
+    kw = dict(optimizer="distributed", recompute="full")
+    base = estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, **kw)
+    assert base > 0 and base % 256 == 0
+    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 141, **kw) > base
+    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 4, "tp": 2, "sequence_parallel": True}, 80, **kw) > base
+    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="cpu_offload", recompute="full") > base
+    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="distributed") < base
+    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, forward_only=True) > base
+    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, logits_fp32_copies=2, **kw) < base
+    # the estimate really fits: memory at the returned budget is within the usable part of the card
+    e = estimate_memory("qwen3-8b", {"dp": 8}, base, **kw)
+    assert e.total_gb <= 80 * 0.9 + 1e-6
+    assert "ESTIMATE" in e.summary()
+
+
+def test_presets_budgets_stay_within_their_documented_estimates():
+    """The YAML comments quote these estimates; keep presets and comments honest."""
+    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="cpu_offload", recompute="full") >= \
+        RunConfig.from_yaml("qwen3-8b-grpo").max_tokens_per_gpu
+    assert estimate_max_tokens_per_gpu("qwen3-30b-a3b", {"dp": 8, "ep": 8}, 80, optimizer="cpu_offload",
+                                       recompute="full") >= RunConfig.from_yaml("qwen3-30b-a3b-grpo").max_tokens_per_gpu
+    llama = RunConfig.from_yaml("llama-3.1-70b-longcot")
+    assert estimate_max_tokens_per_gpu("llama-3.1-70b", llama.parallel(), 80, recompute="full") >= llama.max_tokens_per_gpu
+
+
+def test_memory_errors_are_clear():
+    with pytest.raises(DynBatchConfigError, match="already exceed") as exc:
+        estimate_max_tokens_per_gpu("qwen3-30b-a3b", {"dp": 8, "ep": 8}, 80)  # unsharded expert Adam state
+    assert "optimizer CPU offload" in exc.value.fix
+    with pytest.raises(DynBatchConfigError, match="unknown recompute"):
+        estimate_memory("qwen3-8b", {"dp": 8}, 1, recompute="some")
+    with pytest.raises(DynBatchConfigError, match="positive number"):
+        estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 0)
+
+
+def test_doc_estimates_are_current():
+    """docs/tuning.md quotes these numbers."""
+    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="cpu_offload", recompute="full") == 17664
+    assert estimate_max_tokens_per_gpu("llama-3.1-70b", {"dp": 2, "tp": 8, "pp": 2, "cp": 8,
+                                                         "sequence_parallel": True}, 80) == 15616
+    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="cpu_offload", forward_only=True) == 53504
+
+
+# ------------------------------------------------------------------------- docs quote the real messages
+def _errors_quoted_in_troubleshooting():
+    import warnings
+
+    from megatron_dynbatch import ParallelConfig as PC
+
+    def plan(lengths, **kw):
+        kw.setdefault("balance_by_flops", False)
+        kw.setdefault("max_tokens_per_gpu", 16384)
+        return plan_global_batch(lengths, **kw)
+
+    cases = [
+        lambda: plan([100, 40000, 50], parallel={"dp": 1}),
+        lambda: plan([10] * 4, parallel={"dp": 1, "cp": 8, "tp": 8, "sequence_parallel": True}, max_tokens_per_gpu=4),
+        lambda: plan([100] * 3, parallel={"dp": 4}),
+        lambda: plan([10] * 8, group_ids=[0] * 4 + [1] * 4, parallel={"dp": 4}, max_tokens_per_gpu=100),
+        lambda: PC(pp=4, vpp=2, microbatch_group_size_per_vp_stage=2),
+        lambda: PC(pp=1, vpp=2),
+        lambda: plan([100] * 64, parallel={"dp": 2, "pp": 4, "vpp": 2}, num_microbatches=5),
+        lambda: plan([100] * 4, parallel={"dp": 2, "pp": 2, "vpp": 2, "microbatch_group_size_per_vp_stage": 4}),
+        lambda: plan([10] * 4, parallel={"dp": 1}, max_tokens_per_gpu=100, balance_by_flops=True),
+        lambda: plan([10] * 10, samples_per_step=4, parallel={"dp": 1}, max_tokens_per_gpu=100),
+        lambda: plan([10] * 8, samples_per_step=4, group_ids=[0, 0, 0, 1, 1, 1, 2, 2], parallel={"dp": 1},
+                     max_tokens_per_gpu=100),
+        lambda: plan([10, -1], parallel={"dp": 1}, max_tokens_per_gpu=100),
+        lambda: plan([10] * 8, parallel={"dp": 1}, max_tokens_per_gpu=100, fp8_alignment="fp9"),
+        lambda: RunConfig.from_dict(_base(parallel={"dp": 8, "sequence_parallel": True})),
+        lambda: RunConfig.from_dict(_base(parallel={"dp": 1, "tp": 16})),
+        lambda: RunConfig.from_dict(_base(parallel={"dp": 1, "pp": 5})),
+        lambda: RunConfig.from_dict(_base(parallel={"world_size": 12, "tp": 8})),
+        lambda: RunConfig.from_dict(_base(model="qwen3-30b-a3b", parallel={"world_size": 8, "pp": 2, "ep": 8})),
+        lambda: RunConfig.from_dict(_base(max_token_per_gpu=1)),
+        lambda: RunConfig.from_dict(_base(tp=8)),
+    ]
+    out = []
+    for case in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(DynBatchConfigError) as exc:
+                case()
+        out.append(f"{type(exc.value).__name__}: {exc.value}")
+    return out
+
+
+def test_troubleshooting_quotes_the_real_messages():
+    args_mod = pytest.importorskip("megatron_dynbatch.args")
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md").read_text().split())
+    messages = _errors_quoted_in_troubleshooting()
+    parser = args_mod.add_dynamic_batch_args(argparse.ArgumentParser())
+    for argv, extra in ((["--use-dynamic-batch-size"], {}), (["--balance-by-flops"], {}),
+                        (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "100"],
+                         {"num_experts": 8, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"})):
+        ns = parser.parse_args(argv)
+        ns.data_parallel_size = 2
+        for k, v in extra.items():
+            setattr(ns, k, v)
+        with pytest.raises(DynBatchConfigError) as exc:
+            args_mod.validate_dynamic_batch_args(ns)
+        messages.append(f"DynBatchConfigError: {exc.value}")
+    with pytest.warns(UserWarning) as rec:
+        plan_global_batch([100, 40000, 50, 60], parallel={"dp": 1}, max_tokens_per_gpu=16384,
+                          balance_by_flops=False, oversize="alone")
+    messages.append(f"{rec[0].category.__name__}: {rec[0].message}")
+    for msg in messages:
+        assert " ".join(msg.split()) in doc, f"docs/troubleshooting.md does not quote: {msg}"
+
+
+def test_quickstart_custom_loop_snippet_runs_on_cpu(megatron_world1):
+    """docs/quickstart.md section 5 with the tiny preset on one CPU rank."""
+    import torch
+
+    from megatron_dynbatch.demo import synthetic_rl_batch
+    from megatron_dynbatch.schedule import dynamic_forward_backward, forward_log_probs
+    from megatron_dynbatch.testing import megatron_cpu
+
+    rc = RunConfig.from_yaml("tiny-cpu-demo").replace(parallel={"world_size": 1}, samples_per_step=8)
+    torch.manual_seed(0)
+    model = megatron_cpu.build_tiny_gpt(megatron_cpu.tiny_gpt_config(), vocab_size=128, thd=True)
+    samples = synthetic_rl_batch(8, seed=3, group_size=rc.group_size)
+    logp = forward_log_probs(model, samples, rc.planner_kwargs(forward_only=True))
+    assert logp.sample_indices == list(range(8))
+    assert [len(x) for x in logp.per_sample] == [len(s["tokens"]) for s in samples]
+    res = dynamic_forward_backward(model, samples, rc.planner_kwargs(), loss_mode=rc.loss_mode, step=0)
+    assert res.loss is not None and np.isfinite(res.loss)

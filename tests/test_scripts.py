@@ -1,0 +1,364 @@
+"""Launch scripts (scripts/*.sh, scripts/sbatch/*.sbatch) and the Megatron-LM entry point
+(scripts/pretrain_gpt_dynbatch.py): syntax, DRY_RUN output, agreement with the run presets, Slurm rendezvous,
+the pure-Python parts of the entry point, and a real 2-process torchrun run of the sbatch body on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from megatron_dynbatch import DynBatchConfigError
+from megatron_dynbatch.run_config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DENSE = ROOT / "scripts" / "run_dense_qwen3_8b.sh"
+MOE = ROOT / "scripts" / "run_moe_qwen3_30b_a3b.sh"
+SBATCH = ROOT / "scripts" / "sbatch" / "llama70b_longcot.sbatch"
+ENTRY = ROOT / "scripts" / "pretrain_gpt_dynbatch.py"
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NODEID", "SLURM_GPUS_ON_NODE",
+              "MASTER_ADDR", "MASTER_PORT", "DRY_RUN", "DYNBATCH_CPU_SMOKE", "DYNBATCH_USE_SRUN", "NODE_RANK")
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in SLURM_VARS}
+    env.update(extra)
+    return env
+
+
+def _run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=_env(**env), timeout=60)
+
+
+def _dry(script: Path, *args: str, **env: str) -> list:
+    res = _run(script, *args, DRY_RUN="1", **env)
+    assert res.returncode == 0, res.stderr
+    return shlex.split(res.stdout)
+
+
+def _entry_module():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_dynbatch", ENTRY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _value(words: list, flag: str) -> str:
+    return words[words.index(flag) + 1]
+
+
+# ------------------------------------------------------------------------------------------ shell scripts
+@pytest.mark.parametrize("script", [DENSE, MOE, SBATCH, ROOT / "scripts" / "setup.sh"], ids=lambda p: p.name)
+def test_bash_syntax(script):
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+def test_dense_dry_run_has_the_required_flags_and_env():
+    words = _dry(DENSE, "--seed", "7", MAX_TOKENS_PER_GPU="12288")
+    assert words[0] == "env"
+    for var in ("CUDA_DEVICE_MAX_CONNECTIONS=1", "NVTE_FLASH_ATTN=1", "NVTE_FUSED_ATTN=0"):
+        assert var in words
+    assert "--use-dynamic-batch-size" in words and "--balance-by-flops" in words
+    assert _value(words, "--max-tokens-per-gpu") == "12288"
+    assert _value(words, "--attention-backend") == "flash"  # megatron-core checks it against NVTE_*
+    assert _value(words, "--nproc-per-node") == "8"
+    assert words[-2:] == ["--seed", "7"]  # extra arguments are passed through
+    assert any(w.endswith("pretrain_gpt_dynbatch.py") for w in words)
+    assert "--dynbatch-mock-data" in words
+    assert _value(_dry(DENSE, DATA_PATH="/data/x.jsonl"), "--dynbatch-train-data") == "/data/x.jsonl"
+
+
+def test_moe_dry_run_uses_alltoall_and_expert_parallelism():
+    words = _dry(MOE)
+    assert _value(words, "--moe-token-dispatcher-type") == "alltoall"
+    assert _value(words, "--expert-model-parallel-size") == "8"
+    assert "--use-dynamic-batch-size" in words and "--balance-by-flops" in words
+    assert "NVTE_FLASH_ATTN=1" in words and "CUDA_DEVICE_MAX_CONNECTIONS=1" in words
+
+
+def test_attention_backend_switch():
+    words = _dry(DENSE, ATTN_BACKEND="fused")
+    assert "NVTE_FUSED_ATTN=1" in words and "NVTE_FLASH_ATTN=0" in words
+    assert _value(words, "--attention-backend") == "fused"
+    res = _run(DENSE, DRY_RUN="1", ATTN_BACKEND="sdpa")
+    assert res.returncode == 2 and "ATTN_BACKEND must be flash or fused" in res.stderr
+
+
+def _assert_script_matches_preset(words: list, preset: str) -> None:
+    """Every flag the run preset implies appears in the script's command with the same value."""
+    expected = RunConfig.from_yaml(preset).to_megatron_args()
+    i = 0
+    while i < len(expected):
+        flag = expected[i]
+        has_value = i + 1 < len(expected) and not expected[i + 1].startswith("--")
+        assert flag in words, f"{preset}: {flag} missing from the script"
+        if has_value:
+            assert _value(words, flag) == expected[i + 1], f"{preset}: {flag}"
+            i += 2
+        else:
+            i += 1
+
+
+@pytest.mark.parametrize("script, preset, env", [
+    (DENSE, "qwen3-8b-grpo", {}),
+    (MOE, "qwen3-30b-a3b-grpo", {}),
+    (SBATCH, "llama-3.1-70b-longcot", {"SLURM_NNODES": "32", "SLURM_JOB_ID": "1"}),
+], ids=["dense", "moe", "sbatch"])
+def test_scripts_agree_with_their_run_presets(script, preset, env):
+    _assert_script_matches_preset(_dry(script, **env), preset)
+
+
+def test_sbatch_header_and_rendezvous_from_slurm_env(tmp_path):
+    text = SBATCH.read_text()
+    assert "#SBATCH --nodes=32" in text and "#SBATCH --gpus-per-node=8" in text
+    env = dict(SLURM_JOB_NODELIST="gpu[003-034]", SLURM_NNODES="32", SLURM_NODEID="5", SLURM_JOB_ID="12345",
+               SLURM_GPUS_ON_NODE="8(IDX:0-7)", PATH=_path_without("scontrol"))
+    words = _dry(SBATCH, **env)
+    assert _value(words, "--master-addr") == "gpu003"          # no scontrol: parsed from the node list
+    assert _value(words, "--master-port") == str(20000 + 12345 % 20000)
+    assert _value(words, "--nnodes") == "32"
+    assert _value(words, "--nproc-per-node") == "8"
+    assert "NVTE_FUSED_ATTN=1" in words and _value(words, "--attention-backend") == "fused"  # CP > 1
+    # with scontrol on PATH its answer wins
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\necho node-a; echo node-b\n")
+    (fake / "scontrol").chmod(0o755)
+    words = _dry(SBATCH, **{**env, "PATH": f"{fake}:{env['PATH']}", "SLURM_GPUS_ON_NODE": "4"})
+    assert _value(words, "--master-addr") == "node-a"
+    assert _value(words, "--nproc-per-node") == "4"
+    # outside Slurm: one node, localhost, 8 GPUs
+    words = _dry(SBATCH, PATH=_path_without("scontrol"))
+    assert (_value(words, "--master-addr"), _value(words, "--nnodes"), _value(words, "--nproc-per-node")) == \
+        ("127.0.0.1", "1", "8")
+
+
+def _path_without(tool: str) -> str:
+    return os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and not os.path.exists(os.path.join(p, tool)))
+
+
+def test_sbatch_launches_one_torchrun_per_node_through_srun(tmp_path):
+    """A fake srun runs the per-node command as nodes 0 and 1; a fake python prints its arguments."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "srun.log"
+    (fake / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        f"echo \"$*\" > {log}\n"
+        "while [[ \"$1\" == --* ]]; do shift; done\n"
+        "for id in 0 1; do SLURM_NODEID=$id \"$@\" || exit $?; done\n")
+    (fake / "py").write_text("#!/usr/bin/env bash\necho \"ARGS $*\"\n")
+    for f in ("srun", "py"):
+        (fake / f).chmod(0o755)
+    res = _run(SBATCH, PATH=f"{fake}:{os.environ['PATH']}", PYTHON=str(fake / "py"), SLURM_NNODES="2",
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n[1-2]", SLURM_GPUS_ON_NODE="8")
+    assert res.returncode == 0, res.stderr
+    assert "--nodes=2 --ntasks-per-node=1" in log.read_text()
+    lines = [shlex.split(line[5:]) for line in res.stdout.splitlines() if line.startswith("ARGS ")]
+    assert [_value(w, "--node-rank") for w in lines] == ["0", "1"]
+    assert all(_value(w, "--master-addr") == "n1" and _value(w, "--nnodes") == "2" for w in lines)
+    assert all(w[:2] == ["-m", "torch.distributed.run"] for w in lines)
+
+
+def _demo_supports_torchrun() -> bool:
+    try:
+        from megatron_dynbatch import demo
+    except ImportError:
+        return False
+    parser = demo._parser()
+    return any("--launcher" in a.option_strings for a in parser._actions)
+
+
+@pytest.mark.multiprocess
+def test_sbatch_body_runs_cpu_demo():
+    """The sbatch body itself, with DYNBATCH_CPU_SMOKE=1: Slurm-style env, torchrun with 2 CPU processes on one
+    node (rendezvous on 127.0.0.1), running the CPU demo with real megatron-core."""
+    pytest.importorskip("megatron.core")
+    if not _demo_supports_torchrun():
+        pytest.skip("megatron_dynbatch.demo has no '--launcher torchrun' mode yet: it must accept "
+                    "'--launcher torchrun', take RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from torchrun's "
+                    "environment instead of spawning ranks, and print 'demo rank R/W finished' on every rank")
+    from megatron_dynbatch.testing.multiproc import free_port
+
+    env = dict(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
+               SLURM_GPUS_ON_NODE="8", DYNBATCH_CPU_SMOKE="1", MASTER_PORT=str(free_port()),
+               PYTHON=sys.executable, DYNBATCH_USE_SRUN="0", DYNBATCH_REPO=str(ROOT))
+    res = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env=_env(**env), timeout=180)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    finished = set(re.findall(r"demo rank (\d+)/2 finished", out))
+    assert finished == {"0", "1"}, out[-4000:]
+
+
+# ------------------------------------------------------------------------------------ the entry point
+def test_entry_point_help_without_megatron_training():
+    env = _env(PYTHONPATH=str(ROOT))
+    env.pop("MEGATRON_LM_DIR", None)
+    res = subprocess.run([sys.executable, str(ENTRY), "--help"], capture_output=True, text=True, env=env, timeout=60)
+    if "Megatron-LM's own flags are listed here" not in res.stdout and res.returncode == 0:
+        pytest.skip("megatron.training is importable here; --help is Megatron's own")
+    assert res.returncode == 0, res.stderr
+    for flag in ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "--balance-by-flops", "--dynbatch-train-data",
+                 "--dynbatch-mock-data"):
+        assert flag in res.stdout
+    assert "megatron.training" in res.stdout
+    res = subprocess.run([sys.executable, str(ENTRY), "--use-dynamic-batch-size"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert res.returncode == 2 and "MEGATRON_LM_DIR" in res.stderr
+
+
+def test_entry_point_flags_and_checks():
+    ep = _entry_module()
+    import argparse
+
+    args = ep.extra_args_provider(argparse.ArgumentParser()).parse_args(
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--dynbatch-mock-data"])
+    args.dataloader_type, args.eval_iters, args.micro_batch_size = "external", 0, 1
+    ep.check_entry_point_args(args)
+    for change, flag in (({"dataloader_type": "single"}, "--dataloader-type"), ({"eval_iters": 10}, "--eval-iters"),
+                         ({"micro_batch_size": 4}, "--micro-batch-size"),
+                         ({"dynbatch_train_data": "x.jsonl"}, "--dynbatch-train-data"),
+                         ({"use_dynamic_batch_size": False}, "--use-dynamic-batch-size")):
+        bad = argparse.Namespace(**{**vars(args), **change})
+        with pytest.raises(DynBatchConfigError) as exc:
+            ep.check_entry_point_args(bad)
+        assert exc.value.field == flag
+
+
+def test_jsonl_global_batches(tmp_path):
+    ep = _entry_module()
+    path = tmp_path / "d.jsonl"
+    rows = [{"tokens": [1, 2, 3 + i], "loss_mask": [0, 1, 1], "group_id": i // 2} for i in range(5)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    src = ep.JsonlGlobalBatches(str(path), 2, start_sample=1, as_torch=False)
+    assert [s["tokens"][2] for s in next(src)] == [4, 5]
+    assert [s["tokens"][2] for s in next(src)] == [6, 7]
+    assert [s["tokens"][2] for s in next(src)] == [3, 4]  # wraps around
+    batch = next(ep.JsonlGlobalBatches(str(path), 3))
+    assert batch[0]["tokens"].dtype.is_floating_point is False and batch[0]["loss_mask"].tolist() == [0, 1, 1]
+    path.write_text('{"tokens": [1, 2], "loss_mask": [1]}\n')
+    with pytest.raises(DynBatchConfigError, match="one entry per token"):
+        ep.JsonlGlobalBatches(str(path), 1)
+    path.write_text('{"text": "hello"}\n')
+    with pytest.raises(DynBatchConfigError, match="'tokens'"):
+        ep.JsonlGlobalBatches(str(path), 1)
+    path.write_text("not json\n")
+    with pytest.raises(DynBatchConfigError, match="not valid JSON"):
+        ep.JsonlGlobalBatches(str(path), 1)
+    with pytest.raises(DynBatchConfigError, match="file not found"):
+        ep.JsonlGlobalBatches(str(tmp_path / "missing.jsonl"), 1)
+
+
+def test_mock_global_batches_are_identical_per_step_and_well_formed():
+    ep = _entry_module()
+    a = ep.MockGlobalBatches(16, vocab_size=1000, max_length=512, seed=3, group_size=4, as_torch=False)
+    b = ep.MockGlobalBatches(16, vocab_size=1000, max_length=512, seed=3, group_size=4, start_batch=1, as_torch=False)
+    first, second = next(a), next(a)
+    assert next(b) == second  # batch k depends only on (seed, k): every rank, and resumption, agree
+    for s in first + second:
+        n = len(s["tokens"])
+        assert 2 <= n <= 512 and len(s["loss_mask"]) == n and s["loss_mask"][-1] == 0
+        assert max(s["tokens"]) < 1000 and sum(s["loss_mask"]) >= 1
+    assert [s["group_id"] for s in first] == [i // 4 for i in range(16)]
+    assert [s["group_id"] for s in second] == [4 + i // 4 for i in range(16)]
+
+
+def test_megatron_loss_dicts():
+    ep = _entry_module()
+    assert ep.megatron_loss_dicts(None, 3) == []
+    dicts = ep.megatron_loss_dicts(1.25, 3)
+    assert len(dicts) == 3 and all(d["lm loss"].tolist() == [1.25] for d in dicts)
+
+
+def test_dynamic_forward_backward_wrapper_with_a_fake_schedule():
+    ep = _entry_module()
+    calls = {}
+
+    def run_step(model, samples, plan_kwargs, **kw):
+        calls.update(model=model, samples=samples, plan_kwargs=plan_kwargs, kw=kw)
+        return types.SimpleNamespace(loss=0.5, num_microbatches=2)
+
+    args = types.SimpleNamespace(dynbatch_loss_mode="sample_mean", dynbatch_group_reduce="token", eval_iters=0)
+    inner = object()
+    fb = ep.DynamicForwardBackward(inner, args, run_step=run_step,
+                                   plan_kwargs=lambda a: {"max_tokens_per_gpu": 64, "samples_per_step": 8})
+    batch = [{"tokens": [1, 2]}]
+    out = fb(forward_step_func=None, data_iterator=[iter([batch]), iter([batch])], model=["m"], num_microbatches=99,
+             seq_length=4096, micro_batch_size=1, decoder_seq_length=None, forward_only=False,
+             force_all_reduce=False, adjust_tensor_shapes_fn=None)
+    assert [d["lm loss"].item() for d in out] == [0.5, 0.5]
+    assert calls["samples"] is batch and calls["model"] == ["m"]
+    assert calls["plan_kwargs"] == {"max_tokens_per_gpu": 64}  # one Megatron iteration = one step
+    assert calls["kw"]["forward_backward_func"] is inner and calls["kw"]["loss_mode"] == "sample_mean"
+    assert "num_microbatches" not in calls["kw"] and calls["kw"]["force_all_reduce"] is False
+    with pytest.raises(DynBatchConfigError, match="--eval-iters"):
+        fb(forward_step_func=None, data_iterator=iter([batch]), model=None, num_microbatches=1, forward_only=True)
+    with pytest.raises(DynBatchConfigError, match="whole global batch"):
+        fb(forward_step_func=None, data_iterator=iter([{"tokens": [1]}]), model=None, num_microbatches=1)
+
+
+def test_install_patches_one_attribute_and_restores_it():
+    ep = _entry_module()
+
+    def real_get_forward_backward_func(**kw):
+        return "real-schedule"
+
+    module = types.SimpleNamespace(get_forward_backward_func=real_get_forward_backward_func)
+    args = types.SimpleNamespace()
+    restore = ep.install(module, get_args=lambda: args)
+    fb = module.get_forward_backward_func()
+    assert isinstance(fb, ep.DynamicForwardBackward) and fb.inner == "real-schedule" and fb.args is args
+    ep.install(module, get_args=lambda: args)  # idempotent: wraps the real function, not the wrapper
+    assert module.get_forward_backward_func().inner == "real-schedule"
+    restore()
+    assert module.get_forward_backward_func is real_get_forward_backward_func
+    with pytest.raises(RuntimeError, match="get_forward_backward_func"):
+        ep.install(types.SimpleNamespace(), get_args=lambda: args)
+
+
+def test_install_on_real_megatron_training_when_available():
+    training = pytest.importorskip("megatron.training.training")  # Megatron-LM checkout on PYTHONPATH
+    ep = _entry_module()
+    restore = ep.install(training, get_args=lambda: types.SimpleNamespace())
+    try:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        assert training.get_forward_backward_func._dynbatch_original is get_forward_backward_func
+    finally:
+        restore()
+
+
+def test_wrapper_runs_a_real_megatron_schedule_on_cpu(megatron_world1):
+    """The wrapper around megatron-core's real forward_backward_func, one gloo rank: Megatron's loss dicts
+    carry the exact step loss that dynamic_forward_backward computed."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_dynbatch.demo import synthetic_rl_batch
+    from megatron_dynbatch.model_spec import ModelSpec
+    from megatron_dynbatch.testing import megatron_cpu
+
+    ep = _entry_module()
+    config = megatron_cpu.tiny_gpt_config()
+    torch.manual_seed(0)
+    model = megatron_cpu.build_tiny_gpt(config, vocab_size=128, thd=True)
+    spec = ModelSpec.from_megatron(config, vocab_size=128)
+    args = types.SimpleNamespace(dynbatch_loss_mode="token_mean", dynbatch_group_reduce="token", eval_iters=0)
+    fb = ep.DynamicForwardBackward(get_forward_backward_func(), args, plan_kwargs=lambda a: {
+        "model": spec, "parallel": {"dp": 1}, "max_tokens_per_gpu": 96, "samples_per_step": 8})
+    samples = synthetic_rl_batch(8, seed=1)
+    out = fb(forward_step_func=None, data_iterator=iter([samples]), model=[model], num_microbatches=8,
+             seq_length=1024, micro_batch_size=1, forward_only=False)
+    res = fb.last_result
+    assert res.num_microbatches >= 2 and len(out) == res.num_microbatches
+    assert all(d["lm loss"].item() == pytest.approx(res.loss) for d in out)
+    assert any(p.grad is not None or getattr(p, "main_grad", None) is not None for p in model.parameters())
