@@ -1,0 +1,237 @@
+"""Command-line arguments for Megatron-style training scripts.
+
+``add_dynamic_batch_args(parser)`` is a Megatron ``extra_args_provider``: it adds one argument group and returns
+the parser. ``validate_dynamic_batch_args(args)`` checks the combination against the parallel layout Megatron
+parsed (raising :class:`~megatron_dynbatch.errors.DynBatchConfigError` with the flag, its value and the fix)
+and fills in derived defaults. ``model_spec_from_args`` / ``parallel_from_args`` / ``plan_kwargs_from_args``
+turn Megatron's ``args`` into the planner's inputs.
+
+==========================================  ===========================================================
+flag                                        meaning
+==========================================  ===========================================================
+``--use-dynamic-batch-size``                plan FLOPs/token-balanced variable micro-batches (THD packing)
+``--max-tokens-per-gpu N``                  per-GPU token budget of one micro-batch (x cp per micro-batch)
+``--balance-by-flops``                      balance FLOPs (attention is quadratic) instead of tokens
+``--log-probs-max-tokens-per-gpu N``        budget of forward-only (log-prob / reference) passes;
+                                            default ``--max-tokens-per-gpu``
+``--dynbatch-oversize {error,alone}``       a sample over the budget: fail, or run it alone
+``--dynbatch-fp8-alignment X``              token multiple for FP8 GEMMs: none|fp8|mxfp8|nvfp4|blockwise|int;
+                                            default: from ``--fp8-format``/``--fp8-recipe``/``--fp4-format``
+``--dynbatch-loss-mode M``                  token_mean | sample_mean | group_mean | token_sum
+``--dynbatch-group-reduce {token,sample}``  how ``group_mean`` reduces inside a group
+``--dynbatch-samples-per-step N``           split a global batch into optimizer steps of N samples
+``--dynbatch-cost-model FILE``              calibrated cost model (JSON); stored for the planner
+==========================================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Dict, Optional, Union
+
+from .alignment import Alignment, fp8_multiple
+from .errors import DynBatchConfigError
+from .loss import GROUP_REDUCE, LOSS_MODES
+from .parallel import ParallelConfig
+
+__all__ = [
+    "add_dynamic_batch_args",
+    "validate_dynamic_batch_args",
+    "model_spec_from_args",
+    "parallel_from_args",
+    "fp8_alignment_from_args",
+    "plan_kwargs_from_args",
+]
+
+
+def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``dynamic batching`` argument group to ``parser`` and return it (Megatron ``extra_args_provider``)."""
+    g = parser.add_argument_group(title="dynamic batching", description="megatron-dynbatch: FLOPs-balanced "
+                                  "dynamic micro-batches packed in THD format")
+    g.add_argument("--use-dynamic-batch-size", action="store_true", default=False,
+                   help="Plan variable-size micro-batches under a per-GPU token budget (needs --max-tokens-per-gpu).")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="Per-GPU token budget of one micro-batch; a micro-batch holds up to this times the "
+                        "context-parallel size, padding included.")
+    g.add_argument("--balance-by-flops", action="store_true", default=False,
+                   help="Balance ranks and micro-batches by FLOPs (linear + quadratic attention) instead of tokens.")
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None,
+                   help="Token budget of forward-only passes (log-probs, reference model); default: "
+                        "--max-tokens-per-gpu.")
+    g.add_argument("--dynbatch-oversize", choices=("error", "alone"), default="error",
+                   help="A sample longer than the budget: raise (error) or run it in a micro-batch of its own (alone).")
+    g.add_argument("--dynbatch-fp8-alignment", type=str, default=None,
+                   help="Token multiple FP8 GEMMs need: none, fp8 (16), mxfp8 (32), nvfp4/blockwise (128) or an "
+                        "integer. Default: derived from --fp8-format / --fp8-recipe / --fp4-format.")
+    g.add_argument("--dynbatch-loss-mode", choices=LOSS_MODES, default="token_mean",
+                   help="Loss normalisation over the global batch, independent of packing.")
+    g.add_argument("--dynbatch-group-reduce", choices=GROUP_REDUCE, default="token",
+                   help="group_mean only: a group's loss is its token mean (token) or the mean of its samples' "
+                        "token means (sample).")
+    g.add_argument("--dynbatch-samples-per-step", type=int, default=None,
+                   help="Split each global batch into optimizer steps of exactly this many samples.")
+    g.add_argument("--dynbatch-cost-model", type=str, default=None, metavar="FILE",
+                   help="Calibrated cost-model file (JSON) for the planner; stored, used once calibrated.")
+    return parser
+
+
+# ----------------------------------------------------------------------------------------- layout
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def parallel_from_args(args: Any, world_size: Optional[int] = None) -> ParallelConfig:
+    """:class:`ParallelConfig` from Megatron's argument names.
+
+    ``data_parallel_size`` is used when Megatron set it; otherwise it is ``world_size / (tp * pp * cp)`` with the
+    world size from ``world_size=``, ``args.world_size``, ``torch.distributed`` or ``$WORLD_SIZE`` (expert
+    parallelism is carved out of DP in Megatron, so it does not divide the world size here). ``vpp`` comes from
+    ``--virtual-pipeline-model-parallel-size`` or ``--num-layers-per-virtual-pipeline-stage``.
+    """
+    tp = int(_get(args, "tensor_model_parallel_size", 1))
+    pp = int(_get(args, "pipeline_model_parallel_size", 1))
+    cp = int(_get(args, "context_parallel_size", 1))
+    ep = int(_get(args, "expert_model_parallel_size", 1))
+    vpp = _get(args, "virtual_pipeline_model_parallel_size")
+    if vpp is None and _get(args, "num_layers_per_virtual_pipeline_stage") is not None and pp > 1:
+        per_stage = int(args.num_layers_per_virtual_pipeline_stage)
+        num_layers = _get(args, "num_layers")
+        if num_layers is None or num_layers % (pp * per_stage):
+            raise DynBatchConfigError("--num-layers-per-virtual-pipeline-stage", per_stage,
+                                      f"does not divide the layers per pipeline stage (num_layers={num_layers}, pp={pp})",
+                                      "use a divisor of num_layers / pipeline-model-parallel-size")
+        vpp = num_layers // pp // per_stage
+    dp = _get(args, "data_parallel_size")
+    if dp is None:
+        ws = world_size or _get(args, "world_size")
+        if ws is None:
+            try:
+                import torch.distributed as dist
+
+                if dist.is_available() and dist.is_initialized():
+                    ws = dist.get_world_size()
+            except ImportError:  # pragma: no cover
+                pass
+        if ws is None and os.environ.get("WORLD_SIZE"):
+            ws = int(os.environ["WORLD_SIZE"])
+        if ws is None:
+            raise DynBatchConfigError("data_parallel_size", None, "cannot tell the data-parallel size",
+                                      "set args.data_parallel_size or args.world_size, or initialise torch.distributed")
+        if ws % (tp * pp * cp):
+            raise DynBatchConfigError("world_size", ws, f"is not divisible by tp*pp*cp = {tp * pp * cp}",
+                                      "use a world size that is a multiple of the model-parallel size")
+        dp = ws // (tp * pp * cp)
+    return ParallelConfig(
+        dp=int(dp), tp=tp, pp=pp, cp=cp, ep=ep, vpp=int(vpp) if vpp else 1,
+        microbatch_group_size_per_vp_stage=_get(args, "microbatch_group_size_per_vp_stage"),
+        sequence_parallel=bool(_get(args, "sequence_parallel", False)),
+    )
+
+
+def model_spec_from_args(args: Any):
+    """:class:`~megatron_dynbatch.ModelSpec` from Megatron's parsed args (``ModelSpec.from_megatron``)."""
+    from .model_spec import ModelSpec
+
+    return ModelSpec.from_megatron(args)
+
+
+def fp8_alignment_from_args(args: Any) -> Union[None, str, int]:
+    """``--dynbatch-fp8-alignment`` resolved: an explicit value wins (``none`` -> None, digits -> int); else
+    ``--fp4-format`` -> ``"nvfp4"``, ``--fp8-format`` with ``--fp8-recipe mxfp8|blockwise`` -> that recipe,
+    other FP8 -> ``"fp8"``; no FP8 -> None."""
+    value = getattr(args, "dynbatch_fp8_alignment", None)
+    if value is None:
+        if getattr(args, "fp4", None):
+            return "nvfp4"
+        if getattr(args, "fp8", None):
+            recipe = str(getattr(args, "fp8_recipe", None) or "").lower()
+            return recipe if recipe in ("mxfp8", "blockwise") else "fp8"
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        result: Union[None, str, int] = value
+    else:
+        text = str(value).strip().lower()
+        result = None if text == "none" else (int(text) if text.isdigit() else text)
+    try:
+        fp8_multiple(result)
+    except DynBatchConfigError as exc:
+        raise DynBatchConfigError("--dynbatch-fp8-alignment", value, exc.problem, exc.fix) from None
+    return result
+
+
+# ------------------------------------------------------------------------------------- validation
+def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> Any:
+    """Check the dynamic-batching flags against Megatron's parsed ``args``; fill in derived defaults
+    (``log_probs_max_tokens_per_gpu``, ``dynbatch_fp8_alignment``). Returns ``args``."""
+    use = bool(getattr(args, "use_dynamic_batch_size", False))
+    if getattr(args, "balance_by_flops", False) and not use:
+        raise DynBatchConfigError("--balance-by-flops", True, "only applies to dynamic batching",
+                                  "add --use-dynamic-batch-size (and --max-tokens-per-gpu), or drop --balance-by-flops")
+    max_tokens = getattr(args, "max_tokens_per_gpu", None)
+    if use and max_tokens is None:
+        raise DynBatchConfigError("--max-tokens-per-gpu", None, "--use-dynamic-batch-size needs a per-GPU token budget",
+                                  "add --max-tokens-per-gpu N (e.g. the longest sample you train on, or more)")
+    for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
+                       ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu"),
+                       ("--dynbatch-samples-per-step", "dynbatch_samples_per_step")):
+        v = getattr(args, name, None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise DynBatchConfigError(flag, v, "must be a positive integer", f"pass {flag} N with N >= 1")
+    if getattr(args, "log_probs_max_tokens_per_gpu", None) is None:
+        args.log_probs_max_tokens_per_gpu = max_tokens
+    mode = getattr(args, "dynbatch_loss_mode", "token_mean")
+    if mode is not None and mode not in LOSS_MODES:
+        raise DynBatchConfigError("--dynbatch-loss-mode", mode, "unknown loss normalisation", f"use one of {LOSS_MODES}")
+    oversize = getattr(args, "dynbatch_oversize", "error")
+    if oversize not in (None, "error", "alone"):
+        raise DynBatchConfigError("--dynbatch-oversize", oversize, "unknown policy", "use error or alone")
+    cost_model = getattr(args, "dynbatch_cost_model", None)
+    if cost_model is not None and not os.path.isfile(str(cost_model)):
+        raise DynBatchConfigError("--dynbatch-cost-model", cost_model, "file not found",
+                                  "pass the path of a cost-model JSON file, or drop the flag")
+    resolved = fp8_alignment_from_args(args)
+    args.dynbatch_fp8_alignment = "none" if resolved is None else resolved  # stays resolved on re-reading
+    if not use:
+        return args
+
+    par = parallel_from_args(args, world_size=world_size)
+    align = Alignment.for_layout(par, resolved)
+    need = -(-max(align.total_multiple, align.seq_multiple) // par.cp)
+    why = (f"per-sequence multiple {align.seq_multiple} (2*cp with cp={par.cp}) and micro-batch multiple "
+           f"{align.total_multiple} (TP sequence parallel x FP8 tile x cp)")
+    for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
+                       ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu")):
+        budget = int(getattr(args, name))
+        if align.effective_cap(budget * par.cp) < align.seq_multiple:
+            raise DynBatchConfigError(flag, budget, f"the budget cannot hold one aligned sequence ({why})",
+                                      f"use {flag} >= {need}")
+
+    experts = _get(args, "num_experts", _get(args, "num_moe_experts"))
+    dispatcher = _get(args, "moe_token_dispatcher_type", "allgather")
+    if experts and dispatcher == "allgather" and (par.pp > 1 or par.ep > 1):
+        where = "pipeline parallelism (variable_seq_lengths)" if par.pp > 1 else "expert parallelism"
+        raise DynBatchConfigError(
+            "--moe-token-dispatcher-type", dispatcher,
+            f"the allgather token dispatcher needs equal token counts across ranks, but dynamic batching gives "
+            f"micro-batches of different lengths under {where}",
+            "use --moe-token-dispatcher-type alltoall")
+    return args
+
+
+def plan_kwargs_from_args(args: Any, *, forward_only: bool = False, world_size: Optional[int] = None) -> Dict[str, Any]:
+    """:func:`plan_global_batch` keyword arguments from validated ``args`` (``forward_only``: the log-prob
+    budget and no optimizer-step split)."""
+    kwargs: Dict[str, Any] = {
+        "model": model_spec_from_args(args),
+        "parallel": parallel_from_args(args, world_size=world_size),
+        "max_tokens_per_gpu": int(args.log_probs_max_tokens_per_gpu if forward_only and
+                                  getattr(args, "log_probs_max_tokens_per_gpu", None) else args.max_tokens_per_gpu),
+        "balance_by_flops": bool(getattr(args, "balance_by_flops", False)),
+        "oversize": getattr(args, "dynbatch_oversize", "error") or "error",
+        "fp8_alignment": fp8_alignment_from_args(args),
+    }
+    if not forward_only and getattr(args, "dynbatch_samples_per_step", None):
+        kwargs["samples_per_step"] = int(args.dynbatch_samples_per_step)
+    return kwargs

@@ -1,0 +1,262 @@
+"""``megatron-dynbatch demo``: train a tiny GPT with real megatron-core on CPU ranks with dynamic batching.
+
+Spawns ``--dp`` gloo ranks (default 2), builds a tiny ``GPTModel`` (local layer spec with the THD CPU core
+attention, fp32) wrapped in Megatron's ``DistributedDataParallel``, and runs ``--steps`` optimizer steps on
+synthetic RL-like batches (short prompts, long-tailed responses, loss on the response only). Each step is
+planned by :func:`megatron_dynbatch.plan_global_batch` (FLOPs-balanced), packed in THD format and run through
+``get_forward_backward_func()`` by :func:`megatron_dynbatch.schedule.dynamic_forward_backward`.
+
+Per step it prints the exact loss, tokens/s, micro-batches per rank, the plan's FLOPs imbalance and padding.
+``--check`` compares the first step's gradients (after ``finalize_model_grads``) with an UNPACKED reference
+(every sample run alone, sbhd, on one process, same loss definition) and prints ``max_grad_diff=<value>``;
+the exit status is 1 if it is above 1e-5.
+
+The module also holds the unpacked reference used by the tests (:func:`unpacked_reference`,
+:func:`reference_coefficients`, :func:`reference_log_probs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+VOCAB = 128
+CHECK_TOLERANCE = 1e-5
+
+__all__ = ["main", "synthetic_rl_batch", "reference_coefficients", "unpacked_reference", "reference_log_probs",
+           "sample_targets"]
+
+
+# --------------------------------------------------------------------------------------- data
+def synthetic_rl_batch(num_samples: int, seed: int, *, vocab: int = VOCAB, max_len: int = 96,
+                       group_size: int = 1) -> List[Dict[str, Any]]:
+    """RL-like samples: prompt 4-16 tokens (loss mask 0), long-tailed response (loss mask 1), a per-token
+    ``advantages`` extra, a scalar ``reward`` and a ``group_id`` (``group_size`` responses per prompt)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(int(seed))
+    out = []
+    for i in range(num_samples):
+        prompt = int(rng.integers(4, 17))
+        resp = int(min(max_len - prompt, max(1, rng.lognormal(mean=2.8, sigma=0.8))))
+        n = prompt + resp
+        mask = torch.zeros(n)
+        mask[prompt - 1:n - 1] = 1.0  # label positions predicting response tokens
+        out.append({
+            "tokens": torch.randint(1, vocab, (n,), generator=g),
+            "loss_mask": mask,
+            "advantages": torch.randn(n, generator=g),
+            "reward": float(rng.normal()),
+            "group_id": i // max(1, group_size),
+        })
+    return out
+
+
+def sample_targets(sample: Mapping[str, Any], pad_token_id: int = 0) -> Tuple[Any, Any]:
+    """A sample's labels and loss mask as the packer builds them (next token inside the sample by default)."""
+    import torch
+
+    from .loss import sample_loss_mask
+
+    tokens = torch.as_tensor(sample["tokens"]).long()
+    if "labels" in sample:
+        labels = torch.as_tensor(sample["labels"]).long()
+    else:
+        labels = torch.full_like(tokens, int(pad_token_id))
+        labels[:-1] = tokens[1:]
+    return labels, torch.from_numpy(sample_loss_mask(sample)).float()
+
+
+def reference_coefficients(samples: Sequence[Mapping[str, Any]], mode: str,
+                           group_ids: Optional[Sequence[Any]] = None) -> List[float]:
+    """Per-sample loss coefficients written out directly from each mode's definition (independent of
+    :class:`megatron_dynbatch.loss.LossNormalizer`, which the tests check against this)."""
+    masks = [sample_targets(s)[1] for s in samples]
+    t = [float(m.sum()) for m in masks]
+    if mode == "token_sum":
+        return [1.0] * len(samples)
+    if mode == "token_mean":
+        total = sum(t)
+        return [1.0 / total if total else 0.0 for _ in t]
+    if mode == "sample_mean":
+        live = [x for x in t if x > 0]
+        return [1.0 / (len(live) * x) if x > 0 else 0.0 for x in t]
+    if mode == "group_mean":  # token-reduced groups
+        assert group_ids is not None
+        group_tokens: Dict[Any, float] = {}
+        for gid, x in zip(group_ids, t):
+            group_tokens[gid] = group_tokens.get(gid, 0.0) + x
+        live_groups = sum(1 for v in group_tokens.values() if v > 0)
+        return [1.0 / (live_groups * group_tokens[g]) if group_tokens[g] > 0 else 0.0 for g in group_ids]
+    raise ValueError(mode)
+
+
+def _sbhd_forward(model: Any, sample: Mapping[str, Any]) -> Any:
+    """Per-token cross-entropy ``[L]`` of one sample run alone (no packing, batch of one)."""
+    import torch
+
+    tokens = torch.as_tensor(sample["tokens"]).long().unsqueeze(0)
+    labels, _ = sample_targets(sample)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    return model(tokens, positions, None, labels=labels.unsqueeze(0))[0]
+
+
+def unpacked_reference(model: Any, samples: Sequence[Mapping[str, Any]],
+                       coefficients: Sequence[float]) -> Tuple[float, Dict[str, Any]]:
+    """Loss ``sum_i c_i sum_j mask_ij * ce_ij`` and its gradients, one sample at a time (sbhd, plain autograd,
+    no Megatron schedule, no DDP). ``model`` must be an unwrapped ``GPTModel``; returns ``(loss, {name: grad})``."""
+    import torch
+
+    for p in model.parameters():
+        p.grad = None
+    total = 0.0
+    for sample, c in zip(samples, coefficients):
+        _, mask = sample_targets(sample)
+        ce = _sbhd_forward(model, sample)
+        loss = (ce.double() * mask.double()).sum() * float(c)
+        total += float(loss.detach())
+        if loss.requires_grad:
+            loss.to(ce.dtype).backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+             for n, p in model.named_parameters()}
+    return total, grads
+
+
+def reference_log_probs(model: Any, samples: Sequence[Mapping[str, Any]]) -> List[Any]:
+    """Per-token log-probs ``[L]`` of every sample run alone (the last entry predicts the padding label)."""
+    import torch
+
+    with torch.no_grad():
+        return [-_sbhd_forward(model, s).float() for s in samples]
+
+
+# ------------------------------------------------------------------------------------ the worker
+def _quiet() -> None:
+    """Silence megatron-core's CPU-only import warnings (no Transformer Engine / Apex): expected here."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+
+def _demo_worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
+    _quiet()
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from .model_spec import ModelSpec
+    from .schedule import dynamic_forward_backward
+    from .testing import megatron_cpu
+
+    megatron_cpu.init_cpu_distributed(rank, world_size, seed=opts["seed"])
+    try:
+        config = megatron_cpu.tiny_gpt_config()
+        torch.manual_seed(opts["seed"])
+        model = megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=256, thd=True)
+        reference = None
+        if opts["check"] and rank == 0:
+            reference = megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=256, thd=True)
+            reference.load_state_dict(model.state_dict())
+        ddp = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
+            module=model)
+        config.no_sync_func = ddp.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(params, lr=opts["lr"])
+        spec = ModelSpec.from_megatron(config, vocab_size=VOCAB)
+        steps: List[Dict[str, Any]] = []
+        max_diff = None
+        for step in range(opts["steps"]):
+            samples = synthetic_rl_batch(opts["samples"], opts["seed"] * 1000 + step, group_size=opts["group_size"])
+            ddp.zero_grad_buffer()
+            t0 = time.perf_counter()
+            res = dynamic_forward_backward(
+                ddp, samples,
+                {"model": spec, "parallel": {"dp": world_size}, "max_tokens_per_gpu": opts["max_tokens_per_gpu"]},
+                loss_mode=opts["loss_mode"])
+            elapsed = time.perf_counter() - t0
+            plan = res.iterator.plan
+            if step == 0 and reference is not None:
+                coef = reference_coefficients(samples, opts["loss_mode"], [s["group_id"] for s in samples])
+                _, ref_grads = unpacked_reference(reference, samples, coef)
+                max_diff = max(float((p.main_grad - ref_grads[n]).abs().max())
+                               for n, p in ddp.module.named_parameters())
+            for p in params:
+                p.grad = p.main_grad.clone()
+            optimizer.step()
+            local_tokens = sum(int(res.iterator.lengths[i]) for i in res.iterator.sample_indices())
+            steps.append({
+                "step": step, "loss": res.loss, "seconds": elapsed, "tokens": int(plan.real_tokens),
+                "local_tokens": local_tokens, "microbatches": plan.num_microbatches,
+                "flops_imbalance": plan.flops_imbalance, "padding_tokens": plan.padding_tokens,
+                "rank_tokens": plan.rank_tokens.tolist(),
+            })
+        return {"rank": rank, "steps": steps, "max_grad_diff": max_diff}
+    finally:
+        megatron_cpu.destroy()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-dynbatch demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel CPU ranks (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=16, help="samples per global batch (default 16)")
+    p.add_argument("--group-size", type=int, default=4, help="responses per prompt group (default 4)")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=160)
+    p.add_argument("--loss-mode", default="token_mean",
+                   choices=["token_mean", "sample_mean", "group_mean", "token_sum"])
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--check", action="store_true",
+                   help="compare the first step's gradients with the unpacked reference (exit 1 if > 1e-5)")
+    p.add_argument("--timeout", type=float, default=300.0)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``megatron-dynbatch demo``; returns the exit status."""
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    if args.steps < 1 or args.dp < 1:
+        print("error: --steps and --dp must be >= 1", file=sys.stderr)
+        return 2
+    _quiet()
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        print("error: the demo needs megatron-core (pip install 'megatron-dynbatch[megatron]')", file=sys.stderr)
+        return 2
+    from .testing.multiproc import run_ranks
+
+    opts = {"steps": args.steps, "seed": args.seed, "samples": args.samples, "group_size": args.group_size,
+            "max_tokens_per_gpu": args.max_tokens_per_gpu, "loss_mode": args.loss_mode, "lr": args.lr,
+            "check": args.check}
+    print(f"megatron-dynbatch demo: tiny GPT, real megatron-core on CPU, dp={args.dp}, {args.samples} samples/step, "
+          f"max_tokens_per_gpu={args.max_tokens_per_gpu}, loss={args.loss_mode}", flush=True)
+    t0 = time.perf_counter()
+    results = run_ranks(_demo_worker, args.dp, opts, timeout=args.timeout)
+    for k, s0 in enumerate(results[0]["steps"]):
+        slowest = max(r["steps"][k]["seconds"] for r in results)
+        per_rank = [r["steps"][k]["local_tokens"] for r in results]
+        pad = s0["padding_tokens"] / max(1, s0["padding_tokens"] + s0["tokens"])
+        print(f"step {k}: loss={s0['loss']:.6f} tokens/s={s0['tokens'] / slowest:,.0f} "
+              f"micro-batches/rank={s0['microbatches']} tokens/rank={per_rank} "
+              f"flops_imbalance={s0['flops_imbalance']:.3f} padding={s0['padding_tokens']} ({pad:.1%})", flush=True)
+    status = 0
+    if args.check:
+        diff = results[0]["max_grad_diff"]
+        print(f"max_grad_diff={diff:.3e}", flush=True)
+        if not diff <= CHECK_TOLERANCE:
+            print(f"FAIL: gradients differ from the unpacked reference by more than {CHECK_TOLERANCE}", flush=True)
+            status = 1
+    print(f"done in {time.perf_counter() - t0:.1f}s", flush=True)
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
