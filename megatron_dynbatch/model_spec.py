@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from . import presets
 from .errors import DynBatchConfigError
 
 __all__ = ["ModelSpec", "available_presets", "preset_dirs", "ModelLike"]
@@ -658,52 +659,17 @@ def preset_dirs() -> List[Path]:
 
 def available_presets() -> List[str]:
     """Names of every preset found in :func:`preset_dirs` (sorted)."""
-    names: set = set()
-    for d in preset_dirs():
-        if d.is_dir():
-            names.update(p.stem for p in d.glob("*.yaml"))
-    return sorted(names)
+    return presets.available(preset_dirs())
 
 
 def _resolve_config_path(path_or_preset: Union[str, os.PathLike]) -> Path:
-    p = Path(path_or_preset).expanduser()
-    if p.is_file():
-        return p
-    text = str(path_or_preset)
-    looks_like_path = p.suffix.lower() in (".yaml", ".yml", ".json") or os.sep in text or "/" in text
-    if not looks_like_path:
-        key = text.strip().lower()
-        for d in preset_dirs():
-            for cand in (d / f"{key}.yaml", d / f"{key}.yml"):
-                if cand.is_file():
-                    return cand
-    names = available_presets()
-    if looks_like_path:
-        raise DynBatchConfigError(
-            "model", text, "file not found", f"check the path, or use a preset name ({', '.join(names)})"
-        )
-    close = difflib.get_close_matches(text.lower(), names, n=3, cutoff=0.5)
-    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-    raise DynBatchConfigError(
-        "model", text, "unknown model preset",
-        f"{hint}available presets: {', '.join(names) or '(none found)'}; or add {text.lower()}.yaml to a "
-        f"directory in ${CONFIGS_ENV}",
-    )
+    return presets.resolve(path_or_preset, preset_dirs(), field="model", kind="model preset",
+                           suffixes=(".yaml", ".yml", ".json"),
+                           extra_fix=f"; or add {str(path_or_preset).lower()}.yaml to a directory in ${CONFIGS_ENV}")
 
 
 @functools.lru_cache(maxsize=64)
 def _load_mapping(path: Path, mtime_ns: int) -> Dict[str, Any]:
     """Parse a YAML/JSON mapping (``mtime_ns`` is only a cache key). Callers copy the result."""
-    import yaml
-
-    with open(path, encoding="utf-8") as fh:
-        try:
-            data = yaml.safe_load(fh)
-        except yaml.YAMLError as exc:
-            raise DynBatchConfigError("model", str(path), f"is not valid YAML ({exc})", "fix the file syntax") from None
-    if not isinstance(data, Mapping):
-        raise DynBatchConfigError(
-            "model", str(path), "must contain a mapping of ModelSpec fields",
-            "write 'num_layers: ...', 'hidden_size: ...' lines at the top level",
-        )
-    return dict(data)
+    return presets.load_mapping(path, field="model", what="ModelSpec fields",
+                                example="'num_layers: ...', 'hidden_size: ...' lines")

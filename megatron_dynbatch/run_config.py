@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .alignment import Alignment
 from .errors import DynBatchConfigError
+from . import presets
 from .model_spec import ModelSpec, available_presets, preset_dirs
 from .parallel import ParallelConfig
 
@@ -489,47 +490,19 @@ def run_preset_dirs() -> List[Path]:
 
 def available_run_presets() -> List[str]:
     """Names of every run preset found in :func:`run_preset_dirs` (sorted)."""
-    names: set = set()
-    for d in run_preset_dirs():
-        if d.is_dir():
-            names.update(p.stem for p in d.glob("*.yaml"))
-    return sorted(names)
+    return presets.available(run_preset_dirs())
 
 
 def _resolve_run_path(path_or_name: Union[str, os.PathLike]) -> Path:
-    p = Path(path_or_name).expanduser()
-    if p.is_file():
-        return p
-    text = str(path_or_name)
-    looks_like_path = p.suffix.lower() in (".yaml", ".yml") or os.sep in text or "/" in text
-    names = available_run_presets()
-    if looks_like_path:
-        raise DynBatchConfigError("run", text, "file not found", f"check the path, or use a run preset ({', '.join(names)})")
-    key = text.strip().lower()
-    for d in run_preset_dirs():
-        for cand in (d / f"{key}.yaml", d / f"{key}.yml"):
-            if cand.is_file():
-                return cand
-    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
-    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-    if key in available_presets():
-        hint = f"{key!r} is a MODEL preset; a run preset names one in its 'model:' field. " + hint
-    raise DynBatchConfigError("run", text, "unknown run preset",
-                              f"{hint}available run presets: {', '.join(names) or '(none found)'}")
+    key = str(path_or_name).strip().lower()
+    model_hint = (f"{key!r} is a MODEL preset; a run preset names one in its 'model:' field. "
+                  if key in available_presets() else "")
+    return presets.resolve(path_or_name, run_preset_dirs(), field="run", kind="run preset", extra_hint=model_hint)
 
 
 def _load_yaml_mapping(path: Path) -> Dict[str, Any]:
-    import yaml
-
-    with open(path, encoding="utf-8") as fh:
-        try:
-            data = yaml.safe_load(fh)
-        except yaml.YAMLError as exc:
-            raise DynBatchConfigError("run", str(path), f"is not valid YAML ({exc})", "fix the file syntax") from None
-    if not isinstance(data, Mapping):
-        raise DynBatchConfigError("run", str(path), "must contain a mapping of run fields",
-                                  "write 'model: ...', 'parallel: {...}', 'max_tokens_per_gpu: ...' at the top level")
-    return dict(data)
+    return presets.load_mapping(path, field="run", what="run fields",
+                                example="'model: ...', 'parallel: {...}', 'max_tokens_per_gpu: ...'")
 
 
 # ------------------------------------------------------------------------------------------ tiny CLI
