@@ -20,7 +20,7 @@ flag                                        meaning
 ``--dynbatch-loss-mode M``                  token_mean | sample_mean | group_mean | token_sum
 ``--dynbatch-group-reduce {token,sample}``  how ``group_mean`` reduces inside a group
 ``--dynbatch-samples-per-step N``           split a global batch into optimizer steps of N samples
-``--dynbatch-cost-model FILE``              calibrated cost model (JSON); stored for the planner
+``--dynbatch-cost-model FILE``              calibrated cost model (JSON) used by the planner
 ==========================================  ===========================================================
 """
 
@@ -72,7 +72,8 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--dynbatch-samples-per-step", type=int, default=None,
                    help="Split each global batch into optimizer steps of exactly this many samples.")
     g.add_argument("--dynbatch-cost-model", type=str, default=None, metavar="FILE",
-                   help="Calibrated cost-model file (JSON) for the planner; stored, used once calibrated.")
+                   help="Calibrated cost-model file (JSON: linear_s_per_token, attention_s_per_sq_token, overhead_s) "
+                        "that the planner uses to choose counts and, with --balance-by-flops, to balance time.")
     return parser
 
 
@@ -234,4 +235,10 @@ def plan_kwargs_from_args(args: Any, *, forward_only: bool = False, world_size: 
     }
     if not forward_only and getattr(args, "dynbatch_samples_per_step", None):
         kwargs["samples_per_step"] = int(args.dynbatch_samples_per_step)
+    if getattr(args, "dynbatch_cost_model", None):
+        from .cost_model import load_cost_model
+
+        # With a calibrated model, --balance-by-flops balances its measured seconds (the planner's default
+        # "time" mode when a model is given).
+        kwargs["cost_model"] = load_cost_model(args.dynbatch_cost_model)
     return kwargs

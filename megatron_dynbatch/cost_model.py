@@ -206,3 +206,84 @@ def simulate_1f1b(stage_times: Sequence[float], pp: int) -> float:
         if not progressed:  # pragma: no cover - the schedule is deadlock-free by construction
             raise RuntimeError("1F1B simulation deadlocked")
     return max(clock)
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+@dataclass(frozen=True)
+class FitReport:
+    """How well a fitted ``CostModel`` reproduces the measurements it was fitted on."""
+
+    num_measurements: int
+    rel_rms_error: float
+    max_rel_error: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_cost_model(padded_tokens: Sequence[float], sq_tokens: Sequence[float], seconds: Sequence[float],
+                   parallel: Optional[ParallelConfig] = None) -> "tuple[CostModel, FitReport]":
+    """Fit ``seconds ~ overhead + a * padded_tokens + b * sq_tokens`` to measured micro-batch times.
+
+    Each row is one measured micro-batch on one GPU (forward + backward): its padded token count, the sum of
+    its sequences' squared real lengths, and its time. The fit minimises *relative* squared error (small
+    micro-batches matter as much as large ones) with every coefficient kept >= 0 (an exact non-negative least
+    squares over the 8 active sets of three unknowns). Returns the model and its fit error on these rows.
+    """
+    x = np.column_stack([np.ones(len(seconds)), np.asarray(padded_tokens, float), np.asarray(sq_tokens, float)])
+    y = np.asarray(seconds, dtype=np.float64)
+    if y.ndim != 1 or x.shape[0] != y.size or y.size < 3:
+        raise DynBatchConfigError("measurements", int(y.size), "need at least 3 micro-batch timings of equal length",
+                                  "measure micro-batches of several sizes and lengths")
+    if (y <= 0).any() or not np.isfinite(x).all() or not np.isfinite(y).all():
+        raise DynBatchConfigError("measurements.seconds", "non-positive or non-finite value",
+                                  "every timing must be a positive, finite number of seconds",
+                                  "drop failed or warm-up measurements")
+    w = 1.0 / y
+    xw, yw = x * w[:, None], y * w
+    best = None
+    for mask in range(1, 8):
+        cols = [c for c in range(3) if mask >> c & 1]
+        coef, *_ = np.linalg.lstsq(xw[:, cols], yw, rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(3)
+        full[cols] = coef
+        err = float(np.sum((xw @ full - yw) ** 2))
+        if best is None or err < best[0]:
+            best = (err, full)
+    _, (c, a, b) = best
+    p = parallel or ParallelConfig()
+    model = CostModel(float(a), float(b), float(c), pp=p.pp, vpp=p.vpp, ep_group=max(1, p.ep))
+    rel = (x @ np.array([c, a, b]) - y) / y
+    return model, FitReport(int(y.size), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))))
+
+
+def save_cost_model(model: CostModel, path, report: Optional[FitReport] = None) -> None:
+    """Write the per-micro-batch coefficients (and the fit report) as JSON; the layout is not stored."""
+    import json
+
+    d = {k: v for k, v in model.to_dict().items() if k in ("linear_s_per_token", "attention_s_per_sq_token",
+                                                            "overhead_s")}
+    if report is not None:
+        d["fit"] = report.to_dict()
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(d, fh, indent=2)
+
+
+def load_cost_model(path) -> CostModel:
+    """Read a cost-model JSON file written by :func:`save_cost_model` (or by hand)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise DynBatchConfigError("--dynbatch-cost-model", str(path), f"cannot be read as JSON ({exc})",
+                                  "pass a file written by save_cost_model / the calibration script") from None
+    keys = ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise DynBatchConfigError("--dynbatch-cost-model", str(path), f"is missing {missing}",
+                                  f"write the keys {list(keys)} (seconds per token, per squared token, per micro-batch)")
+    return CostModel(*(float(d[k]) for k in keys))

@@ -61,3 +61,62 @@ def test_lower_bound_never_above_planned_time():
         lengths = rng.integers(10, 4000, size=200).tolist()
         plan = plan_global_batch(lengths, model="qwen3-0.6b", parallel=par, max_tokens_per_gpu=8192)
         assert plan.lower_bound_step_time <= plan.predicted_step_time * (1 + 1e-9)
+
+
+def test_fit_recovers_coefficients_and_round_trips(tmp_path):
+    from megatron_dynbatch.cost_model import fit_cost_model, load_cost_model, save_cost_model
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(256, 32768, size=60).astype(float)
+    sq = tokens ** 2 * rng.uniform(0.05, 1.0, size=60)
+    true = CostModel(2.0e-7, 3.0e-12, overhead_s=1.5e-3)
+    seconds = true.microbatch_time(tokens, sq) * rng.normal(1.0, 0.01, size=60)
+    fitted, report = fit_cost_model(tokens, sq, seconds)
+    assert fitted.linear_s_per_token == pytest.approx(2.0e-7, rel=0.05)
+    assert fitted.attention_s_per_sq_token == pytest.approx(3.0e-12, rel=0.1)
+    assert fitted.overhead_s == pytest.approx(1.5e-3, rel=0.25)
+    assert report.rel_rms_error < 0.02
+    path = tmp_path / "cm.json"
+    save_cost_model(fitted, path, report)
+    assert load_cost_model(path) == fitted
+
+
+def test_fit_keeps_coefficients_non_negative():
+    from megatron_dynbatch.cost_model import fit_cost_model
+
+    tokens = np.array([100.0, 200.0, 400.0, 800.0])
+    model, _ = fit_cost_model(tokens, tokens ** 2, 1e-3 + 1e-6 * tokens)
+    assert model.attention_s_per_sq_token >= 0 and model.overhead_s >= 0
+
+
+def test_calibrated_model_reaches_the_planner_through_args(tmp_path):
+    import argparse
+
+    from megatron_dynbatch import plan_global_batch
+    from megatron_dynbatch.args import add_dynamic_batch_args, plan_kwargs_from_args, validate_dynamic_batch_args
+    from megatron_dynbatch.cost_model import load_cost_model, save_cost_model
+
+    path = tmp_path / "cm.json"
+    save_cost_model(CostModel(1e-7, 5e-11, overhead_s=1e-3), path)
+    parser = add_dynamic_batch_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--use-dynamic-batch-size", "--balance-by-flops", "--max-tokens-per-gpu", "4096",
+                              "--dynbatch-cost-model", str(path)])
+    for k, v in dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, padded_vocab_size=128,
+                     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                     data_parallel_size=2, world_size=2).items():
+        setattr(args, k, v)
+    validate_dynamic_batch_args(args, world_size=2)
+    kwargs = plan_kwargs_from_args(args, world_size=2)
+    assert kwargs["cost_model"] == load_cost_model(path)
+    plan = plan_global_batch(list(range(1, 41)), **kwargs)
+    assert plan.num_samples == 40
+
+
+def test_bad_cost_model_file(tmp_path):
+    from megatron_dynbatch import DynBatchConfigError
+    from megatron_dynbatch.cost_model import load_cost_model
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"linear_s_per_token": 1e-7}')
+    with pytest.raises(DynBatchConfigError, match="missing"):
+        load_cost_model(bad)
