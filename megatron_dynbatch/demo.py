@@ -6,6 +6,13 @@ synthetic RL-like batches (short prompts, long-tailed responses, loss on the res
 planned by :func:`megatron_dynbatch.plan_global_batch` (FLOPs-balanced), packed in THD format and run through
 ``get_forward_backward_func()`` by :func:`megatron_dynbatch.schedule.dynamic_forward_backward`.
 
+``--launcher torchrun`` runs under ``torchrun`` (or Slurm + torchrun) instead of spawning: every process is
+one rank, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` come from torchrun's
+environment, ``--dp`` defaults to ``WORLD_SIZE`` (and must equal it), rank 0 prints the table below and every
+rank ends with the line ``demo rank R/W finished``::
+
+    torchrun --nproc-per-node 2 -m megatron_dynbatch.demo --launcher torchrun --steps 2
+
 Per step it prints the exact loss, tokens/s, micro-batches per rank, the plan's FLOPs imbalance and padding.
 ``--check`` compares the first step's gradients (after ``finalize_model_grads``) with an UNPACKED reference
 (every sample run alone, sbhd, on one process, same loss definition) and prints ``max_grad_diff=<value>``;
@@ -18,6 +25,7 @@ The module also holds the unpacked reference used by the tests (:func:`unpacked_
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -152,7 +160,9 @@ def _demo_worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, 
     from .schedule import dynamic_forward_backward
     from .testing import megatron_cpu
 
-    megatron_cpu.init_cpu_distributed(rank, world_size, seed=opts["seed"])
+    megatron_cpu.init_cpu_distributed(rank, world_size, seed=opts["seed"],
+                                      addr=opts.get("master_addr") or "127.0.0.1",
+                                      timeout_s=float(opts.get("timeout_s") or 120.0))
     try:
         config = megatron_cpu.tiny_gpt_config()
         torch.manual_seed(opts["seed"])
@@ -197,15 +207,35 @@ def _demo_worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, 
                 "flops_imbalance": plan.flops_imbalance, "padding_tokens": plan.padding_tokens,
                 "rank_tokens": plan.rank_tokens.tolist(),
             })
-        return {"rank": rank, "steps": steps, "max_grad_diff": max_diff}
+        result = {"rank": rank, "steps": steps, "max_grad_diff": max_diff}
+        if opts.get("gather"):  # torchrun: every rank gets every rank's result (before the group is torn down)
+            import torch.distributed as dist
+
+            everything: List[Any] = [None] * world_size
+            dist.all_gather_object(everything, result)
+            return {"rank": rank, "all": everything}
+        return result
     finally:
         megatron_cpu.destroy()
+
+
+class _ExplicitDp(argparse.Action):
+    """Stores ``--dp`` and records that it was given (under torchrun the default is WORLD_SIZE, not 2)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.dp_given = True
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-dynbatch demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
-    p.add_argument("--dp", type=int, default=2, help="data-parallel CPU ranks (default 2)")
+    p.add_argument("--launcher", choices=("spawn", "torchrun"), default="spawn",
+                   help="spawn: start --dp local processes (default); torchrun: this process is one rank of a "
+                        "torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from the env)")
+    p.add_argument("--dp", type=int, default=2, action=_ExplicitDp,
+                   help="data-parallel CPU ranks (default 2; with --launcher torchrun: WORLD_SIZE)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=16, help="samples per global batch (default 16)")
     p.add_argument("--group-size", type=int, default=4, help="responses per prompt group (default 4)")
@@ -215,13 +245,76 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--check", action="store_true",
                    help="compare the first step's gradients with the unpacked reference (exit 1 if > 1e-5)")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds before a hung run fails (spawn: the whole run; torchrun: gloo collectives)")
     return p
+
+
+def _say(line: str) -> None:
+    """One line to stdout in ONE write, flushed: torchrun ranks share the pipe, and print() writes the text and
+    the newline separately, so another rank's line could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _torchrun_env() -> Tuple[Optional[Dict[str, str]], Optional[str]]:
+    """``(env, None)`` with torchrun's rendezvous variables, or ``(None, error message)``."""
+    missing = [k for k in TORCHRUN_ENV if not os.environ.get(k)]
+    if missing:
+        return None, (f"--launcher torchrun needs {', '.join(missing)} in the environment (set by torchrun); "
+                      f"start it as 'torchrun --nproc-per-node N -m megatron_dynbatch.demo --launcher torchrun', "
+                      f"or use the default --launcher spawn")
+    env = {k: os.environ[k] for k in TORCHRUN_ENV}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        if not env[k].isdigit():
+            return None, f"{k}={env[k]!r} from the environment is not a non-negative integer"
+    if int(env["WORLD_SIZE"]) < 1 or int(env["RANK"]) >= int(env["WORLD_SIZE"]):
+        return None, f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} from the environment are inconsistent"
+    return env, None
+
+
+def _report(results: Sequence[Mapping[str, Any]], check: bool, *, verbose: bool = True) -> int:
+    """Print the per-step table from every rank's result (when ``verbose``); return the exit status."""
+    if verbose:
+        for k, s0 in enumerate(results[0]["steps"]):
+            slowest = max(r["steps"][k]["seconds"] for r in results)
+            per_rank = [r["steps"][k]["local_tokens"] for r in results]
+            pad = s0["padding_tokens"] / max(1, s0["padding_tokens"] + s0["tokens"])
+            _say(f"step {k}: loss={s0['loss']:.6f} tokens/s={s0['tokens'] / slowest:,.0f} "
+                 f"micro-batches/rank={s0['microbatches']} tokens/rank={per_rank} "
+                 f"flops_imbalance={s0['flops_imbalance']:.3f} padding={s0['padding_tokens']} ({pad:.1%})")
+    status = 0
+    if check:
+        diff = results[0]["max_grad_diff"]
+        if verbose:
+            _say(f"max_grad_diff={diff:.3e}")
+        if not diff <= CHECK_TOLERANCE:
+            if verbose:
+                _say(f"FAIL: gradients differ from the unpacked reference by more than {CHECK_TOLERANCE}")
+            status = 1
+    return status
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``megatron-dynbatch demo``; returns the exit status."""
     args = _parser().parse_args(list(argv) if argv is not None else None)
+    env = None
+    if args.launcher == "torchrun":
+        env, problem = _torchrun_env()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        world = int(env["WORLD_SIZE"])
+        if not getattr(args, "dp_given", False):
+            args.dp = world
+        elif args.dp != world:
+            print(f"error: --dp={args.dp} disagrees with WORLD_SIZE={world} from torchrun: every torchrun process "
+                  f"is one data-parallel rank; drop --dp or launch {args.dp} processes "
+                  f"(--nnodes x --nproc-per-node = {args.dp})", file=sys.stderr)
+            return 2
     if args.steps < 1 or args.dp < 1:
         print("error: --steps and --dp must be >= 1", file=sys.stderr)
         return 2
@@ -231,32 +324,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError:
         print("error: the demo needs megatron-core (pip install 'megatron-dynbatch[megatron]')", file=sys.stderr)
         return 2
-    from .testing.multiproc import run_ranks
 
     opts = {"steps": args.steps, "seed": args.seed, "samples": args.samples, "group_size": args.group_size,
             "max_tokens_per_gpu": args.max_tokens_per_gpu, "loss_mode": args.loss_mode, "lr": args.lr,
             "check": args.check}
-    print(f"megatron-dynbatch demo: tiny GPT, real megatron-core on CPU, dp={args.dp}, {args.samples} samples/step, "
-          f"max_tokens_per_gpu={args.max_tokens_per_gpu}, loss={args.loss_mode}", flush=True)
+    rank = int(env["RANK"]) if env else 0
+    if rank == 0:
+        _say(f"megatron-dynbatch demo: tiny GPT, real megatron-core on CPU, dp={args.dp} ({args.launcher}), "
+             f"{args.samples} samples/step, max_tokens_per_gpu={args.max_tokens_per_gpu}, loss={args.loss_mode}")
     t0 = time.perf_counter()
-    results = run_ranks(_demo_worker, args.dp, opts, timeout=args.timeout)
-    for k, s0 in enumerate(results[0]["steps"]):
-        slowest = max(r["steps"][k]["seconds"] for r in results)
-        per_rank = [r["steps"][k]["local_tokens"] for r in results]
-        pad = s0["padding_tokens"] / max(1, s0["padding_tokens"] + s0["tokens"])
-        print(f"step {k}: loss={s0['loss']:.6f} tokens/s={s0['tokens'] / slowest:,.0f} "
-              f"micro-batches/rank={s0['microbatches']} tokens/rank={per_rank} "
-              f"flops_imbalance={s0['flops_imbalance']:.3f} padding={s0['padding_tokens']} ({pad:.1%})", flush=True)
-    status = 0
-    if args.check:
-        diff = results[0]["max_grad_diff"]
-        print(f"max_grad_diff={diff:.3e}", flush=True)
-        if not diff <= CHECK_TOLERANCE:
-            print(f"FAIL: gradients differ from the unpacked reference by more than {CHECK_TOLERANCE}", flush=True)
-            status = 1
-    print(f"done in {time.perf_counter() - t0:.1f}s", flush=True)
+    if env is None:
+        from .testing.multiproc import run_ranks
+
+        results = run_ranks(_demo_worker, args.dp, opts, timeout=args.timeout)
+    else:  # this process is one rank; torchrun's agent store serves the rendezvous at MASTER_ADDR:MASTER_PORT
+        opts.update(gather=True, master_addr=env["MASTER_ADDR"], timeout_s=args.timeout)
+        results = _demo_worker(rank, args.dp, opts)["all"]
+    status = _report(results, args.check, verbose=rank == 0)
+    if rank == 0:
+        _say(f"done in {time.perf_counter() - t0:.1f}s")
+    if env is not None:
+        _say(f"demo rank {rank}/{args.dp} finished")
     return status
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+if __name__ == "__main__":  # pragma: no cover - python -m megatron_dynbatch.demo
+    # Run the package module (not this __main__ copy) so that pickled workers and constants have one identity.
+    from megatron_dynbatch.demo import main as _main
+
+    sys.exit(_main())

@@ -1,10 +1,10 @@
-"""Launch scripts (scripts/*.sh, scripts/sbatch/*.sbatch) and the Megatron-LM entry point
-(scripts/pretrain_gpt_dynbatch.py): syntax, DRY_RUN output, agreement with the run presets, Slurm rendezvous,
-the pure-Python parts of the entry point, and a real 2-process torchrun run of the sbatch body on CPU."""
+"""Launch scripts (scripts/*.sh, scripts/sbatch/*.sbatch), the Megatron-LM integration
+(megatron_dynbatch/megatron_lm.py) and its entry point (scripts/pretrain_gpt_dynbatch.py): syntax, DRY_RUN
+output, agreement with the run presets, Slurm rendezvous, the pure-Python parts of the hook, and a real
+2-process torchrun run of the sbatch body on CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dynbatch import DynBatchConfigError
+from megatron_dynbatch import megatron_lm as ml
 from megatron_dynbatch.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,13 +43,6 @@ def _dry(script: Path, *args: str, **env: str) -> list:
     res = _run(script, *args, DRY_RUN="1", **env)
     assert res.returncode == 0, res.stderr
     return shlex.split(res.stdout)
-
-
-def _entry_module():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_dynbatch", ENTRY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _value(words: list, flag: str) -> str:
@@ -169,24 +163,11 @@ def test_sbatch_launches_one_torchrun_per_node_through_srun(tmp_path):
     assert all(w[:2] == ["-m", "torch.distributed.run"] for w in lines)
 
 
-def _demo_supports_torchrun() -> bool:
-    try:
-        from megatron_dynbatch import demo
-    except ImportError:
-        return False
-    parser = demo._parser()
-    return any("--launcher" in a.option_strings for a in parser._actions)
-
-
 @pytest.mark.multiprocess
 def test_sbatch_body_runs_cpu_demo():
     """The sbatch body itself, with DYNBATCH_CPU_SMOKE=1: Slurm-style env, torchrun with 2 CPU processes on one
     node (rendezvous on 127.0.0.1), running the CPU demo with real megatron-core."""
     pytest.importorskip("megatron.core")
-    if not _demo_supports_torchrun():
-        pytest.skip("megatron_dynbatch.demo has no '--launcher torchrun' mode yet: it must accept "
-                    "'--launcher torchrun', take RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from torchrun's "
-                    "environment instead of spawning ranks, and print 'demo rank R/W finished' on every rank")
     from megatron_dynbatch.testing.multiproc import free_port
 
     env = dict(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
@@ -195,11 +176,13 @@ def test_sbatch_body_runs_cpu_demo():
     res = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env=_env(**env), timeout=180)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
-    finished = set(re.findall(r"demo rank (\d+)/2 finished", out))
-    assert finished == {"0", "1"}, out[-4000:]
+    finished = re.findall(r"^demo rank (\d+)/2 finished$", res.stdout, flags=re.MULTILINE)
+    assert sorted(finished) == ["0", "1"], out[-4000:]               # exactly once per rank
+    assert "smoke=1 nnodes=1 gpus_per_node=2 master=127.0.0.1:" in res.stderr
+    assert len(re.findall(r"^step 0: loss=", res.stdout, flags=re.MULTILINE)) == 1, out[-4000:]  # rank 0 only
 
 
-# ------------------------------------------------------------------------------------ the entry point
+# ------------------------------------------------------- the Megatron-LM hook and its entry point
 def test_entry_point_help_without_megatron_training():
     env = _env(PYTHONPATH=str(ROOT))
     env.pop("MEGATRON_LM_DIR", None)
@@ -216,52 +199,106 @@ def test_entry_point_help_without_megatron_training():
     assert res.returncode == 2 and "MEGATRON_LM_DIR" in res.stderr
 
 
-def test_entry_point_flags_and_checks():
-    ep = _entry_module()
+def test_entry_point_is_a_thin_script_over_the_package_module():
+    """The script holds no hook code of its own: it imports megatron_dynbatch.megatron_lm."""
+    text = ENTRY.read_text()
+    assert "from megatron_dynbatch import megatron_lm" in text
+    for name in ("class DynamicForwardBackward", "def install", "class JsonlGlobalBatches", "def parse_sample"):
+        assert name not in text
+    assert len(text.splitlines()) < 120
+
+
+def test_megatron_lm_imports_without_torch_or_megatron():
+    code = ("import sys, megatron_dynbatch.megatron_lm as m; "
+            "assert not [k for k in sys.modules if k == 'torch' or k.startswith('megatron.')], sorted(sys.modules); "
+            "print(m.help_text())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "--use-dynamic-batch-size" in res.stdout and "--dynbatch-train-data" in res.stdout
+
+
+def test_missing_megatron_training_is_a_clear_import_error(monkeypatch):
+    """Without Megatron-LM, import_megatron_training() and install() raise MegatronLMNotFoundError (an
+    ImportError) naming megatron.training and MEGATRON_LM_DIR."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_megatron_training(name, *a, **k):
+        if name == "megatron.training" or name.startswith("megatron.training."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_megatron_training)
+    for call in (ml.import_megatron_training, ml.install):
+        with pytest.raises(ml.MegatronLMNotFoundError) as exc:
+            call()
+        assert isinstance(exc.value, ImportError)
+        assert "megatron.training" in str(exc.value) and "MEGATRON_LM_DIR" in str(exc.value)
+
+
+def _valid_args(*extra: str):
     import argparse
 
-    args = ep.extra_args_provider(argparse.ArgumentParser()).parse_args(
-        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--dynbatch-mock-data"])
+    args = ml.add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", *extra])
     args.dataloader_type, args.eval_iters, args.micro_batch_size = "external", 0, 1
-    ep.check_entry_point_args(args)
+    args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size = 1, 1, 1
+    return args
+
+
+def test_megatron_lm_flags_and_checks():
+    import argparse
+
+    args = _valid_args("--dynbatch-mock-data")
+    ml.check_megatron_lm_args(args)
+    ml.check_data_source_args(args)
+    assert ml.validate_megatron_lm_args(args) is args
     for change, flag in (({"dataloader_type": "single"}, "--dataloader-type"), ({"eval_iters": 10}, "--eval-iters"),
                          ({"micro_batch_size": 4}, "--micro-batch-size"),
-                         ({"dynbatch_train_data": "x.jsonl"}, "--dynbatch-train-data"),
                          ({"use_dynamic_batch_size": False}, "--use-dynamic-batch-size")):
         bad = argparse.Namespace(**{**vars(args), **change})
         with pytest.raises(DynBatchConfigError) as exc:
-            ep.check_entry_point_args(bad)
+            ml.check_megatron_lm_args(bad)
         assert exc.value.field == flag
+    # the data-source rule belongs to global_batch_datasets_provider only (a provider of your own needs neither)
+    ml.check_megatron_lm_args(argparse.Namespace(**{**vars(args), "dynbatch_mock_data": False}))
+    for change in ({"dynbatch_train_data": "x.jsonl"}, {"dynbatch_mock_data": False}):
+        with pytest.raises(DynBatchConfigError) as exc:
+            ml.check_data_source_args(argparse.Namespace(**{**vars(args), **change}))
+        assert exc.value.field == "--dynbatch-train-data"
+    with pytest.raises(DynBatchConfigError) as exc:  # validate = the core validation + the Megatron-LM checks
+        ml.validate_megatron_lm_args(argparse.Namespace(**{**vars(args), "max_tokens_per_gpu": None}))
+    assert exc.value.field == "--max-tokens-per-gpu"
 
 
 def test_jsonl_global_batches(tmp_path):
-    ep = _entry_module()
     path = tmp_path / "d.jsonl"
     rows = [{"tokens": [1, 2, 3 + i], "loss_mask": [0, 1, 1], "group_id": i // 2} for i in range(5)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    src = ep.JsonlGlobalBatches(str(path), 2, start_sample=1, as_torch=False)
+    src = ml.JsonlGlobalBatches(str(path), 2, start_sample=1, as_torch=False)
     assert [s["tokens"][2] for s in next(src)] == [4, 5]
     assert [s["tokens"][2] for s in next(src)] == [6, 7]
     assert [s["tokens"][2] for s in next(src)] == [3, 4]  # wraps around
-    batch = next(ep.JsonlGlobalBatches(str(path), 3))
+    batch = next(ml.JsonlGlobalBatches(str(path), 3))
     assert batch[0]["tokens"].dtype.is_floating_point is False and batch[0]["loss_mask"].tolist() == [0, 1, 1]
     path.write_text('{"tokens": [1, 2], "loss_mask": [1]}\n')
     with pytest.raises(DynBatchConfigError, match="one entry per token"):
-        ep.JsonlGlobalBatches(str(path), 1)
+        ml.JsonlGlobalBatches(str(path), 1)
     path.write_text('{"text": "hello"}\n')
     with pytest.raises(DynBatchConfigError, match="'tokens'"):
-        ep.JsonlGlobalBatches(str(path), 1)
+        ml.JsonlGlobalBatches(str(path), 1)
     path.write_text("not json\n")
     with pytest.raises(DynBatchConfigError, match="not valid JSON"):
-        ep.JsonlGlobalBatches(str(path), 1)
+        ml.JsonlGlobalBatches(str(path), 1)
     with pytest.raises(DynBatchConfigError, match="file not found"):
-        ep.JsonlGlobalBatches(str(tmp_path / "missing.jsonl"), 1)
+        ml.JsonlGlobalBatches(str(tmp_path / "missing.jsonl"), 1)
 
 
 def test_mock_global_batches_are_identical_per_step_and_well_formed():
-    ep = _entry_module()
-    a = ep.MockGlobalBatches(16, vocab_size=1000, max_length=512, seed=3, group_size=4, as_torch=False)
-    b = ep.MockGlobalBatches(16, vocab_size=1000, max_length=512, seed=3, group_size=4, start_batch=1, as_torch=False)
+    a = ml.MockGlobalBatches(16, vocab_size=1000, max_length=512, seed=3, group_size=4, as_torch=False)
+    b = ml.MockGlobalBatches(16, vocab_size=1000, max_length=512, seed=3, group_size=4, start_batch=1, as_torch=False)
     first, second = next(a), next(a)
     assert next(b) == second  # batch k depends only on (seed, k): every rank, and resumption, agree
     for s in first + second:
@@ -273,14 +310,12 @@ def test_mock_global_batches_are_identical_per_step_and_well_formed():
 
 
 def test_megatron_loss_dicts():
-    ep = _entry_module()
-    assert ep.megatron_loss_dicts(None, 3) == []
-    dicts = ep.megatron_loss_dicts(1.25, 3)
+    assert ml.megatron_loss_dicts(None, 3) == []
+    dicts = ml.megatron_loss_dicts(1.25, 3)
     assert len(dicts) == 3 and all(d["lm loss"].tolist() == [1.25] for d in dicts)
 
 
 def test_dynamic_forward_backward_wrapper_with_a_fake_schedule():
-    ep = _entry_module()
     calls = {}
 
     def run_step(model, samples, plan_kwargs, **kw):
@@ -289,7 +324,7 @@ def test_dynamic_forward_backward_wrapper_with_a_fake_schedule():
 
     args = types.SimpleNamespace(dynbatch_loss_mode="sample_mean", dynbatch_group_reduce="token", eval_iters=0)
     inner = object()
-    fb = ep.DynamicForwardBackward(inner, args, run_step=run_step,
+    fb = ml.DynamicForwardBackward(inner, args, run_step=run_step,
                                    plan_kwargs=lambda a: {"max_tokens_per_gpu": 64, "samples_per_step": 8})
     batch = [{"tokens": [1, 2]}]
     out = fb(forward_step_func=None, data_iterator=[iter([batch]), iter([batch])], model=["m"], num_microbatches=99,
@@ -307,28 +342,39 @@ def test_dynamic_forward_backward_wrapper_with_a_fake_schedule():
 
 
 def test_install_patches_one_attribute_and_restores_it():
-    ep = _entry_module()
-
     def real_get_forward_backward_func(**kw):
         return "real-schedule"
 
     module = types.SimpleNamespace(get_forward_backward_func=real_get_forward_backward_func)
     args = types.SimpleNamespace()
-    restore = ep.install(module, get_args=lambda: args)
+    restore = ml.install(module, get_args=lambda: args, validate=False)
     fb = module.get_forward_backward_func()
-    assert isinstance(fb, ep.DynamicForwardBackward) and fb.inner == "real-schedule" and fb.args is args
-    ep.install(module, get_args=lambda: args)  # idempotent: wraps the real function, not the wrapper
+    assert isinstance(fb, ml.DynamicForwardBackward) and fb.inner == "real-schedule" and fb.args is args
+    ml.install(module, get_args=lambda: args, validate=False)  # idempotent: wraps the real function, not the wrapper
     assert module.get_forward_backward_func().inner == "real-schedule"
     restore()
     assert module.get_forward_backward_func is real_get_forward_backward_func
     with pytest.raises(RuntimeError, match="get_forward_backward_func"):
-        ep.install(types.SimpleNamespace(), get_args=lambda: args)
+        ml.install(types.SimpleNamespace(), get_args=lambda: args)
+
+
+def test_install_validates_the_flags_when_train_fetches_the_schedule():
+    module = types.SimpleNamespace(get_forward_backward_func=lambda: "real-schedule")
+    current = {"args": _valid_args()}
+    restore = ml.install(module, get_args=lambda: current["args"])
+    try:
+        assert module.get_forward_backward_func().inner == "real-schedule"
+        current["args"] = _valid_args()
+        current["args"].eval_iters = 10
+        with pytest.raises(DynBatchConfigError, match="--eval-iters"):
+            module.get_forward_backward_func()
+    finally:
+        restore()
 
 
 def test_install_on_real_megatron_training_when_available():
     training = pytest.importorskip("megatron.training.training")  # Megatron-LM checkout on PYTHONPATH
-    ep = _entry_module()
-    restore = ep.install(training, get_args=lambda: types.SimpleNamespace())
+    restore = ml.install(training, get_args=lambda: types.SimpleNamespace(), validate=False)
     try:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -347,13 +393,12 @@ def test_wrapper_runs_a_real_megatron_schedule_on_cpu(megatron_world1):
     from megatron_dynbatch.model_spec import ModelSpec
     from megatron_dynbatch.testing import megatron_cpu
 
-    ep = _entry_module()
     config = megatron_cpu.tiny_gpt_config()
     torch.manual_seed(0)
     model = megatron_cpu.build_tiny_gpt(config, vocab_size=128, thd=True)
     spec = ModelSpec.from_megatron(config, vocab_size=128)
     args = types.SimpleNamespace(dynbatch_loss_mode="token_mean", dynbatch_group_reduce="token", eval_iters=0)
-    fb = ep.DynamicForwardBackward(get_forward_backward_func(), args, plan_kwargs=lambda a: {
+    fb = ml.DynamicForwardBackward(get_forward_backward_func(), args, plan_kwargs=lambda a: {
         "model": spec, "parallel": {"dp": 1}, "max_tokens_per_gpu": 96, "samples_per_step": 8})
     samples = synthetic_rl_batch(8, seed=1)
     out = fb(forward_step_func=None, data_iterator=iter([samples]), model=[model], num_microbatches=8,
@@ -362,3 +407,88 @@ def test_wrapper_runs_a_real_megatron_schedule_on_cpu(megatron_world1):
     assert res.num_microbatches >= 2 and len(out) == res.num_microbatches
     assert all(d["lm loss"].item() == pytest.approx(res.loss) for d in out)
     assert any(p.grad is not None or getattr(p, "main_grad", None) is not None for p in model.parameters())
+
+
+def _documented_lines(doc: Path) -> str:
+    """The python block of ``doc`` that imports megatron_dynbatch.megatron_lm (the lines a user adds)."""
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.DOTALL)
+    found = [b for b in blocks if "from megatron_dynbatch.megatron_lm import" in b]
+    assert found, f"{doc.name} shows no megatron_lm lines"
+    return found[0]
+
+
+@pytest.mark.parametrize("doc", ["quickstart.md", "integration.md"])
+def test_documented_megatron_lm_lines_drive_a_real_schedule(doc, megatron_world1, monkeypatch):
+    """The exact lines of the docs, executed with a stand-in for Megatron-LM (``megatron.training`` with
+    ``get_args`` and ``training.get_forward_backward_func``, and a ``pretrain`` that does what Megatron-LM's
+    does with them: parse the extra args, apply ``args_defaults``, build the datasets, fetch the schedule once
+    and call it per iteration with the fixed micro-batch count) around megatron-core's REAL schedule and a
+    tiny GPT on one CPU rank."""
+    import argparse
+    from functools import partial
+
+    import megatron
+    import torch
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_dynbatch.testing import megatron_cpu
+
+    state: dict = {}
+    training = types.ModuleType("megatron.training.training")
+    training.get_forward_backward_func = get_forward_backward_func
+    package = types.ModuleType("megatron.training")
+    package.training = training
+    package.get_args = lambda: state["args"]
+    monkeypatch.setitem(sys.modules, "megatron.training", package)
+    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+    monkeypatch.setattr(megatron, "training", package, raising=False)
+
+    cli = ["--use-dynamic-batch-size", "--balance-by-flops", "--max-tokens-per-gpu", "96", "--dynbatch-mock-data",
+           "--dynbatch-mock-max-length", "64"]
+    megatron_args = dict(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                         num_query_groups=2, ffn_hidden_size=128, swiglu=True, padded_vocab_size=128,
+                         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                         data_parallel_size=1, world_size=1, micro_batch_size=1, global_batch_size=8, eval_iters=0,
+                         seq_length=64, seed=1234, consumed_train_samples=0)
+
+    def pretrain(datasets_provider, model_provider, model_type, forward_step_func, args_defaults=None,
+                 extra_args_provider=None, **_):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--dataloader-type", default=None)
+        args = extra_args_provider(parser).parse_args(cli)
+        for key, value in megatron_args.items():
+            setattr(args, key, value)
+        for key, value in (args_defaults or {}).items():  # Megatron: defaults fill what the command line left None
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
+        state["args"] = args
+        model = model_provider()
+        assert getattr(datasets_provider, "is_distributed", False)
+        train_iter, _, _ = datasets_provider([8, 0, 0])
+        fb = training.get_forward_backward_func()  # train(): fetched once
+        state["fb"], state["losses"] = fb, []
+        for _ in range(2):  # train_step(): the fixed count is ignored by the hook
+            out = fb(forward_step_func=forward_step_func, data_iterator=train_iter, model=[model],
+                     num_microbatches=args.global_batch_size, seq_length=args.seq_length, micro_batch_size=1,
+                     decoder_seq_length=None, forward_only=False)
+            state["losses"].append([d["lm loss"].item() for d in out])
+
+    def model_provider(builder, pre_process=True, post_process=True, vp_stage=None):
+        torch.manual_seed(0)
+        return builder(megatron_cpu.tiny_gpt_config(), vocab_size=128, thd=True)
+
+    def forward_step(data_iterator, model):  # the user's own forward step: must not be called
+        raise AssertionError("the hook must use its own packed-THD forward step")
+
+    lines = _documented_lines(ROOT / "docs" / doc)
+    exec(compile(lines, f"docs/{doc}", "exec"), {"pretrain": pretrain, "partial": partial, "ModelType": ModelType,
+                                                 "model_provider": model_provider,
+                                                 "gpt_builder": megatron_cpu.build_tiny_gpt,
+                                                 "forward_step": forward_step})
+    assert state["args"].dataloader_type == "external"
+    assert isinstance(state["fb"], ml.DynamicForwardBackward)
+    res = state["fb"].last_result
+    assert len(state["losses"]) == 2 and len(state["losses"][-1]) == res.num_microbatches >= 1
+    assert all(v == pytest.approx(res.loss) for v in state["losses"][-1])
+    assert 3.0 < state["losses"][0][0] < 6.0  # ~ln(128) for an untrained model

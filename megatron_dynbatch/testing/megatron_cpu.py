@@ -27,8 +27,14 @@ Not shimmed (use the settings instead): fused kernels (``masked_softmax_fusion``
 ``overlap_grad_reduce`` (CUDA streams), the distributed optimizer and the Megatron optimizer's gradient
 clipping (CUDA tensors). ``tiny_gpt_config`` sets ``variable_seq_lengths=True`` (micro-batches of different
 lengths under PP) and therefore ``moe_token_dispatcher_type="alltoall"`` (the default ``allgather`` rejects it,
-even for dense models). Interleaved PP (VPP) on gloo: with ``pp=2`` a rank's previous and next stage are the
-same peer and the p2p exchanges get mis-paired, and with ``pp>=3`` ``variable_seq_lengths=True`` deadlocked in
+even for dense models). ``tiny_gpt_config`` also sets ``batch_p2p_comm=False`` (megatron-core's default is
+True): with ``pp=2`` and VPP a rank's previous and next stage are the same peer, and gloo's
+``batch_isend_irecv`` pairs the two same-peer transfers of a bidirectional exchange in posting order, which
+crossed activations and gradients and gave WRONG gradients (no error, no hang) even at fixed shapes; plain
+``isend``/``irecv`` pair correctly. Pass ``batch_p2p_comm=True`` explicitly to exercise the batched path
+(safe on gloo without VPP). Interleaved PP (VPP) on gloo otherwise: with ``pp=2`` variable lengths are
+mis-paired in the shape exchange (megatron-core 0.16.1, NVIDIA/Megatron-LM #5100), so the iterator pads
+every micro-batch of a rank to one length there; with ``pp>=3`` ``variable_seq_lengths=True`` deadlocked in
 the shape exchange in our runs; ``pp=4, vpp=2`` with one fixed length per step (``variable_seq_lengths=False``)
 runs. The local ``DotProductAttention`` refuses ``packed_seq_params``; pass ``thd=True`` to
 :func:`build_tiny_gpt` to use :class:`megatron_dynbatch.attention.ThdDotProductAttention` instead.
@@ -174,9 +180,11 @@ def init_cpu_distributed(
     ep: int = 1,
     seed: int = 1234,
     timeout_s: float = 120.0,
+    addr: str = "127.0.0.1",
 ) -> None:
-    """Install the shims, start a gloo process group on 127.0.0.1:``port`` (default: ``$MASTER_PORT``, as set
-    by :func:`~megatron_dynbatch.testing.multiproc.run_ranks`, else 29500) and initialise Megatron's
+    """Install the shims, start a gloo process group on ``addr``:``port`` (address default 127.0.0.1; pass
+    ``os.environ["MASTER_ADDR"]`` under torchrun; port default: ``$MASTER_PORT``, as set by
+    :func:`~megatron_dynbatch.testing.multiproc.run_ranks` or torchrun, else 29500) and initialise Megatron's
     ``parallel_state`` (order tp-cp-ep-dp-pp, DP = world / (tp*pp*cp)) and its RNG tracker. Undo with
     :func:`destroy`."""
     install_cpu_shims()
@@ -185,7 +193,7 @@ def init_cpu_distributed(
 
     if world_size % (tp * pp * cp) != 0:
         raise ValueError(f"world_size={world_size} is not divisible by tp*pp*cp={tp * pp * cp}")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_ADDR"] = str(addr)
     if port is None:
         port = int(os.environ.get("MASTER_PORT", "29500"))
     os.environ["MASTER_PORT"] = str(port)
@@ -217,7 +225,8 @@ def destroy() -> None:
 # ------------------------------------------------------------------------------------------- tiny model
 def tiny_gpt_config(**overrides: Any):
     """A small fp32 ``TransformerConfig`` that runs on CPU: 2 layers, hidden 64, 4 heads / 2 query groups,
-    SwiGLU FFN 128, no dropout, deterministic, every CUDA-only fusion off. Parallel sizes are read from
+    SwiGLU FFN 128, no dropout, deterministic, every CUDA-only fusion off, ``batch_p2p_comm=False`` (batched
+    p2p on gloo gave wrong gradients with PP=2 + VPP; see the module docstring). Parallel sizes are read from
     ``parallel_state`` when it is initialised; ``overrides`` win over everything."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -246,6 +255,7 @@ def tiny_gpt_config(**overrides: Any):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         variable_seq_lengths=True,
+        batch_p2p_comm=False,  # gloo batch_isend_irecv crosses same-peer transfers (PP=2 + VPP): wrong grads
         moe_token_dispatcher_type="alltoall",  # allgather rejects variable_seq_lengths (even without MoE)
     )
     if parallel_state.model_parallel_is_initialized():
