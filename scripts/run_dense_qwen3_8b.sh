@@ -66,7 +66,7 @@ TRAIN_ARGS=(
 [ -n "${SAVE:-}" ] && TRAIN_ARGS+=(--save "$SAVE" --save-interval 50)
 
 CMD=(
-  env CUDA_DEVICE_MAX_CONNECTIONS=1 "${ATTN_ENV[@]}" "PYTHONPATH=$MEGATRON_LM_DIR:$REPO_ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"
+  env CUDA_DEVICE_MAX_CONNECTIONS=1 "${ATTN_ENV[@]}" "PYTHONPATH=$MEGATRON_LM_DIR:$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
   "${TORCHRUN:-torchrun}" --nproc-per-node "$GPUS_PER_NODE" --nnodes 1 --master-addr 127.0.0.1 --master-port "$MASTER_PORT"
   "$REPO_ROOT/scripts/pretrain_gpt_dynbatch.py"
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DYNBATCH_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAIN_ARGS[@]}" "$@"
