@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -94,13 +94,13 @@ def _read_values(path: str, flag: str, *, integers: bool) -> List[Any]:
 def _add_layout_args(p: argparse.ArgumentParser, *, dp: bool = True) -> None:
     g = p.add_argument_group("parallel layout")
     if dp:
-        g.add_argument("--dp", type=_positive_int, default=1, help="data-parallel size: ranks that split the batch")
-    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
-    g.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size")
-    g.add_argument("--cp", type=_positive_int, default=1,
+        g.add_argument("--dp", type=_positive_int, default=None, help="data-parallel size: ranks that split the batch (default 1)")
+    g.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel size")
+    g.add_argument("--pp", type=_positive_int, default=None, help="pipeline-parallel size")
+    g.add_argument("--cp", type=_positive_int, default=None,
                    help="context-parallel size (a micro-batch holds max_tokens_per_gpu * cp tokens)")
-    g.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size (MoE models)")
-    g.add_argument("--vpp", type=_positive_int, default=1, help="virtual pipeline stages per rank (interleaved 1F1B)")
+    g.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel size (MoE models)")
+    g.add_argument("--vpp", type=_positive_int, default=None, help="virtual pipeline stages per rank (interleaved 1F1B)")
     g.add_argument("--microbatch-group-size-per-vp-stage", type=_positive_int, default=None,
                    help="Megatron's N for interleaved pipelines (default: pp)")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -110,7 +110,8 @@ def _add_layout_args(p: argparse.ArgumentParser, *, dp: bool = True) -> None:
 def _layout(args: argparse.Namespace) -> Any:
     from .parallel import ParallelConfig
 
-    return ParallelConfig(dp=getattr(args, "dp", 1), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp,
+    return ParallelConfig(dp=getattr(args, "dp", None) or 1, tp=args.tp or 1, pp=args.pp or 1, cp=args.cp or 1,
+                          ep=args.ep or 1, vpp=args.vpp or 1,
                           microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
                           sequence_parallel=args.sequence_parallel)
 
@@ -161,15 +162,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     lengths = _read_values(args.lengths, "--lengths", integers=True)
     group_ids = _read_values(args.group_ids, "--group-ids", integers=False) if args.group_ids else None
-    par = _layout(args)
-    if args.model:  # check the layout against the model (tp divides the heads, ep the experts, ...)
+    kwargs, run = _plan_kwargs(args)
+    par = kwargs["parallel"]
+    if kwargs["model"] is not None:  # check the layout against the model (tp divides the heads, ep the experts)
         from .flops import per_gpu_flops
 
-        per_gpu_flops(1.0, args.model, par)
-    balance_by = args.balance_by or ("flops" if args.model else "tokens")
-    plan = plan_global_batch(lengths, model=args.model, parallel=par, max_tokens_per_gpu=args.max_tokens_per_gpu,
-                             balance_by=balance_by, group_ids=group_ids, samples_per_step=args.samples_per_step,
-                             oversize=args.oversize, fp8_alignment=args.fp8, num_microbatches=args.num_microbatches)
+        per_gpu_flops(1.0, kwargs["model"], par)
+    if group_ids is None and run is not None:
+        group_ids = run.group_ids(len(lengths))
+    mode = kwargs["balance_by"] or ("tokens" if not kwargs["balance_by_flops"] else
+                                    "flops-eff" if kwargs["model"] is not None else "flops")
+    balance_by = {"flops-eff": "FLOPs at kernel efficiency", "flops": "raw FLOPs", "tokens": "tokens",
+                  "time": "cost-model time"}[mode]
+    args.model, args.max_tokens_per_gpu, args.fp8 = kwargs["model"], kwargs["max_tokens_per_gpu"], kwargs["fp8_alignment"]
+    plan = plan_global_batch(lengths, group_ids=group_ids, num_microbatches=args.num_microbatches, **kwargs)
     if args.json:
         print(plan.to_json(indent=1))
         return 0
@@ -182,13 +188,51 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
+    """``plan_global_batch`` keyword arguments: the ``--run`` preset's first, then every flag given explicitly."""
+    from .parallel import ParallelConfig
+
+    run = None
+    if args.run:
+        from .run_config import RunConfig
+
+        run = RunConfig.from_yaml(args.run)
+        kw = run.planner_kwargs()
+    else:
+        kw = {"model": None, "parallel": ParallelConfig(), "max_tokens_per_gpu": None, "balance_by_flops": True,
+              "balance_by": None, "oversize": "error", "fp8_alignment": None, "samples_per_step": None}
+    if args.model:
+        kw["model"] = args.model
+    if args.max_tokens_per_gpu is not None:
+        kw["max_tokens_per_gpu"] = args.max_tokens_per_gpu
+    layout = kw["parallel"].to_dict()
+    for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage"):
+        if getattr(args, name, None) is not None:
+            layout[name] = getattr(args, name)
+    if args.sequence_parallel:
+        layout["sequence_parallel"] = True
+    kw["parallel"] = ParallelConfig.from_any(layout)
+    if args.balance_by is not None:  # --balance-by-flops | --balance-by-raw-flops | --balance-by-tokens | --balance-by-time
+        kw["balance_by_flops"] = args.balance_by != "tokens"
+        kw["balance_by"] = {"flops": None, "raw-flops": "flops"}.get(args.balance_by, args.balance_by)
+    elif run is None:
+        kw["balance_by_flops"] = kw["model"] is not None
+    for flag, key in (("oversize", "oversize"), ("fp8", "fp8_alignment"), ("samples_per_step", "samples_per_step")):
+        if getattr(args, flag) is not None:
+            kw[key] = getattr(args, flag)
+    if kw["max_tokens_per_gpu"] is None:
+        raise DynBatchConfigError("--max-tokens-per-gpu", None, "is required",
+                                  "pass --max-tokens-per-gpu N, or --run PRESET (configs/runs/*.yaml)")
+    return kw, run
+
+
 def _plan_summary(plan: Any, args: argparse.Namespace, balance_by: str, n: int) -> str:
     p = plan.parallel
     a = plan.alignment
     total = plan.real_tokens + plan.padding_tokens
     lines = [
         f"plan: {n} samples over dp={p.dp} (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} vpp={p.vpp}), "
-        f"model {args.model or '(none)'}, balanced by {balance_by}",
+        f"model {getattr(args.model, 'name', None) or args.model or '(none)'}, balanced by {balance_by}",
         f"budget: max_tokens_per_gpu={args.max_tokens_per_gpu} -> at most {plan.cap:,} tokens per micro-batch "
         f"(sequences padded to x{a.seq_multiple}, micro-batches to x{a.total_multiple})",
         f"micro-batches per rank: {plan.num_microbatches} (lower bound {plan.lower_bound_microbatches}); "
@@ -332,14 +376,21 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Plan one global batch and print the summary and each rank's micro-batches.")
     p.add_argument("--lengths", required=True, metavar="FILE",
                    help="tokens per sample: .txt (one per line), .json (a list) or .npy")
+    p.add_argument("--run", default=None, metavar="PRESET",
+                   help="run preset (configs/runs/NAME.yaml or a path): model, layout, budget, balancing, oversize "
+                        "policy, FP8 alignment, samples per step and group size; flags given here override it")
     p.add_argument("--model", default=None,
                    help="model preset name (e.g. qwen3-8b) or a YAML/JSON/config.json path; needed to balance FLOPs")
     _add_layout_args(p)
-    p.add_argument("--max-tokens-per-gpu", type=_positive_int, required=True,
-                   help="per-GPU token budget; a micro-batch holds at most this times cp tokens")
+    p.add_argument("--max-tokens-per-gpu", type=_positive_int, default=None,
+                   help="per-GPU token budget; a micro-batch holds at most this times cp tokens (required "
+                        "unless --run gives it)")
     bal = p.add_mutually_exclusive_group()
     bal.add_argument("--balance-by-flops", dest="balance_by", action="store_const", const="flops",
-                     help="balance model FLOPs across ranks and micro-batches (default when --model is given)")
+                     help="balance the model's FLOPs, each at its kernel's efficiency (attention runs below GEMMs), "
+                          "as a Megatron launch's --balance-by-flops does (default when a model is given)")
+    bal.add_argument("--balance-by-raw-flops", dest="balance_by", action="store_const", const="raw-flops",
+                     help="balance raw FLOPs (every FLOP weighs the same)")
     bal.add_argument("--balance-by-tokens", dest="balance_by", action="store_const", const="tokens",
                      help="balance token counts (default without --model)")
     bal.add_argument("--balance-by-time", dest="balance_by", action="store_const", const="time",
@@ -348,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one group id per sample (same formats); a group (GRPO prompt) stays on one DP rank")
     p.add_argument("--samples-per-step", type=_positive_int, default=None,
                    help="split the batch into optimizer steps of exactly this many consecutive samples")
-    p.add_argument("--oversize", choices=("error", "alone"), default="error",
+    p.add_argument("--oversize", choices=("error", "alone"), default=None,
                    help="a sample over the budget: fail (default) or run it alone in its own micro-batch")
     p.add_argument("--fp8", type=_fp8, default=None, metavar="RECIPE|N",
                    help="FP8 token alignment: fp8, mxfp8, nvfp4, blockwise, or a token multiple")

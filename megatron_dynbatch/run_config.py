@@ -281,7 +281,10 @@ class RunConfig:
             "model": self.model_spec(),
             "parallel": self.layout,
             "max_tokens_per_gpu": self.effective_log_probs_max_tokens_per_gpu if forward_only else self.max_tokens_per_gpu,
-            "balance_by": self.balance_by,
+            # "flops" is the planner's FLOPs balancing (each FLOP at its kernel's efficiency), the same thing
+            # --balance-by-flops selects in a Megatron launch; "time" and "tokens" are passed as they are.
+            "balance_by_flops": self.balance_by != "tokens",
+            "balance_by": None if self.balance_by == "flops" else self.balance_by,
             "oversize": self.oversize,
             "fp8_alignment": self.fp8_alignment,
             "samples_per_step": None if forward_only else self.samples_per_step,

@@ -126,3 +126,26 @@ def test_console_entry_point_exit_code():
                            "--seqlen", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--seqlen" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plan_accepts_a_run_preset_and_flags_override_it(tmp_path, capsys):
+    from megatron_dynbatch.cli import main
+
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(str(50 + 7 * i % 100) for i in range(32)))
+    assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["parallel"]["dp"] == 2 and plan["cap"] == 160
+    assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--dp", "4",
+                 "--max-tokens-per-gpu", "320", "--samples-per-step", "32", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["parallel"]["dp"] == 4 and plan["cap"] == 320
+
+
+def test_plan_without_budget_or_preset_is_a_clear_error(tmp_path, capsys):
+    from megatron_dynbatch.cli import main
+
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("10\n20\n")
+    assert main(["plan", "--lengths", str(lengths)]) == 2
+    assert "--max-tokens-per-gpu" in capsys.readouterr().err
