@@ -15,6 +15,10 @@ Every rank builds the iterator from the SAME global batch (list of sample dicts)
 * maps per-micro-batch results back to the ORIGINAL sample order (``restore_order``) and gathers them across DP
   ranks (``gather_across_dp``, one ``all_gather_object``).
 
+:meth:`DynamicBatchIterator.from_shard` builds the same iterator from only this DP rank's samples plus the global
+batch's per-sample metadata (lengths, loss-mask statistics, group ids), for drivers that plan centrally and ship
+each rank only its share (:mod:`megatron_dynbatch.ray`).
+
 Sample dicts: ``tokens`` (1-D), optional ``labels`` and ``loss_mask`` (label positions, Megatron's convention),
 per-token extras (advantages, old_log_probs, ref_log_probs, ...: length-``L`` tensors), per-sample scalars
 (rewards, ...), and an optional group id under ``group_key`` (default ``"group_id"``; a GRPO prompt group stays
@@ -89,36 +93,14 @@ class DynamicBatchIterator:
         uniform_length: Optional[bool] = None,
         **plan_kwargs: Any,
     ) -> None:
-        if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
-            raise DynBatchConfigError("samples", type(samples).__name__, "must be a list of sample dicts",
-                                      "pass the global batch as a list of {'tokens': ..., ...} dicts")
-        if len(samples) == 0:
-            raise DynBatchConfigError("samples", [], "the global batch is empty", "pass at least dp samples")
-        for i, s in enumerate(samples):
-            if not isinstance(s, Mapping) or "tokens" not in s:
-                raise DynBatchConfigError(f"samples[{i}]", type(s).__name__, "must be a dict with a 'tokens' entry",
-                                          "pass dicts like {'tokens': LongTensor[L], 'loss_mask': ...}")
-        keys0 = set(samples[0].keys())
-        for i, s in enumerate(samples):
-            diff = sorted(set(s.keys()) ^ keys0, key=str)
-            if diff:
-                raise DynBatchConfigError(
-                    f"samples[{i}] keys", diff, "every sample of the global batch must carry the same fields "
-                    "(any two samples may share a micro-batch)",
-                    "give every sample the same keys (e.g. a loss_mask of ones, labels for all or none)")
-        if loss_mode not in LOSS_MODES:
-            raise DynBatchConfigError("loss_mode", loss_mode, "unknown loss normalisation", f"use one of {LOSS_MODES}")
-        self.samples = samples
-        self.lengths = np.asarray([len(s["tokens"]) for s in samples], dtype=np.int64)
-        self.loss_mode = loss_mode
-        self.group_reduce = group_reduce
-        self.pad_token_id = int(pad_token_id)
-        self.device = device
+        _check_sample_dicts(samples, "the global batch")
+        _check_loss_mode(loss_mode)
+        lengths = np.asarray([len(s["tokens"]) for s in samples], dtype=np.int64)
         if group_ids is None and all(group_key in s for s in samples):
             group_ids = [_hashable(s[group_key]) for s in samples]
-        self.group_ids = list(group_ids) if group_ids is not None else None
-        if self.group_ids is not None and len(self.group_ids) != len(samples):
-            raise DynBatchConfigError("group_ids", f"{len(self.group_ids)} ids",
+        gids = list(group_ids) if group_ids is not None else None
+        if gids is not None and len(gids) != len(samples):
+            raise DynBatchConfigError("group_ids", f"{len(gids)} ids",
                                       f"needs one id per sample ({len(samples)})", "pass one group id per sample")
 
         if plan is None:
@@ -129,10 +111,159 @@ class DynamicBatchIterator:
             if "max_tokens_per_gpu" not in plan_kwargs:
                 raise DynBatchConfigError("max_tokens_per_gpu", None, "needed to plan the batch (no plan given)",
                                           "pass plan=Plan or max_tokens_per_gpu=<per-GPU token budget>")
-            plan = plan_global_batch(self.lengths, group_ids=self.group_ids, **plan_kwargs)
+            plan = plan_global_batch(lengths, group_ids=gids, **plan_kwargs)
         elif plan_kwargs:
             raise DynBatchConfigError("plan_kwargs", sorted(plan_kwargs), "given together with a plan",
                                       "pass either plan= or planning arguments, not both")
+        self._setup(samples, lengths, plan, gids, None, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size,
+                    loss_mode=loss_mode, group_reduce=group_reduce, pad_token_id=pad_token_id, device=device,
+                    uniform_length=uniform_length)
+
+    @classmethod
+    def from_shard(
+        cls,
+        samples: Sequence[Mapping[str, Any]],
+        plan: Plan,
+        *,
+        sample_indices: Sequence[int],
+        lengths: Sequence[int],
+        loss_mask_sums: Sequence[float],
+        loss_token_counts: Optional[Sequence[int]] = None,
+        group_ids: Optional[Sequence[Hashable]] = None,
+        dp_rank: Optional[int] = None,
+        cp_rank: Optional[int] = None,
+        cp_size: Optional[int] = None,
+        loss_mode: str = "token_mean",
+        group_reduce: str = "token",
+        pad_token_id: int = 0,
+        device: Any = None,
+        uniform_length: Optional[bool] = None,
+        check_stats: bool = True,
+    ) -> "DynamicBatchIterator":
+        """A RANK-LOCAL iterator: built from only the samples this DP rank runs, plus the global batch's
+        per-sample metadata, with exactly the behaviour of one built from the whole batch.
+
+        Used when a driver plans centrally and ships each DP rank only its own samples (see
+        :mod:`megatron_dynbatch.ray`). The loss stays exact because the normaliser only needs per-sample numbers of
+        the whole batch, not its tokens.
+
+        Args:
+            samples: this rank's sample dicts; ``samples[k]`` is global sample ``sample_indices[k]``. Must hold at
+                least every sample that ``plan`` gives to ``dp_rank`` (more are allowed and ignored).
+            plan: the plan of the WHOLE global batch (all DP ranks).
+            sample_indices: global index of each entry of ``samples`` (distinct).
+            lengths: token count of every sample of the global batch (what the plan was made from).
+            loss_mask_sums: ``T_i`` of every sample of the global batch
+                (:func:`megatron_dynbatch.loss.loss_mask_stats`, first array).
+            loss_token_counts: non-zero loss-mask positions of every sample (second array; default: the sums, for
+                0/1 masks).
+            group_ids: one id per sample of the global batch (``group_mean``; optional otherwise).
+            check_stats: recompute this rank's samples' lengths and loss-mask statistics and refuse metadata that
+                disagrees with them (cheap; catches a shard paired with the wrong batch).
+            Other arguments: as for the constructor.
+
+        ``it.samples`` is then a view indexed by GLOBAL sample index that holds only this rank's samples
+        (``it.local_indices``); every other method behaves as for the full batch (``step_samples`` and the
+        normalisers still cover all ranks, ``gather_across_dp`` still gives the global order).
+        """
+        _check_sample_dicts(samples, "this rank's samples")
+        _check_loss_mode(loss_mode)
+        lens = np.asarray(lengths)
+        if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer) or (lens < 0).any():
+            raise DynBatchConfigError("lengths", f"array of shape {lens.shape}, dtype {lens.dtype}",
+                                      "must be the non-negative integer token counts of the whole global batch",
+                                      "pass the lengths the plan was made from")
+        lens = lens.astype(np.int64)
+        n = int(lens.size)
+        idx = [int(i) for i in sample_indices]
+        if len(idx) != len(samples):
+            raise DynBatchConfigError("sample_indices", f"{len(idx)} indices",
+                                      f"needs one global index per local sample ({len(samples)})",
+                                      "pass the global index of each sample this rank holds, in the same order")
+        if len(set(idx)) != len(idx) or any(not 0 <= i < n for i in idx):
+            raise DynBatchConfigError("sample_indices", idx[:16], f"must be distinct indices in [0, {n})",
+                                      "pass the global index of each sample this rank holds")
+        local_lens = np.asarray([len(s["tokens"]) for s in samples], dtype=np.int64)
+        bad = np.flatnonzero(local_lens != lens[idx])
+        if bad.size:
+            k = int(bad[0])
+            raise DynBatchConfigError(f"samples[{k}] (global sample {idx[k]})", f"{int(local_lens[k])} tokens",
+                                      f"the batch metadata says {int(lens[idx[k]])} tokens",
+                                      "ship each rank the samples the plan was made from (same order, same data)")
+        sums = np.asarray(loss_mask_sums, dtype=np.float64).reshape(-1)
+        counts = (np.rint(sums).astype(np.int64) if loss_token_counts is None
+                  else np.asarray(loss_token_counts, dtype=np.int64).reshape(-1))
+        for name, arr in (("loss_mask_sums", sums), ("loss_token_counts", counts)):
+            if arr.size != n:
+                raise DynBatchConfigError(name, f"{arr.size} entries", f"needs one entry per sample of the global "
+                                          f"batch ({n})", "pass the statistics of the WHOLE batch, not of this rank")
+        if check_stats:
+            got_sums, got_counts = loss_mask_stats(samples)
+            for k, i in enumerate(idx):
+                if abs(got_sums[k] - sums[i]) > 1e-6 * max(1.0, sums[i]) or got_counts[k] != counts[i]:
+                    raise DynBatchConfigError(
+                        f"loss_mask_sums[{i}]", float(sums[i]),
+                        f"global sample {i}'s loss mask sums to {got_sums[k]} ({int(got_counts[k])} non-zero "
+                        f"positions) here", "compute the statistics with megatron_dynbatch.loss.loss_mask_stats on the "
+                        "samples that are shipped")
+        gids = list(group_ids) if group_ids is not None else None
+        if gids is not None and len(gids) != n:
+            raise DynBatchConfigError("group_ids", f"{len(gids)} ids", f"needs one id per sample of the global batch "
+                                      f"({n})", "pass the group ids of the WHOLE batch")
+        self = cls.__new__(cls)
+        view = _ShardSamples(samples, idx, n)
+        self._setup(view, lens, plan, gids, (sums, counts), dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size,
+                    loss_mode=loss_mode, group_reduce=group_reduce, pad_token_id=pad_token_id, device=device,
+                    uniform_length=uniform_length)
+        held = set(idx)
+        missing = [i for i in self.plan.rank_samples(self.dp_rank) if i not in held]
+        if missing:
+            raise DynBatchConfigError(
+                "samples", f"{len(missing)} of DP rank {self.dp_rank}'s samples missing (e.g. {missing[:8]})",
+                "the plan gives this DP rank samples that were not shipped to it",
+                "send every actor the shard of ITS data-parallel rank (shard.dp_rank == "
+                "parallel_state.get_data_parallel_rank())")
+        return self
+
+    @property
+    def is_shard(self) -> bool:
+        """True for a rank-local iterator (:meth:`from_shard`)."""
+        return isinstance(self.samples, _ShardSamples)
+
+    @property
+    def local_indices(self) -> List[int]:
+        """Global indices of the samples this iterator holds (all of them unless built :meth:`from_shard`)."""
+        if isinstance(self.samples, _ShardSamples):
+            return sorted(self.samples.indices)
+        return list(range(len(self.samples)))
+
+    def _setup(
+        self,
+        samples: Sequence[Mapping[str, Any]],
+        lengths: np.ndarray,
+        plan: Any,
+        group_ids: Optional[List[Hashable]],
+        mask_stats: Optional[tuple],
+        *,
+        dp_rank: Optional[int],
+        cp_rank: Optional[int],
+        cp_size: Optional[int],
+        loss_mode: str,
+        group_reduce: str,
+        pad_token_id: int,
+        device: Any,
+        uniform_length: Optional[bool],
+    ) -> None:
+        """Shared by ``__init__`` (the whole global batch) and :meth:`from_shard` (this rank's samples only):
+        ``samples[i]`` must give global sample ``i`` for every sample this rank runs; ``lengths``, ``group_ids``
+        and ``mask_stats`` (``None`` = computed from ``samples``) describe the WHOLE global batch."""
+        self.samples = samples
+        self.lengths = lengths
+        self.loss_mode = loss_mode
+        self.group_reduce = group_reduce
+        self.pad_token_id = int(pad_token_id)
+        self.device = device
+        self.group_ids = group_ids
         if not isinstance(plan, Plan):
             raise DynBatchConfigError("plan", type(plan).__name__, "must be a megatron_dynbatch.Plan",
                                       "build it with plan_global_batch(...) or Plan.from_dict(...)")
@@ -179,7 +310,7 @@ class DynamicBatchIterator:
         self.uniform_length = bool(par.pp == 2 and par.vpp > 1) if uniform_length is None else bool(uniform_length)
         self._index_of = {tuple(mb): j for j, mb in enumerate(plan.micro_batches[self.dp_rank])}
         self._offsets = np.concatenate([[0], np.cumsum(plan.microbatches_per_step)]).astype(int).tolist()
-        self._mask_sums, self._mask_counts = loss_mask_stats(samples)
+        self._mask_sums, self._mask_counts = loss_mask_stats(samples) if mask_stats is None else mask_stats
         self._normalizers: Dict[int, LossNormalizer] = {}
         self._packed: Dict[int, Any] = {}
 
@@ -366,6 +497,61 @@ class DynamicBatchIterator:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+class _ShardSamples(Sequence):
+    """This rank's samples, indexed by GLOBAL sample index; ``len`` is the global batch size. Indexing a sample
+    this rank does not hold raises (it was never shipped here)."""
+
+    def __init__(self, samples: Sequence[Mapping[str, Any]], indices: Sequence[int], num_samples: int) -> None:
+        self._by_index = {int(i): s for i, s in zip(indices, samples)}
+        self.indices = [int(i) for i in indices]
+        self._n = int(num_samples)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Mapping[str, Any]:
+        if isinstance(i, slice):
+            raise TypeError("a rank-local sample view cannot be sliced; index it by global sample index")
+        try:
+            return self._by_index[int(i)]
+        except KeyError:
+            raise DynBatchConfigError(f"samples[{int(i)}]", "not held by this rank",
+                                      "a rank-local iterator holds only the samples its plan gives this DP rank",
+                                      f"use one of this rank's samples ({len(self._by_index)} held)") from None
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        raise TypeError("a rank-local sample view holds only this rank's samples; iterate over .indices and index "
+                        "by global sample index")
+
+    def __contains__(self, sample: Any) -> bool:
+        return any(sample is s for s in self._by_index.values())
+
+
+def _check_sample_dicts(samples: Any, what: str) -> None:
+    if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
+        raise DynBatchConfigError("samples", type(samples).__name__, "must be a list of sample dicts",
+                                  "pass the global batch as a list of {'tokens': ..., ...} dicts")
+    if len(samples) == 0:
+        raise DynBatchConfigError("samples", [], f"{what} is empty", "pass at least dp samples")
+    for i, s in enumerate(samples):
+        if not isinstance(s, Mapping) or "tokens" not in s:
+            raise DynBatchConfigError(f"samples[{i}]", type(s).__name__, "must be a dict with a 'tokens' entry",
+                                      "pass dicts like {'tokens': LongTensor[L], 'loss_mask': ...}")
+    keys0 = set(samples[0].keys())
+    for i, s in enumerate(samples):
+        diff = sorted(set(s.keys()) ^ keys0, key=str)
+        if diff:
+            raise DynBatchConfigError(
+                f"samples[{i}] keys", diff, "every sample of the global batch must carry the same fields "
+                "(any two samples may share a micro-batch)",
+                "give every sample the same keys (e.g. a loss_mask of ones, labels for all or none)")
+
+
+def _check_loss_mode(loss_mode: str) -> None:
+    if loss_mode not in LOSS_MODES:
+        raise DynBatchConfigError("loss_mode", loss_mode, "unknown loss normalisation", f"use one of {LOSS_MODES}")
+
+
 def _hashable(v: Any) -> Hashable:
     if _is_tensor(v):
         return v.item() if v.numel() == 1 else tuple(v.tolist())
