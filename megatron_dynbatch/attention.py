@@ -15,8 +15,17 @@ Semantics, per packed sequence ``i``: the rows ``cu_seqlens_q_padded[i] + [0, L_
 padding; padding rows output exactly 0 (so they also get no gradient). Without ``packed_seq_params`` the
 module is Megatron's own ``DotProductAttention`` (sbhd), so one spec serves packed and unpacked inputs.
 
-Limits (a clear error, not silent wrong results): no context parallelism (``t`` must equal the full packed
-length), no sliding-window attention, no attention sinks (``softmax_type != "vanilla"``), no attention bias.
+Context parallelism (``config.context_parallel_size > 1``; the CP group is ``pg_collection.cp`` as Megatron's
+``Attention`` passes it, else ``parallel_state.get_context_parallel_group()``): every CP rank holds the zig-zag
+chunks ``r`` and ``2cp-1-r`` of every sequence (:mod:`megatron_dynbatch.context_parallel`), ``t = T/cp``, while
+``packed_seq_params`` keeps the FULL ``cu_seqlens``. Key and value are all-gathered over the CP group in one
+collective (:class:`_AllGatherCP`: forward ``all_gather``, backward ``reduce_scatter`` of the gradient, so
+every rank gets the sum of all ranks' gradients for its own K/V rows), put back in full packed order, and each
+LOCAL query (global position from the zig-zag indices) attends causally to the full K/V of its own sequence.
+Same result as the ``cp=1`` path on the full batch; a reference, not ring attention (``O(T)`` K/V per rank).
+
+Limits (a clear error, not silent wrong results): no sliding-window attention, no attention sinks
+(``softmax_type != "vanilla"``), no attention bias; under CP q and kv must share ``cu_seqlens`` (self-attention).
 """
 
 from __future__ import annotations
@@ -42,8 +51,18 @@ class ThdDotProductAttention(DotProductAttention):
     def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection: Any = None) -> None:
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
+        # Megatron's DotProductAttention asserts context_parallel_size == 1; build it on a cp=1 view of the config
+        # and keep the real config (CP is handled here, in the THD path).
+        base_config = copy.copy(config) if cp_size > 1 else config
+        if cp_size > 1:
+            base_config.context_parallel_size = 1
+        super().__init__(base_config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
+                         pg_collection=pg_collection)
+        self.config = config
+        self.thd_cp_size = cp_size
+        self.thd_cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         # The sbhd path divides the scale by layer_number and FusedScaleMaskSoftmax multiplies it back.
         coeff = self.scale_mask_softmax.scale
         self.thd_softmax_scale = self.softmax_scale * (coeff if coeff is not None else 1.0)
@@ -53,6 +72,10 @@ class ThdDotProductAttention(DotProductAttention):
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params: Any = None) -> Tensor:
         if packed_seq_params is None or getattr(packed_seq_params, "qkv_format", None) != "thd":
+            if self.thd_cp_size > 1:
+                raise DynBatchConfigError("config.context_parallel_size", self.thd_cp_size,
+                                          "the CPU attention implements context parallelism only for THD packing",
+                                          "pass THD packed_seq_params (DynamicBatchIterator does) or use cp=1")
             if packed_seq_params is not None:
                 raise DynBatchConfigError("packed_seq_params.qkv_format", packed_seq_params.qkv_format,
                                           "ThdDotProductAttention only understands THD packing",
@@ -70,6 +93,8 @@ class ThdDotProductAttention(DotProductAttention):
         else:
             raise DynBatchConfigError("attn_mask_type", mask_type, "not supported with THD packing",
                                       "use AttnMaskType.causal (or no_mask for bidirectional attention)")
+        if self.thd_cp_size > 1:
+            return self._thd_cp_attention(query, key, value, packed_seq_params, causal)
         return self._thd_attention(query, key, value, packed_seq_params, causal)
 
     # ----------------------------------------------------------------------------------------- internals
@@ -97,9 +122,9 @@ class ThdDotProductAttention(DotProductAttention):
         if pad_q[-1] != t or pad_kv[-1] != key.shape[0]:
             raise DynBatchConfigError(
                 "query.shape[0]", t,
-                f"the packed length is cu_seqlens_q_padded[-1]={pad_q[-1]}; context-parallel slices are not "
-                "supported by the CPU THD attention",
-                "run with cp=1 on CPU (use Transformer Engine for context parallelism)",
+                f"the packed length is cu_seqlens_q_padded[-1]={pad_q[-1]}, but the context-parallel size is 1 "
+                "(a context-parallel slice needs config.context_parallel_size = cp)",
+                "pass the full packed micro-batch, or build the model with context_parallel_size=cp",
             )
         rep = heads // groups
         pieces = []
@@ -125,13 +150,92 @@ class ThdDotProductAttention(DotProductAttention):
             pieces.append(query.new_zeros(t - cursor, heads * head_dim))
         return torch.cat(pieces, dim=0) if pieces else query.new_zeros(0, heads * head_dim)
 
-    def _segment(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    def _cp_group(self) -> Any:
+        if self.thd_cp_group is None:
+            from megatron.core import parallel_state
+
+            self.thd_cp_group = parallel_state.get_context_parallel_group()
+        return self.thd_cp_group
+
+    def _thd_cp_attention(self, query: Tensor, key: Tensor, value: Tensor, params: Any, causal: bool) -> Tensor:
+        """Context-parallel THD attention: local zig-zag queries against the CP-gathered full K/V."""
+        from .context_parallel import zigzag_partition_indices
+
+        group = self._cp_group()
+        cp = torch.distributed.get_world_size(group)
+        if cp != self.thd_cp_size:
+            raise DynBatchConfigError("cp group size", cp, f"config.context_parallel_size is {self.thd_cp_size}",
+                                      "build the model under the parallel_state it runs with")
+        cp_rank = torch.distributed.get_rank(group)
+        t, heads, head_dim = query.shape
+        groups = key.shape[1]
+        cu_q = params.cu_seqlens_q.tolist()
+        cu_kv = (params.cu_seqlens_kv if params.cu_seqlens_kv is not None else params.cu_seqlens_q).tolist()
+        pad_q_t = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        pad_kv_t = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else pad_q_t
+        pad_q, pad_kv = pad_q_t.tolist(), pad_kv_t.tolist()
+        if cu_q != cu_kv or pad_q != pad_kv:
+            raise DynBatchConfigError("cu_seqlens_kv", cu_kv, "context parallelism in the CPU THD attention needs "
+                                      "self-attention (the same cu_seqlens for q and kv)", "pass equal cu_seqlens")
+        total = pad_q[-1]
+        if total != t * cp or key.shape[0] != t:
+            raise DynBatchConfigError(
+                "query.shape[0]", t, f"with cp={cp} every rank holds cu_seqlens_q_padded[-1]/cp = {total / cp} rows",
+                "slice the packed micro-batch with context_parallel.slice_packed_for_cp (the iterator does)")
+        # this rank's rows -> global packed positions; the CP-gathered rows (rank-major) -> full packed order
+        local_pos = zigzag_partition_indices(pad_q_t, cp, cp_rank).to(query.device)
+        order = torch.cat([zigzag_partition_indices(pad_q_t, cp, r) for r in range(cp)])
+        inverse = torch.argsort(order).to(key.device)
+        # ONE collective for K and V (so every rank runs the same backward collectives in the same order)
+        kv = torch.cat([key, value.to(key.dtype)], dim=-1)
+        kv_full = _AllGatherCP.apply(kv, group).index_select(0, inverse)
+        key_full, value_full = kv_full.split([key.shape[-1], value.shape[-1]], dim=-1)
+        value_full = value_full.to(value.dtype)
+        rep = heads // groups
+        out = query.new_zeros(t, heads * head_dim)
+        rows_out = []
+        pieces = []
+        lens_padded = [b - a for a, b in zip(pad_q[:-1], pad_q[1:])]
+        local_start = 0
+        for i, slot in enumerate(lens_padded):
+            n_local = slot // cp
+            length = cu_q[i + 1] - cu_q[i]
+            rows = torch.arange(local_start, local_start + n_local, device=query.device)
+            local_start += n_local
+            if length == 0 or n_local == 0:
+                continue
+            pos = local_pos[rows] - pad_q[i]  # position of each local row inside sequence i
+            real = pos < length
+            if not bool(real.any()):
+                continue
+            rows, pos = rows[real], pos[real]
+            q = query.index_select(0, rows).transpose(0, 1)  # [heads, n, d]
+            k = key_full[pad_q[i]:pad_q[i] + length].transpose(0, 1)  # [groups, L, d]
+            v = value_full[pad_q[i]:pad_q[i] + length].transpose(0, 1)
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=0)
+                v = v.repeat_interleave(rep, dim=0)
+            future = None
+            if causal:
+                future = torch.arange(length, device=query.device).unsqueeze(0) > pos.unsqueeze(1)  # [n, L]
+            o = self._segment(q, k, v, causal, future=future)  # [heads, n, d]
+            rows_out.append(rows)
+            pieces.append(o.transpose(0, 1).reshape(rows.numel(), heads * head_dim))
+        if not pieces:
+            # only padding rows here: keep q and the K/V gather in the graph (its backward collective must run
+            # on every CP rank); the gradients are 0
+            return out + 0.0 * (query.sum() + kv_full.sum())
+        return out.index_put((torch.cat(rows_out),), torch.cat(pieces, dim=0))
+
+    def _segment(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, future: Optional[Tensor] = None) -> Tensor:
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.thd_softmax_scale  # [heads, L, Lk]
         in_dtype = scores.dtype
         if self.config.attention_softmax_in_fp32:
             scores = scores.float()
         if causal:
-            future = torch.triu(torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device), diagonal=1)
+            if future is None:
+                future = torch.triu(torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device),
+                                    diagonal=1)
             scores = scores.masked_fill(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(in_dtype)
         if self.attention_dropout.p > 0 and self.training:
@@ -145,8 +249,40 @@ class ThdDotProductAttention(DotProductAttention):
         return torch.matmul(probs, v)  # [heads, L, d]
 
 
-def get_thd_local_layer_spec(**kwargs: Any):
-    """``get_gpt_layer_local_spec(**kwargs)`` with :class:`ThdDotProductAttention` as core attention."""
+def _dist_fn(new: str, old: str) -> Any:
+    """``torch.distributed.<new>`` when this torch has it (2.13 deprecates the ``*_tensor`` names), else ``old``."""
+    return getattr(torch.distributed, new, None) or getattr(torch.distributed, old)
+
+
+class _AllGatherCP(torch.autograd.Function):
+    """Differentiable all-gather along dim 0 over a (CP) process group: forward concatenates every rank's
+    tensor in rank order; backward reduce-scatters (sums) the gradient and returns this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        world = torch.distributed.get_world_size(group)
+        out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+        _dist_fn("all_gather_single", "all_gather_into_tensor")(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        world = torch.distributed.get_world_size(ctx.group)
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))
+        _dist_fn("reduce_scatter_single", "reduce_scatter_tensor")(out, grad, group=ctx.group)
+        return out, None
+
+
+def get_thd_local_layer_spec(sequence_parallel: bool = False, **kwargs: Any):
+    """``get_gpt_layer_local_spec(**kwargs)`` with :class:`ThdDotProductAttention` as core attention.
+
+    ``sequence_parallel=True`` also swaps megatron-core's torch norms (which refuse sequence parallelism) for
+    :class:`megatron_dynbatch.cpu_layers.SequenceParallelTorchNorm` (same math, parameters marked
+    ``sequence_parallel``). The final norm of the decoder block is not part of a layer spec: use
+    :func:`megatron_dynbatch.cpu_layers.get_thd_local_block_spec` for a whole block under sequence parallelism.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = copy.deepcopy(get_gpt_layer_local_spec(**kwargs))
@@ -157,4 +293,8 @@ def get_thd_local_layer_spec(**kwargs: Any):
         raise DynBatchConfigError("layer_spec", type(spec).__name__, "has no self_attention.core_attention",
                                   "use a dense or MoE GPT local spec") from exc
     attn.core_attention = ThdDotProductAttention
+    if sequence_parallel:
+        from .cpu_layers import use_sequence_parallel_norms
+
+        spec = use_sequence_parallel_norms(spec)
     return spec

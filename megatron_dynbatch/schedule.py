@@ -36,6 +36,7 @@ __all__ = [
     "log_probs_from_logits",
     "log_probs_collector",
     "prepare_config",
+    "check_sequence_parallel_alignment",
 ]
 
 
@@ -133,6 +134,36 @@ def prepare_config(config: Any, pp_size: int, uniform_length: bool = False) -> N
         config.variable_seq_lengths = True
 
 
+def _config_sp_tp(config: Any) -> tuple:
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    return bool(getattr(config, "sequence_parallel", False)) and tp > 1, tp
+
+
+def _with_model_layout(plan_kwargs: dict, config: Any) -> dict:
+    """Plan arguments given as a dict: when the model runs sequence-parallel and ``parallel`` is a dict that
+    does not say ``sequence_parallel``, add it (the packer must then pad micro-batches to a multiple of tp)."""
+    sp, _ = _config_sp_tp(config)
+    par = plan_kwargs.get("parallel")
+    if sp and isinstance(par, Mapping) and "sequence_parallel" not in par:
+        plan_kwargs["parallel"] = dict(par, sequence_parallel=True)
+    return plan_kwargs
+
+
+def check_sequence_parallel_alignment(plan: Plan, config: Any) -> None:
+    """Under sequence parallelism Megatron scatters every micro-batch's (CP-local) tokens over TP, so their
+    count must divide by ``tp``: refuse a plan whose alignment does not guarantee ``tp * cp`` | tokens."""
+    sp, tp = _config_sp_tp(config)
+    if not sp:
+        return
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
+    if plan.alignment.total_multiple % (tp * cp) != 0:
+        raise DynBatchConfigError(
+            "plan.parallel.sequence_parallel", plan.parallel.sequence_parallel,
+            f"the model runs with sequence_parallel and tp={tp} (cp={cp}), but the plan pads micro-batches to a "
+            f"multiple of {plan.alignment.total_multiple}, not of tp*cp={tp * cp}",
+            "plan with parallel={..., 'tp': tp, 'cp': cp, 'sequence_parallel': True} (parallel_from_args does)")
+
+
 # --------------------------------------------------------------------------------------------- main
 def dynamic_forward_backward(
     model: Any,
@@ -198,13 +229,15 @@ def dynamic_forward_backward(
                                   pad_token_id=pad_token_id, device=device)
     elif isinstance(plan_or_kwargs, Mapping):
         it = DynamicBatchIterator(samples, None, loss_mode=loss_mode, group_reduce=group_reduce,
-                                  pad_token_id=pad_token_id, device=device, **dict(plan_or_kwargs))
+                                  pad_token_id=pad_token_id, device=device,
+                                  **_with_model_layout(dict(plan_or_kwargs), config))
     else:
         raise DynBatchConfigError("plan_or_kwargs", type(plan_or_kwargs).__name__,
                                   "needs a Plan or a dict of plan_global_batch arguments",
                                   "pass e.g. {'model': spec, 'parallel': par, 'max_tokens_per_gpu': 8192}")
 
     prepare_config(config, pp_size, uniform_length=it.uniform_length)
+    check_sequence_parallel_alignment(it.plan, config)
 
     if forward_only:
         run_step = None if step is None else step

@@ -116,8 +116,8 @@ def test_packed_loss_and_gradients_equal_sum_of_per_sample(models):
 
 
 def test_cp_slicing_reassembles_the_packed_forward(models):
-    """Reference path for CP (no real CP attention on CPU): slicing the packed inputs for every CP rank and
-    gathering the ranks' shares of the packed forward's output gives back exactly the packed forward."""
+    """Slicing the packed inputs for every CP rank and gathering the ranks' shares of the packed forward's output
+    gives back exactly the packed forward (the real CP attention on 2 ranks: tests/test_megatron_cp_sp.py)."""
     cp = 2
     samples = _samples([5, 14, 1, 9], seed=3)
     pk = pack_microbatch(samples, Alignment.for_layout(ParallelConfig(cp=cp)))

@@ -2,17 +2,18 @@
 
 * PP=2: micro-batches of different lengths through the 1F1B schedule (``variable_seq_lengths``);
 * TP=2 with sequence-parallel padding (the plan and the packer pad every micro-batch to a multiple of TP; the
-  model itself runs without ``sequence_parallel`` because megatron-core's torch norm refuses it without Apex/TE);
+  model here runs without ``sequence_parallel`` -- the real sequence-parallel step, with the
+  ``cpu_layers`` norm, is in ``tests/test_megatron_cp_sp.py``);
 
 both give the gradients of an UNPACKED single-GPU reference: after the step, the ranks gather their shards /
 stages into full weights, switch Megatron to TP=PP=1, build the full model with those weights and run every
 sample alone (sbhd, plain autograd, same loss definition); the reference gradients, sharded / split like the
 rank's parameters, must match the rank's gradients after ``finalize_model_grads``.
 
-CP=2 through the packing / slicing path: the CPU attention cannot split sequences across ranks, so each CP
-rank's share of the per-token loss is taken from a full-sequence forward of the same packed micro-batch
-(zig-zag slice) and fed to that CP rank's loss function; with Megatron's scaling re-enacted, the summed
-gradient equals the reference.
+CP=2 through the packing / slicing path in ONE process: each CP rank's share of the per-token loss is taken
+from a full-sequence forward of the same packed micro-batch (zig-zag slice) and fed to that CP rank's loss
+function; with Megatron's scaling re-enacted, the summed gradient equals the reference. (The real 2-rank CP
+step, with the CP attention of ``ThdDotProductAttention``, is in ``tests/test_megatron_cp_sp.py``.)
 """
 
 from __future__ import annotations
