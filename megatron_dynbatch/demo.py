@@ -154,7 +154,6 @@ def _quiet() -> None:
 def _demo_worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
     _quiet()
     import torch
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from .model_spec import ModelSpec
     from .schedule import dynamic_forward_backward
@@ -171,12 +170,7 @@ def _demo_worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, 
         if opts["check"] and rank == 0:
             reference = megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=256, thd=True)
             reference.load_state_dict(model.state_dict())
-        ddp = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
-            module=model)
-        config.no_sync_func = ddp.no_sync
-        config.finalize_model_grads_func = finalize_model_grads
+        ddp = megatron_cpu.wrap_ddp(config, model)
         params = [p for p in ddp.parameters() if p.requires_grad]
         optimizer = torch.optim.Adam(params, lr=opts["lr"])
         spec = ModelSpec.from_megatron(config, vocab_size=VOCAB)

@@ -138,7 +138,6 @@ def build_cpu_megatron(rank, world_size, master_port, seed, lr):
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     torch.set_num_threads(1)
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from megatron_dynbatch.testing import megatron_cpu
 
@@ -146,11 +145,7 @@ def build_cpu_megatron(rank, world_size, master_port, seed, lr):
     config = megatron_cpu.tiny_gpt_config()
     torch.manual_seed(seed)
     module = megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=256, thd=True)
-    model = DistributedDataParallel(
-        config=config, module=module,
-        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False))
-    config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    model = megatron_cpu.wrap_ddp(config, module)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     return model, optimizer, parallel_state.get_data_parallel_rank()
 

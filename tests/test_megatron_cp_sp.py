@@ -104,7 +104,6 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
     _quiet()
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from megatron_dynbatch.model_spec import ModelSpec
     from megatron_dynbatch.schedule import dynamic_forward_backward, forward_log_probs
@@ -125,11 +124,7 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
             config = megatron_cpu.tiny_gpt_config(calculate_per_token_loss=per_token, sequence_parallel=sp)
             torch.manual_seed(1234)
             model = megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=128, thd=True)
-            ddp = DistributedDataParallel(
-                config=config, module=model,
-                ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False))
-            config.no_sync_func = ddp.no_sync
-            config.finalize_model_grads_func = finalize_model_grads
+            ddp = megatron_cpu.wrap_ddp(config, model)
             spec = ModelSpec.from_megatron(config, vocab_size=VOCAB)
             if full_weights is None:
                 full_weights = _gather_full(model, parallel_state.get_tensor_model_parallel_group())

@@ -26,8 +26,6 @@ def _batches(num_mb: int, seed: int = 0) -> list:
 
 def _fwd_bwd_worker(rank: int, world_size: int, tp: int, pp: int) -> dict:
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_dynbatch.testing import megatron_cpu
@@ -36,13 +34,7 @@ def _fwd_bwd_worker(rank: int, world_size: int, tp: int, pp: int) -> dict:
     try:
         config = megatron_cpu.tiny_gpt_config()
         model = megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=SEQ)
-        ddp = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
-            module=model,
-        )
-        config.no_sync_func = ddp.no_sync
-        config.finalize_model_grads_func = finalize_model_grads
+        ddp = megatron_cpu.wrap_ddp(config, model)
         ddp.zero_grad_buffer()
 
         # Each DP replica reads its own data; TP and PP peers of one replica read the same.

@@ -31,7 +31,6 @@ def _dp_worker(rank: int, world_size: int) -> dict:
                                         unpacked_reference)
 
     _quiet()
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from megatron_dynbatch.model_spec import ModelSpec
     from megatron_dynbatch.schedule import dynamic_forward_backward, forward_log_probs
@@ -48,11 +47,7 @@ def _dp_worker(rank: int, world_size: int) -> dict:
             model = megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=128, thd=True)
             ref = megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=128, thd=True)
             ref.load_state_dict(model.state_dict())
-            ddp = DistributedDataParallel(
-                config=config, module=model,
-                ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False))
-            config.no_sync_func = ddp.no_sync
-            config.finalize_model_grads_func = finalize_model_grads
+            ddp = megatron_cpu.wrap_ddp(config, model)
             spec = ModelSpec.from_megatron(config, vocab_size=VOCAB)
             plan_kwargs = {"model": spec, "parallel": {"dp": world_size}, "max_tokens_per_gpu": 64}
             for mode in MODES:

@@ -117,7 +117,6 @@ def _layout_worker(rank: int, world_size: int, layout: str) -> dict:
 
     _quiet()
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from megatron_dynbatch.model_spec import ModelSpec
     from megatron_dynbatch.schedule import dynamic_forward_backward, forward_log_probs
@@ -145,12 +144,7 @@ def _layout_worker(rank: int, world_size: int, layout: str) -> dict:
             torch.manual_seed(1234)
             chunks = [megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=128, thd=True,
                                                   vp_stage=v if vpp > 1 else None) for v in range(vpp)]
-            ddps = [DistributedDataParallel(
-                config=config, module=m, disable_bucketing=v > 0,
-                ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False))
-                for v, m in enumerate(chunks)]
-            config.no_sync_func = [d.no_sync for d in ddps] if vpp > 1 else ddps[0].no_sync
-            config.finalize_model_grads_func = finalize_model_grads
+            ddps = megatron_cpu.wrap_ddp(config, list(chunks))
             spec = ModelSpec.from_megatron(config, vocab_size=VOCAB)
             if full_weights is None:
                 full_weights = {}

@@ -254,8 +254,6 @@ class _TrainActor(DynBatchActorMixin):
 
         _quiet()
         from megatron.core import parallel_state
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
 
         from megatron_dynbatch.testing import megatron_cpu
 
@@ -264,11 +262,7 @@ class _TrainActor(DynBatchActorMixin):
         torch.manual_seed(SEED)
         module = megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=128, thd=True)
         init = _flat(module.parameters())
-        self.model = DistributedDataParallel(
-            config=config, module=module,
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False))
-        config.no_sync_func = self.model.no_sync
-        config.finalize_model_grads_func = finalize_model_grads
+        self.model = megatron_cpu.wrap_ddp(config, module)
         return {"dp_rank": parallel_state.get_data_parallel_rank(), "init": init}
 
     def dynbatch_samples(self, shard):

@@ -334,3 +334,20 @@ def build_tiny_gpt(
         position_embedding_type="rope",
         vp_stage=vp_stage,
     )
+
+
+def wrap_ddp(config: Any, modules: Any) -> Any:
+    """Wrap a model (or a list of VPP model chunks) in Megatron's ``DistributedDataParallel`` the way every CPU
+    test and the demo run it -- no overlapped grad reduce, no distributed optimizer (neither works on CPU) --
+    and point ``config`` at the wrappers' ``no_sync`` and at ``finalize_model_grads``, which is where Megatron
+    all-reduces gradients and applies ``calculate_per_token_loss`` scaling. Returns the wrapper(s)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    chunks = modules if isinstance(modules, (list, tuple)) else [modules]
+    ddps = [DistributedDataParallel(config=config, module=m, disable_bucketing=v > 0,
+                                    ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False,
+                                                                             use_distributed_optimizer=False))
+            for v, m in enumerate(chunks)]
+    config.no_sync_func = [d.no_sync for d in ddps] if len(ddps) > 1 else ddps[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddps if isinstance(modules, (list, tuple)) else ddps[0]
