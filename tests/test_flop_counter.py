@@ -101,13 +101,8 @@ def _worker(rank: int, world_size: int) -> dict:
         run("mha-wide-heads", megatron_cpu.build_tiny_gpt(cfg, vocab_size=VOCAB, max_seq_len=512))
 
         # 3. MoE: layer 0 dense, layers 1-2 MoE (4 experts, top-2) with a shared expert
-        # TODO(megatron_cpu): megatron-core 0.16.1 without Transformer Engine references an undefined
-        # `te_general_gemm` in the router's gating GEMM; and the alltoall dispatcher creates a CUDA stream,
-        # so the allgather dispatcher (fixed sequence lengths) is used here.
-        from megatron.core.transformer.moe import moe_utils
-
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
+        # (install_cpu_shims defines moe_utils.te_general_gemm; the alltoall dispatcher creates a CUDA stream,
+        # so the allgather dispatcher with fixed sequence lengths is used here.)
         cfg = megatron_cpu.tiny_gpt_config(
             num_layers=3, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
             moe_shared_expert_intermediate_size=48, moe_layer_freq=[0, 1, 1], moe_aux_loss_coeff=0.0,
@@ -118,13 +113,7 @@ def _worker(rank: int, world_size: int) -> dict:
                             position_embedding_type="rope"))
 
         # 4. MLA (with and without q compression), Megatron's own MLA projections
-        # TODO(megatron_cpu): without TE, megatron.core.extensions.transformer_engine still imports and exports
-        # MagicMock placeholders, so multi_latent_attention.py sets HAVE_TE=True and then calls
-        # isinstance(linear_proj, <MagicMock>), a TypeError. HAVE_TE=False restores its non-TE path.
-        from megatron.core.transformer import multi_latent_attention as mla_module
-
-        if not isinstance(mla_module.TELinear, type):
-            mla_module.HAVE_TE = False
+        # (install_cpu_shims restores MLA's non-TE path: see the megatron_cpu module docstring, shim 7.)
         base = megatron_cpu.tiny_gpt_config(num_query_groups=None).__dict__
         mla_kwargs = {k: base[k] for k in (
             "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "gated_linear_unit",

@@ -21,6 +21,13 @@ Shims (each was found by running a ``GPTModel`` with the local layer spec throug
    states in ``add``/``fork``. It is replaced by :class:`CpuRNGStatesTracker`, which keeps the same
    semantics (named, separately seeded streams; ``fork`` swaps them in and out) on the CPU default generator.
    Any tracker already created is reset so the next ``get_cuda_rng_tracker()`` builds the CPU one.
+6. Without Transformer Engine, megatron-core 0.16.1's MoE router refers to an undefined ``te_general_gemm``
+   (``transformer/moe/moe_utils.py``); it is defined as ``None``, which selects the plain-torch gating GEMM.
+7. Without Transformer Engine, ``megatron.core.extensions.transformer_engine`` still exports MagicMock
+   placeholders, so ``transformer/multi_latent_attention.py`` sets ``HAVE_TE = True`` and later calls
+   ``isinstance(x, <MagicMock>)`` (a TypeError); ``HAVE_TE`` is set back to ``False`` there, restoring MLA's
+   non-TE path. (The alltoall MoE dispatcher still creates a ``torch.cuda.Stream``: MoE on CPU uses the
+   allgather dispatcher with fixed lengths.)
 
 Not shimmed (use the settings instead): fused kernels (``masked_softmax_fusion``, ``bias_*_fusion``,
 ``gradient_accumulation_fusion``, ``apply_rope_fusion`` -- all off in :func:`tiny_gpt_config`), DDP
@@ -175,6 +182,14 @@ def install_cpu_shims() -> None:
         CpuRNGStatesTracker = _make_cpu_tracker_class(mrandom.CudaRNGStatesTracker)
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
+
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
     _INSTALLED = True
 
 
