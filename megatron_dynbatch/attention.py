@@ -31,7 +31,7 @@ Limits (a clear error, not silent wrong results): no sliding-window attention, n
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -114,11 +114,7 @@ class ThdDotProductAttention(DotProductAttention):
     def _thd_attention(self, query: Tensor, key: Tensor, value: Tensor, params: Any, causal: bool) -> Tensor:
         t, heads, head_dim = query.shape
         groups = key.shape[1]
-        cu_q = params.cu_seqlens_q.tolist()
-        cu_kv = (params.cu_seqlens_kv if params.cu_seqlens_kv is not None else params.cu_seqlens_q).tolist()
-        pad_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        pad_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else pad_q
-        pad_q, pad_kv = pad_q.tolist(), pad_kv.tolist()
+        cu_q, cu_kv, pad_q, pad_kv, _ = _thd_offsets(params)
         if pad_q[-1] != t or pad_kv[-1] != key.shape[0]:
             raise DynBatchConfigError(
                 "query.shape[0]", t,
@@ -169,11 +165,7 @@ class ThdDotProductAttention(DotProductAttention):
         cp_rank = torch.distributed.get_rank(group)
         t, heads, head_dim = query.shape
         groups = key.shape[1]
-        cu_q = params.cu_seqlens_q.tolist()
-        cu_kv = (params.cu_seqlens_kv if params.cu_seqlens_kv is not None else params.cu_seqlens_q).tolist()
-        pad_q_t = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        pad_kv_t = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else pad_q_t
-        pad_q, pad_kv = pad_q_t.tolist(), pad_kv_t.tolist()
+        cu_q, cu_kv, pad_q, pad_kv, pad_q_t = _thd_offsets(params)
         if cu_q != cu_kv or pad_q != pad_kv:
             raise DynBatchConfigError("cu_seqlens_kv", cu_kv, "context parallelism in the CPU THD attention needs "
                                       "self-attention (the same cu_seqlens for q and kv)", "pass equal cu_seqlens")
@@ -298,3 +290,13 @@ def get_thd_local_layer_spec(sequence_parallel: bool = False, **kwargs: Any):
 
         spec = use_sequence_parallel_norms(spec)
     return spec
+
+
+def _thd_offsets(params: Any) -> Tuple[List[int], List[int], List[int], List[int], Tensor]:
+    """Sequence offsets of THD ``PackedSeqParams`` with TE's defaults filled in: real ``cu_seqlens`` of q and kv
+    (kv defaults to q), padded ones (q defaults to the real q offsets, kv to the padded q), and the padded q
+    offsets as a tensor for the zig-zag index helpers."""
+    cu_kv_t = params.cu_seqlens_kv if params.cu_seqlens_kv is not None else params.cu_seqlens_q
+    pad_q_t = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    pad_kv_t = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else pad_q_t
+    return params.cu_seqlens_q.tolist(), cu_kv_t.tolist(), pad_q_t.tolist(), pad_kv_t.tolist(), pad_q_t
