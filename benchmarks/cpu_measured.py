@@ -76,8 +76,8 @@ def make_samples(lengths: Sequence[int], vocab: int, seed: int) -> List[Dict[str
 # ------------------------------------------------------------------------------------------------- plans
 def build_plans(lengths: np.ndarray, spec: Any, budget: int, dp: int, algorithms: Sequence[str]) -> Dict[str, Any]:
     """``name -> {"plan": Plan | None, "padded": bool, "error": str | None, "notes": [...]}``."""
-    from megatron_dynbatch.baselines import BaselineContext, run_baseline
-    from megatron_dynbatch.planner import plan_global_batch
+    from megatron_dynbatch.bench.baselines import BaselineContext, run_baseline
+    from megatron_dynbatch.core.planner import plan_global_batch
 
     ctx = BaselineContext.build({"dp": dp}, budget, model=spec)
     out: Dict[str, Any] = {}
@@ -157,9 +157,9 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
     torch.set_num_threads(1)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_dynbatch.iterator import DynamicBatchIterator
-    from megatron_dynbatch.model_spec import ModelSpec
-    from megatron_dynbatch.schedule import default_forward_step, dynamic_forward_backward
+    from megatron_dynbatch.megatron.iterator import DynamicBatchIterator
+    from megatron_dynbatch.core.model_spec import ModelSpec
+    from megatron_dynbatch.megatron.schedule import default_forward_step, dynamic_forward_backward
     from megatron_dynbatch.testing import megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size, seed=opts["seed"], timeout_s=float(opts["timeout"]))
@@ -268,8 +268,8 @@ def _cpu_fitted_ratios(per_rank: List[Dict[str, Any]], plans: Dict[str, Any], le
                        spec: Any) -> Dict[str, Any]:
     """Fit ``overhead + a*tokens + b*sum(L^2)`` to this run's measured THD micro-batch times (median over the
     timed steps) and re-score every plan with it: the cost model's structure with CPU coefficients."""
-    from megatron_dynbatch.cost_model import fit_cost_model
-    from megatron_dynbatch.planner import score_assignment
+    from megatron_dynbatch.core.cost_model import fit_cost_model
+    from megatron_dynbatch.core.planner import score_assignment
 
     toks, sqs, secs = [], [], []
     for r in per_rank:

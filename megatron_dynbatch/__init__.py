@@ -1,32 +1,83 @@
 """megatron-dynbatch: FLOPs-balanced dynamic micro-batching for Megatron-Core.
 
-The planning core (``plan_global_batch``, ``ModelSpec``, ``calculate_fwd_flops``) is pure Python + NumPy;
-torch and megatron-core are imported only by the integration modules that need them.
+The package's folders are its architecture (``docs/architecture.md``):
+
+* :mod:`megatron_dynbatch.core` -- the planning core: pure Python + NumPy, never imports torch (a test checks);
+* :mod:`megatron_dynbatch.megatron` -- the torch / megatron-core edge: THD packing, CP slicing, the data
+  iterator, loss normalisation, the ``forward_backward_func`` wrapper, launch flags;
+* :mod:`megatron_dynbatch.integrations` -- trainers: the Megatron-LM hook, Ray, and drop-ins for RL trainers;
+* :mod:`megatron_dynbatch.bench` -- the benchmark and the baselines it compares against.
+
+``import megatron_dynbatch`` stays light: the planning names below are imported eagerly, the edge names
+(``DynamicBatchIterator``, ``dynamic_forward_backward``, ...) on first use, so planning works without torch.
 """
 
-from .alignment import Alignment
-from .errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
-from .cost_model import CostModel
-from .parallel import ParallelConfig
-from .planner import Plan, plan_global_batch
-from .model_spec import ModelSpec
-from .flops import FlopsCoefficients, calculate_fwd_flops, flops_coefficients, per_gpu_flops
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .core.alignment import Alignment
+from .core.cost_model import CostModel, fit_cost_model, load_cost_model
+from .core.errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
+from .core.flops import FlopsCoefficients, calculate_fwd_flops, flops_coefficients, per_gpu_flops
+from .core.memory import estimate_max_tokens_per_gpu
+from .core.model_spec import ModelSpec
+from .core.parallel import ParallelConfig
+from .core.planner import Plan, plan_global_batch, score_assignment
+from .core.run_config import RunConfig
+from ._legacy import install_legacy_module_aliases
 
 __version__ = "0.1.0"
 
+#: Edge names exported lazily: name -> module that defines it (imported on first attribute access).
+_LAZY = {
+    "DynamicBatchIterator": "megatron_dynbatch.megatron.iterator",
+    "dynamic_forward_backward": "megatron_dynbatch.megatron.schedule",
+    "forward_log_probs": "megatron_dynbatch.megatron.schedule",
+    "pack_microbatch": "megatron_dynbatch.megatron.packing",
+    "PackedMicroBatch": "megatron_dynbatch.megatron.packing",
+    "LossNormalizer": "megatron_dynbatch.megatron.loss",
+    "add_dynamic_batch_args": "megatron_dynbatch.megatron.args",
+    "plan_rollout": "megatron_dynbatch.integrations.ray",
+    "gather_in_order": "megatron_dynbatch.integrations.ray",
+}
+
 __all__ = [
     "Alignment",
+    "CostModel",
     "DynBatchConfigError",
+    "FlopsCoefficients",
+    "ModelSpec",
     "OversizeSampleError",
     "OversizeSampleWarning",
     "ParallelConfig",
-    "CostModel",
     "Plan",
-    "plan_global_batch",
+    "RunConfig",
     "__version__",
-    "ModelSpec",
-    "FlopsCoefficients",
     "calculate_fwd_flops",
+    "estimate_max_tokens_per_gpu",
+    "fit_cost_model",
     "flops_coefficients",
+    "load_cost_model",
     "per_gpu_flops",
+    "plan_global_batch",
+    "score_assignment",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_dynbatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+install_legacy_module_aliases()

@@ -6,10 +6,11 @@ Subcommands
            ``docs/benchmarks.md``;
 ``plan``   plan one global batch read from a file and print a summary and the per-rank micro-batches;
 ``flops``  FLOPs of a model at given sequence lengths and the linear/quadratic coefficients the planner uses;
+``runs``   list the run presets, print one as YAML, or print the Megatron flags it implies;
 ``demo``   a tiny GPT trained with real megatron-core on CPU ranks (``megatron_dynbatch.demo``, imported only
            when asked for).
 
-Configuration errors (:class:`~megatron_dynbatch.errors.DynBatchConfigError`) print as one line on stderr and
+Configuration errors (:class:`~megatron_dynbatch.core.errors.DynBatchConfigError`) print as one line on stderr and
 exit with status 2, like argparse's own usage errors; no traceback.
 """
 
@@ -23,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import DynBatchConfigError
+from .core.errors import DynBatchConfigError
 
 PROG = "megatron-dynbatch"
 
@@ -108,7 +109,7 @@ def _add_layout_args(p: argparse.ArgumentParser, *, dp: bool = True) -> None:
 
 
 def _layout(args: argparse.Namespace) -> Any:
-    from .parallel import ParallelConfig
+    from .core.parallel import ParallelConfig
 
     return ParallelConfig(dp=getattr(args, "dp", None) or 1, tp=args.tp or 1, pp=args.pp or 1, cp=args.cp or 1,
                           ep=args.ep or 1, vpp=args.vpp or 1,
@@ -158,14 +159,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # ============================================================================================ plan
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .planner import plan_global_batch
+    from .core.planner import plan_global_batch
 
     lengths = _read_values(args.lengths, "--lengths", integers=True)
     group_ids = _read_values(args.group_ids, "--group-ids", integers=False) if args.group_ids else None
     kwargs, run = _plan_kwargs(args)
     par = kwargs["parallel"]
     if kwargs["model"] is not None:  # check the layout against the model (tp divides the heads, ep the experts)
-        from .flops import per_gpu_flops
+        from .core.flops import per_gpu_flops
 
         per_gpu_flops(1.0, kwargs["model"], par)
     if group_ids is None and run is not None:
@@ -190,11 +191,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
     """``plan_global_batch`` keyword arguments: the ``--run`` preset's first, then every flag given explicitly."""
-    from .parallel import ParallelConfig
+    from .core.parallel import ParallelConfig
 
     run = None
     if args.run:
-        from .run_config import RunConfig
+        from .core.run_config import RunConfig
 
         run = RunConfig.from_yaml(args.run)
         kw = run.planner_kwargs()
@@ -265,8 +266,8 @@ def _rank_table(plan: Any, max_ranks: int) -> str:
 
 
 def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: Any) -> str:
-    from .baselines import BASELINES, BaselineContext, run_baseline
-    from .cost_model import CostModel
+    from .bench.baselines import BASELINES, BaselineContext, run_baseline
+    from .core.cost_model import CostModel
 
     cm = CostModel.from_model(args.model, par) if args.model else CostModel.tokens_only(par)
     ctx = BaselineContext.build(par, args.max_tokens_per_gpu, args.model, args.fp8)
@@ -289,8 +290,8 @@ def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: A
 
 # ============================================================================================ flops
 def _cmd_flops(args: argparse.Namespace) -> int:
-    from .flops import FWD_BWD_FACTOR, flops_breakdown, per_gpu_flops
-    from .model_spec import ModelSpec
+    from .core.flops import FWD_BWD_FACTOR, flops_breakdown, per_gpu_flops
+    from .core.model_spec import ModelSpec
 
     spec = ModelSpec.from_any(args.model)
     par = _layout(args)
@@ -326,6 +327,27 @@ def _cmd_flops(args: argparse.Namespace) -> int:
     return 0
 
 
+# ============================================================================================ runs
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from .core.run_config import RunConfig, available_run_presets
+
+    if args.action == "list":
+        print("\n".join(available_run_presets()))
+        return 0
+    if args.preset is None:
+        raise DynBatchConfigError("runs " + args.action, None, "needs a run preset", "pass a preset name or a YAML path")
+    rc = RunConfig.from_yaml(args.preset)
+    if args.action == "args":
+        import shlex
+
+        print(" ".join(shlex.quote(a) for a in rc.to_megatron_args()))
+    else:
+        import yaml
+
+        print(yaml.safe_dump(rc.to_dict(), sort_keys=False).rstrip())
+    return 0
+
+
 # ============================================================================================ demo
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
@@ -346,7 +368,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="FLOPs-balanced dynamic micro-batching for Megatron-Core: benchmark, plan, FLOPs.")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,plan,flops,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,plan,flops,runs,demo}")
 
     b = sub.add_parser("bench", help="run the built-in benchmark (defaults: every default workload, all algorithms)",
                        description="Plan every built-in workload with dynbatch and the baselines, score all with "
@@ -420,6 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(f, dp=False)
     f.add_argument("--json", action="store_true", help="print JSON")
     f.set_defaults(func=_cmd_flops)
+
+    r = sub.add_parser("runs", help="run presets: list them, show one, or print the Megatron flags one implies",
+                       description="Run presets (configs/runs/*.yaml): 'list' the names, 'show NAME' prints one as "
+                                   "YAML, 'args NAME' prints the Megatron flags it implies (one shell-quoted line).")
+    r.add_argument("action", choices=("list", "show", "args"))
+    r.add_argument("preset", nargs="?", default=None, help="run preset name or YAML path (for show / args)")
+    r.set_defaults(func=_cmd_runs)
 
     d = sub.add_parser("demo", help="train a tiny GPT with real megatron-core on CPU ranks (needs torch)",
                        description="Runs megatron_dynbatch.demo; arguments after 'demo' are passed to it.")

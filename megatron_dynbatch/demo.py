@@ -4,7 +4,7 @@ Spawns ``--dp`` gloo ranks (default 2), builds a tiny ``GPTModel`` (local layer 
 attention, fp32) wrapped in Megatron's ``DistributedDataParallel``, and runs ``--steps`` optimizer steps on
 synthetic RL-like batches (short prompts, long-tailed responses, loss on the response only). Each step is
 planned by :func:`megatron_dynbatch.plan_global_batch` (FLOPs-balanced), packed in THD format and run through
-``get_forward_backward_func()`` by :func:`megatron_dynbatch.schedule.dynamic_forward_backward`.
+``get_forward_backward_func()`` by :func:`megatron_dynbatch.megatron.schedule.dynamic_forward_backward`.
 
 ``--launcher torchrun`` runs under ``torchrun`` (or Slurm + torchrun) instead of spawning: every process is
 one rank, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` come from torchrun's
@@ -69,7 +69,7 @@ def sample_targets(sample: Mapping[str, Any], pad_token_id: int = 0) -> Tuple[An
     """A sample's labels and loss mask as the packer builds them (next token inside the sample by default)."""
     import torch
 
-    from .loss import sample_loss_mask
+    from .megatron.loss import sample_loss_mask
 
     tokens = torch.as_tensor(sample["tokens"]).long()
     if "labels" in sample:
@@ -83,7 +83,7 @@ def sample_targets(sample: Mapping[str, Any], pad_token_id: int = 0) -> Tuple[An
 def reference_coefficients(samples: Sequence[Mapping[str, Any]], mode: str,
                            group_ids: Optional[Sequence[Any]] = None) -> List[float]:
     """Per-sample loss coefficients written out directly from each mode's definition (independent of
-    :class:`megatron_dynbatch.loss.LossNormalizer`, which the tests check against this)."""
+    :class:`megatron_dynbatch.megatron.loss.LossNormalizer`, which the tests check against this)."""
     masks = [sample_targets(s)[1] for s in samples]
     t = [float(m.sum()) for m in masks]
     if mode == "token_sum":
@@ -155,8 +155,8 @@ def _demo_worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, 
     _quiet()
     import torch
 
-    from .model_spec import ModelSpec
-    from .schedule import dynamic_forward_backward
+    from .core.model_spec import ModelSpec
+    from .megatron.schedule import dynamic_forward_backward
     from .testing import megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size, seed=opts["seed"],

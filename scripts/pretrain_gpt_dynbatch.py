@@ -10,10 +10,10 @@ Run it like Megatron-LM's ``pretrain_gpt.py`` (with a Megatron-LM checkout on ``
         --dynbatch-train-data samples.jsonl          # or --dynbatch-mock-data
 
 This file is only the entry point. The hook, the flags and the batch sources live in
-:mod:`megatron_dynbatch.megatron_lm` (see its docstring for how the hook works); to add dynamic batching to a
+:mod:`megatron_dynbatch.integrations.megatron_lm` (see its docstring for how the hook works); to add dynamic batching to a
 launch script of your own, these are the lines::
 
-    from megatron_dynbatch.megatron_lm import add_dynamic_batch_args, global_batch_datasets_provider, install
+    from megatron_dynbatch.integrations.megatron_lm import add_dynamic_batch_args, global_batch_datasets_provider, install
 
     install()
     pretrain(global_batch_datasets_provider, partial(model_provider, gpt_builder), ModelType.encoder_or_decoder,
@@ -31,10 +31,10 @@ import sys
 from typing import Any, Optional, Sequence
 
 try:
-    from megatron_dynbatch import megatron_lm
+    from megatron_dynbatch.integrations import megatron_lm
 except ImportError:  # a checkout that is not pip-installed: use the package next to scripts/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megatron_dynbatch import megatron_lm
+    from megatron_dynbatch.integrations import megatron_lm
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 

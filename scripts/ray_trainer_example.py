@@ -21,8 +21,8 @@ import time
 import ray
 import torch
 
-from megatron_dynbatch.ray import DynBatchActorMixin, gather_in_order, plan_rollout, step_loss
-from megatron_dynbatch.run_config import RunConfig
+from megatron_dynbatch.integrations.ray import DynBatchActorMixin, gather_in_order, plan_rollout, step_loss
+from megatron_dynbatch.core.run_config import RunConfig
 
 VOCAB = 128
 

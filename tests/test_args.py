@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from megatron_dynbatch import ModelSpec, ParallelConfig
-from megatron_dynbatch.args import (
+from megatron_dynbatch.megatron.args import (
     add_dynamic_batch_args,
     fp8_alignment_from_args,
     model_spec_from_args,
@@ -15,7 +15,7 @@ from megatron_dynbatch.args import (
     plan_kwargs_from_args,
     validate_dynamic_batch_args,
 )
-from megatron_dynbatch.errors import DynBatchConfigError
+from megatron_dynbatch.core.errors import DynBatchConfigError
 
 
 def megatron_like_parser() -> argparse.ArgumentParser:

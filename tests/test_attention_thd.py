@@ -8,12 +8,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_dynbatch.alignment import Alignment  # noqa: E402
-from megatron_dynbatch.context_parallel import gather_cp_outputs, slice_packed_for_cp  # noqa: E402
-from megatron_dynbatch.context_parallel import zigzag_partition_indices  # noqa: E402
-from megatron_dynbatch.errors import DynBatchConfigError  # noqa: E402
-from megatron_dynbatch.packing import pack_microbatch  # noqa: E402
-from megatron_dynbatch.parallel import ParallelConfig  # noqa: E402
+from megatron_dynbatch.core.alignment import Alignment  # noqa: E402
+from megatron_dynbatch.megatron.context_parallel import gather_cp_outputs, slice_packed_for_cp  # noqa: E402
+from megatron_dynbatch.megatron.context_parallel import zigzag_partition_indices  # noqa: E402
+from megatron_dynbatch.core.errors import DynBatchConfigError  # noqa: E402
+from megatron_dynbatch.megatron.packing import pack_microbatch  # noqa: E402
+from megatron_dynbatch.core.parallel import ParallelConfig  # noqa: E402
 
 VOCAB = 128
 ATOL = 1e-5
@@ -140,7 +140,7 @@ def test_cp_slicing_reassembles_the_packed_forward(models):
 def _core(megatron_world1, groups=2, **cfg_overrides):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_dynbatch.attention import ThdDotProductAttention
+    from megatron_dynbatch.megatron.attention import ThdDotProductAttention
     from megatron_dynbatch.testing import megatron_cpu
 
     cfg = megatron_cpu.tiny_gpt_config(num_query_groups=groups, **cfg_overrides)
@@ -209,7 +209,8 @@ def test_thd_spec_swaps_only_core_attention(megatron_world1):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_dynbatch.attention import ThdDotProductAttention, get_thd_local_layer_spec
+    from megatron_dynbatch.megatron.attention import ThdDotProductAttention
+    from megatron_dynbatch.megatron.specs import get_thd_local_layer_spec
 
     spec = get_thd_local_layer_spec(normalization="RMSNorm")
     assert spec.submodules.self_attention.submodules.core_attention is ThdDotProductAttention

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_dynbatch.baselines import (
+from megatron_dynbatch.bench.baselines import (
     BASELINES,
     BaselineContext,
     adjust_bin_count,
@@ -21,7 +21,7 @@ from megatron_dynbatch.baselines import (
     split_largest_bins,
     verl,
 )
-from megatron_dynbatch.errors import DynBatchConfigError
+from megatron_dynbatch.core.errors import DynBatchConfigError
 
 LAYOUTS = [
     ({"dp": 4}, 4096),

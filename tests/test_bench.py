@@ -22,7 +22,7 @@ from megatron_dynbatch.bench import (
     verdicts,
 )
 from megatron_dynbatch.bench import workloads as wl
-from megatron_dynbatch.errors import DynBatchConfigError
+from megatron_dynbatch.core.errors import DynBatchConfigError
 
 SMOKE = WORKLOADS["smoke"]
 

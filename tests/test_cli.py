@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_dynbatch.cli import main
-from megatron_dynbatch.planner import Plan
+from megatron_dynbatch.core.planner import Plan
 
 LENGTHS = [300, 1200, 40, 800, 2000, 75, 640, 900, 1500, 60, 333, 1024]
 

@@ -8,15 +8,15 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from megatron_dynbatch.alignment import Alignment  # noqa: E402
-from megatron_dynbatch.context_parallel import (  # noqa: E402
+from megatron_dynbatch.core.alignment import Alignment  # noqa: E402
+from megatron_dynbatch.megatron.context_parallel import (  # noqa: E402
     gather_cp_outputs,
     slice_packed_for_cp,
     zigzag_partition_indices,
 )
-from megatron_dynbatch.errors import DynBatchConfigError  # noqa: E402
-from megatron_dynbatch.packing import pack_microbatch  # noqa: E402
-from megatron_dynbatch.parallel import ParallelConfig  # noqa: E402
+from megatron_dynbatch.core.errors import DynBatchConfigError  # noqa: E402
+from megatron_dynbatch.megatron.packing import pack_microbatch  # noqa: E402
+from megatron_dynbatch.core.parallel import ParallelConfig  # noqa: E402
 
 
 def naive_chunks(padded_lengths, cp, rank):

@@ -4,7 +4,7 @@
 How the comparison works
 ------------------------
 * FlopCounterMode counts every matmul (``mm``, ``addmm``, ``bmm``, ``baddbmm``) at 2 FLOPs per MAC and
-  nothing else -- the same rule as :mod:`megatron_dynbatch.flops`.
+  nothing else -- the same rule as :mod:`megatron_dynbatch.core.flops`.
 * Megatron's local ``DotProductAttention`` computes ``QK^T`` with ``baddbmm`` and ``attn @ V`` with ``bmm``
   (both counted; the CPU SDPA kernel, which torch 2.13 has no formula for, is NOT used). It computes the FULL
   ``L x L`` square and masks afterwards, whereas the formula counts causal attention as half the square. So
@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from megatron_dynbatch import ModelSpec  # noqa: E402
-from megatron_dynbatch.flops import flops_coefficients  # noqa: E402
+from megatron_dynbatch.core.flops import flops_coefficients  # noqa: E402
 from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
 
 VOCAB = 128

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_dynbatch import DynBatchConfigError, ModelSpec, ParallelConfig
-from megatron_dynbatch.flops import (
+from megatron_dynbatch.core.flops import (
     FlopsCoefficients,
     calculate_fwd_flops,
     flops_breakdown,

@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")  # megatron-core is not needed: nothing here touches packed_seq_params
 
 from megatron_dynbatch import plan_global_batch  # noqa: E402
-from megatron_dynbatch.context_parallel import gather_cp_outputs  # noqa: E402
-from megatron_dynbatch.errors import DynBatchConfigError  # noqa: E402
-from megatron_dynbatch.iterator import DynamicBatchIterator  # noqa: E402
-from megatron_dynbatch.loss import RESULT_KEY  # noqa: E402
+from megatron_dynbatch.megatron.context_parallel import gather_cp_outputs  # noqa: E402
+from megatron_dynbatch.core.errors import DynBatchConfigError  # noqa: E402
+from megatron_dynbatch.megatron.iterator import DynamicBatchIterator  # noqa: E402
+from megatron_dynbatch.megatron.loss import RESULT_KEY  # noqa: E402
 
 
 def _samples(n=12, seed=0, groups=None):

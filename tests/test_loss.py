@@ -11,11 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")  # PackedSeqParams type for pack_microbatch
 
-from megatron_dynbatch.alignment import Alignment  # noqa: E402
-from megatron_dynbatch.context_parallel import slice_packed_for_cp, zigzag_partition_indices  # noqa: E402
+from megatron_dynbatch.core.alignment import Alignment  # noqa: E402
+from megatron_dynbatch.megatron.context_parallel import slice_packed_for_cp, zigzag_partition_indices  # noqa: E402
 from megatron_dynbatch.demo import reference_coefficients  # noqa: E402
-from megatron_dynbatch.errors import DynBatchConfigError  # noqa: E402
-from megatron_dynbatch.loss import (  # noqa: E402
+from megatron_dynbatch.core.errors import DynBatchConfigError  # noqa: E402
+from megatron_dynbatch.megatron.loss import (  # noqa: E402
     RESULT_KEY,
     LossNormalizer,
     loss_mask_stats,
@@ -24,8 +24,8 @@ from megatron_dynbatch.loss import (  # noqa: E402
     reference_loss,
     sample_loss_mask,
 )
-from megatron_dynbatch.packing import pack_microbatch  # noqa: E402
-from megatron_dynbatch.parallel import ParallelConfig  # noqa: E402
+from megatron_dynbatch.megatron.packing import pack_microbatch  # noqa: E402
+from megatron_dynbatch.core.parallel import ParallelConfig  # noqa: E402
 
 
 def _random_batch(rng: np.random.Generator, n: int, with_labels: bool = False):

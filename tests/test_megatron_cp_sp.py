@@ -2,11 +2,11 @@
 run for real (no padding-only or slicing-only stand-ins):
 
 * TP=2 with ``sequence_parallel=True``: the model uses the sequence-parallel torch norm
-  (:mod:`megatron_dynbatch.cpu_layers`), Megatron scatters each packed micro-batch's tokens over TP (the plan
+  (:mod:`megatron_dynbatch.megatron.norms`), Megatron scatters each packed micro-batch's tokens over TP (the plan
   pads every micro-batch to a multiple of TP), all-gathers them around the attention / MLP, and
   ``finalize_model_grads`` all-reduces the norm-weight gradients over TP;
 * CP=2: each CP rank runs its zig-zag half of every packed micro-batch through
-  :class:`~megatron_dynbatch.attention.ThdDotProductAttention`, which all-gathers K/V over the CP group; DDP
+  :class:`~megatron_dynbatch.megatron.attention.ThdDotProductAttention`, which all-gathers K/V over the CP group; DDP
   averages the gradients over DP x CP; forward-only log-probs are all-gathered over CP
   (``schedule._gather_cp``) and split back into samples.
 
@@ -63,11 +63,11 @@ def _core_attention_cp_check(cp_rank: int, cp: int) -> dict:
     that sequence, or of the whole micro-batch), causal and bidirectional masks."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_dynbatch.alignment import Alignment
-    from megatron_dynbatch.attention import ThdDotProductAttention
-    from megatron_dynbatch.context_parallel import zigzag_partition_indices
-    from megatron_dynbatch.packing import pack_microbatch
-    from megatron_dynbatch.parallel import ParallelConfig
+    from megatron_dynbatch.core.alignment import Alignment
+    from megatron_dynbatch.megatron.attention import ThdDotProductAttention
+    from megatron_dynbatch.megatron.context_parallel import zigzag_partition_indices
+    from megatron_dynbatch.megatron.packing import pack_microbatch
+    from megatron_dynbatch.core.parallel import ParallelConfig
     from megatron_dynbatch.testing import megatron_cpu
 
     cases = {"mixed": ([5, 0, 9, 1, 12], AttnMaskType.causal), "one_token": ([1, 1], AttnMaskType.causal),
@@ -105,8 +105,8 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dynbatch.model_spec import ModelSpec
-    from megatron_dynbatch.schedule import dynamic_forward_backward, forward_log_probs
+    from megatron_dynbatch.core.model_spec import ModelSpec
+    from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs
     from megatron_dynbatch.testing import megatron_cpu
 
     tp, cp = {"sp": (2, 1), "cp": (1, 2)}[layout]
@@ -265,7 +265,7 @@ def test_cp2_core_attention_equals_full_attention_with_gradients(cp_results):
 def test_sequence_parallel_norm_is_the_torch_norm_with_the_tp_mark(kind):
     from types import SimpleNamespace
 
-    from megatron_dynbatch.cpu_layers import QKTorchNorm, SequenceParallelTorchNorm
+    from megatron_dynbatch.megatron.norms import QKTorchNorm, SequenceParallelTorchNorm
 
     cfg = SimpleNamespace(normalization=kind, sequence_parallel=True)
     norm = SequenceParallelTorchNorm(config=cfg, hidden_size=8, eps=1e-5)
@@ -289,8 +289,8 @@ def test_thd_spec_with_sequence_parallel_swaps_the_norms():
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_dynbatch.attention import get_thd_local_layer_spec
-    from megatron_dynbatch.cpu_layers import SequenceParallelTorchNorm
+    from megatron_dynbatch.megatron.specs import get_thd_local_layer_spec
+    from megatron_dynbatch.megatron.norms import SequenceParallelTorchNorm
 
     plain = get_thd_local_layer_spec(normalization="RMSNorm")
     assert plain.submodules.input_layernorm is WrappedTorchNorm
@@ -304,8 +304,8 @@ def test_sequence_parallel_plan_alignment_is_checked_and_filled_in():
     from types import SimpleNamespace
 
     from megatron_dynbatch import plan_global_batch
-    from megatron_dynbatch.errors import DynBatchConfigError
-    from megatron_dynbatch.schedule import _with_model_layout, check_sequence_parallel_alignment
+    from megatron_dynbatch.core.errors import DynBatchConfigError
+    from megatron_dynbatch.megatron.schedule import _with_model_layout, check_sequence_parallel_alignment
 
     cfg = SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2, context_parallel_size=1)
     lengths = [7, 12, 5, 9]

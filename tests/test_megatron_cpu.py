@@ -108,8 +108,8 @@ def _thd_pp_worker(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_dynbatch.alignment import Alignment
-    from megatron_dynbatch.packing import pack_microbatch
+    from megatron_dynbatch.core.alignment import Alignment
+    from megatron_dynbatch.megatron.packing import pack_microbatch
     from megatron_dynbatch.testing import megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size, pp=2)

@@ -32,8 +32,8 @@ def _dp_worker(rank: int, world_size: int) -> dict:
 
     _quiet()
 
-    from megatron_dynbatch.model_spec import ModelSpec
-    from megatron_dynbatch.schedule import dynamic_forward_backward, forward_log_probs
+    from megatron_dynbatch.core.model_spec import ModelSpec
+    from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs
     from megatron_dynbatch.testing import megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size)
@@ -77,7 +77,7 @@ def _dp_worker(rank: int, world_size: int) -> dict:
                     "samples": res.iterator.step_samples(1)}
         # log_probs_from_logits on the model's logits equals minus Megatron's fused cross-entropy
         from megatron_dynbatch.demo import sample_targets
-        from megatron_dynbatch.schedule import log_probs_from_logits
+        from megatron_dynbatch.megatron.schedule import log_probs_from_logits
 
         s0 = samples[0]
         labels, _ = sample_targets(s0)

@@ -3,7 +3,7 @@
 * PP=2: micro-batches of different lengths through the 1F1B schedule (``variable_seq_lengths``);
 * TP=2 with sequence-parallel padding (the plan and the packer pad every micro-batch to a multiple of TP; the
   model here runs without ``sequence_parallel`` -- the real sequence-parallel step, with the
-  ``cpu_layers`` norm, is in ``tests/test_megatron_cp_sp.py``);
+  ``megatron/norms.py`` norm, is in ``tests/test_megatron_cp_sp.py``);
 
 both give the gradients of an UNPACKED single-GPU reference: after the step, the ranks gather their shards /
 stages into full weights, switch Megatron to TP=PP=1, build the full model with those weights and run every
@@ -73,10 +73,10 @@ def _local_view(full, meta, tp: int, tp_rank: int):
 # ----------------------------------------------------------------------------------------- CP path
 def _cp_path_diffs(ref, samples, spec, coef_fn) -> dict:
     from megatron_dynbatch import plan_global_batch
-    from megatron_dynbatch.context_parallel import zigzag_partition_indices
+    from megatron_dynbatch.megatron.context_parallel import zigzag_partition_indices
     from megatron_dynbatch.demo import unpacked_reference
-    from megatron_dynbatch.iterator import DynamicBatchIterator
-    from megatron_dynbatch.packing import pack_microbatch
+    from megatron_dynbatch.megatron.iterator import DynamicBatchIterator
+    from megatron_dynbatch.megatron.packing import pack_microbatch
 
     dp, cp = 2, 2
     plan = plan_global_batch([len(s["tokens"]) for s in samples], model=spec, parallel={"dp": dp, "cp": cp},
@@ -118,8 +118,8 @@ def _layout_worker(rank: int, world_size: int, layout: str) -> dict:
     _quiet()
     from megatron.core import parallel_state
 
-    from megatron_dynbatch.model_spec import ModelSpec
-    from megatron_dynbatch.schedule import dynamic_forward_backward, forward_log_probs
+    from megatron_dynbatch.core.model_spec import ModelSpec
+    from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs
     from megatron_dynbatch.testing import megatron_cpu
 
     tp, pp, vpp = {"tp": (2, 1, 1), "pp": (1, 2, 1), "vpp": (1, 2, 2)}[layout]
@@ -173,7 +173,7 @@ def _layout_worker(rank: int, world_size: int, layout: str) -> dict:
 
         if layout == "tp":  # vocab-parallel logits -> log-probs equals minus the fused vocab-parallel CE
             from megatron_dynbatch.demo import sample_targets
-            from megatron_dynbatch.schedule import log_probs_from_logits
+            from megatron_dynbatch.megatron.schedule import log_probs_from_logits
 
             s0 = samples[0]
             labels, _ = sample_targets(s0)

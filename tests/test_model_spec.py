@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dynbatch import DynBatchConfigError, ModelSpec
-from megatron_dynbatch.model_spec import available_presets, preset_dirs
+from megatron_dynbatch.core.model_spec import available_presets, preset_dirs
 
 PRESETS = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "qwen3-235b-a22b",
            "llama-3.1-8b", "llama-3.1-70b", "deepseek-v3", "tiny-gpt"]
@@ -283,7 +283,7 @@ def test_from_hf_config_errors(tmp_path):
 
 # ---------------------------------------------------------------------------------------- purity
 def test_planning_core_modules_do_not_import_torch_or_megatron():
-    code = ("import sys; import megatron_dynbatch.model_spec, megatron_dynbatch.flops; "
+    code = ("import sys; import megatron_dynbatch.core.model_spec, megatron_dynbatch.core.flops; "
             "bad = [m for m in ('torch', 'megatron') if m in sys.modules]; print(bad); assert not bad")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])

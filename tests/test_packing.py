@@ -12,10 +12,10 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from megatron_dynbatch.alignment import Alignment  # noqa: E402
-from megatron_dynbatch.errors import DynBatchConfigError  # noqa: E402
-from megatron_dynbatch.packing import PackedMicroBatch, pack_microbatch  # noqa: E402
-from megatron_dynbatch.parallel import ParallelConfig  # noqa: E402
+from megatron_dynbatch.core.alignment import Alignment  # noqa: E402
+from megatron_dynbatch.core.errors import DynBatchConfigError  # noqa: E402
+from megatron_dynbatch.megatron.packing import PackedMicroBatch, pack_microbatch  # noqa: E402
+from megatron_dynbatch.core.parallel import ParallelConfig  # noqa: E402
 
 PAD = 7
 
@@ -210,7 +210,7 @@ def test_bad_sample_indices_and_unpack_shape():
 
 
 def test_packing_module_does_not_import_megatron():
-    code = ("import sys; import megatron_dynbatch.packing as p; "
+    code = ("import sys; import megatron_dynbatch.megatron.packing as p; "
             "p.pack_microbatch([{'tokens': [1, 2]}]); assert 'megatron.core' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

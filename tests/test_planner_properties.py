@@ -1,4 +1,4 @@
-"""Property-based tests of the planner's invariants (see the docstring of megatron_dynbatch/planner/api.py).
+"""Property-based tests of the planner's invariants (see the docstring of megatron_dynbatch/core/planner/api.py).
 
 Every generated workload must either produce a plan that satisfies all invariants, or raise a
 ``DynBatchConfigError`` of the documented kinds (too few samples for the ranks/count, an over-budget sample
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_dynbatch import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning, plan_global_batch
-from megatron_dynbatch.planner import is_valid_microbatch_count
+from megatron_dynbatch.core.planner import is_valid_microbatch_count
 
 SETTINGS = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

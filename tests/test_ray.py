@@ -1,4 +1,4 @@
-"""megatron_dynbatch.ray: central planning on a driver, rank-local shards, order restoration -- and a REAL local Ray
+"""megatron_dynbatch.integrations.ray: central planning on a driver, rank-local shards, order restoration -- and a REAL local Ray
 with two actors, each one gloo rank of a tiny megatron-core GPT, whose log-probs and gradients equal an unpacked
 single-process reference.
 
@@ -26,9 +26,9 @@ torch = pytest.importorskip("torch")
 
 from megatron_dynbatch import plan_global_batch  # noqa: E402
 from megatron_dynbatch.demo import reference_coefficients, sample_targets, synthetic_rl_batch  # noqa: E402
-from megatron_dynbatch.errors import DynBatchConfigError  # noqa: E402
-from megatron_dynbatch.iterator import DynamicBatchIterator  # noqa: E402
-from megatron_dynbatch.ray import (DynBatchActorMixin, RankShard, ShardResult, dp_rank_of,  # noqa: E402
+from megatron_dynbatch.core.errors import DynBatchConfigError  # noqa: E402
+from megatron_dynbatch.megatron.iterator import DynamicBatchIterator  # noqa: E402
+from megatron_dynbatch.integrations.ray import (DynBatchActorMixin, RankShard, ShardResult, dp_rank_of,  # noqa: E402
                                    gather_in_order, plan_log_probs, plan_rollout, shard_iterator, step_loss)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def test_shard_errors_name_the_fix():
 
 
 def test_refs_are_passed_through_and_run_config_is_honoured():
-    from megatron_dynbatch.run_config import RunConfig
+    from megatron_dynbatch.core.run_config import RunConfig
 
     rc = RunConfig.from_yaml("tiny-cpu-demo").replace(log_probs_max_tokens_per_gpu=320, loss_mode="group_mean")
     lengths = [int(x) for x in np.random.default_rng(0).integers(8, 120, size=32)]
@@ -169,7 +169,7 @@ def test_log_prob_plan_keeps_ranks_under_pipeline_parallelism_and_reports_imposs
     for r in range(2):
         assert sorted(lp.rank_samples(r)) == sorted(train.rank_samples(r))
     # rank 0 holds one sample, rank 1 two that only fit one micro-batch under the TRAINING budget: no common count
-    from megatron_dynbatch.planner import score_assignment as score
+    from megatron_dynbatch.core.planner import score_assignment as score
 
     train = score([[[0]], [[1, 2]]], [25, 20, 20], parallel={"dp": 2}, max_tokens_per_gpu=128)
     with pytest.raises(DynBatchConfigError, match="log_probs_max_tokens_per_gpu"):
@@ -289,7 +289,7 @@ class _RolloutWorker:
     """Stands in for a rollout engine: generates samples and hands out one ObjectRef per sample + metadata."""
 
     def generate(self, n: int, seed: int) -> dict:
-        from megatron_dynbatch.loss import loss_mask_stats
+        from megatron_dynbatch.megatron.loss import loss_mask_stats
 
         import ray
 

@@ -1,4 +1,4 @@
-"""Run presets (``megatron_dynbatch.run_config``) and the memory estimate (``megatron_dynbatch.memory``)."""
+"""Run presets (``megatron_dynbatch.core.run_config``) and the memory estimate (``megatron_dynbatch.core.memory``)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,20 @@ import numpy as np
 import pytest
 
 from megatron_dynbatch import DynBatchConfigError, ParallelConfig, plan_global_batch
-from megatron_dynbatch.memory import (
+from megatron_dynbatch.core.memory import (
     _layer_activation_bytes,
     estimate_max_tokens_per_gpu,
     estimate_memory,
     parameter_counts,
 )
-from megatron_dynbatch.model_spec import ModelSpec
-from megatron_dynbatch.run_config import (
+from megatron_dynbatch.core.model_spec import ModelSpec
+from megatron_dynbatch.core.run_config import (
     BALANCE_MODES,
     GROUP_REDUCE,
     LOSS_MODES,
     OVERSIZE_POLICIES,
     RunConfig,
     available_run_presets,
-    main,
     run_preset_dirs,
 )
 
@@ -191,7 +190,7 @@ def test_to_megatron_args_layout_and_batching_flags():
 
 def test_choice_tuples_match_the_modules_that_own_them():
     from megatron_dynbatch import loss
-    from megatron_dynbatch.planner import api
+    from megatron_dynbatch.core.planner import api
 
     assert set(BALANCE_MODES) <= set(api.BALANCE_MODES)
     assert OVERSIZE_POLICIES == api.OVERSIZE_POLICIES
@@ -209,8 +208,8 @@ _MEGATRON_STUB_FLAGS = {  # the Megatron-LM flags to_megatron_args may emit, wit
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_megatron_args_parse_back_to_the_same_plan(name):
-    """to_megatron_args -> megatron_dynbatch.args (the flags' owner) -> plan kwargs == planner_kwargs."""
-    args_mod = pytest.importorskip("megatron_dynbatch.args")
+    """to_megatron_args -> megatron_dynbatch.megatron.args (the flags' owner) -> plan kwargs == planner_kwargs."""
+    args_mod = pytest.importorskip("megatron_dynbatch.megatron.args")
     rc = RunConfig.from_yaml(name)
     parser = argparse.ArgumentParser()
     for flag, nargs in _MEGATRON_STUB_FLAGS.items():
@@ -245,16 +244,19 @@ def test_megatron_args_parse_back_to_the_same_plan(name):
     assert ns.dynbatch_loss_mode == rc.loss_mode
 
 
-def test_module_cli(capsys):
-    assert main(["list"]) == 0
+def test_runs_cli(capsys):
+    from megatron_dynbatch.cli import main
+
+    assert main(["runs", "list"]) == 0
     assert "qwen3-8b-grpo" in capsys.readouterr().out.split()
-    assert main(["args", "qwen3-30b-a3b-grpo"]) == 0
+    assert main(["runs", "args", "qwen3-30b-a3b-grpo"]) == 0
     assert shlex.split(capsys.readouterr().out) == RunConfig.from_yaml("qwen3-30b-a3b-grpo").to_megatron_args()
-    assert main(["show", "tiny-cpu-demo"]) == 0
+    assert main(["runs", "show", "tiny-cpu-demo"]) == 0
     assert "max_tokens_per_gpu: 160" in capsys.readouterr().out
-    assert main(["args", "nope"]) == 2
+    assert main(["runs", "args", "nope"]) == 2
     assert "unknown run preset" in capsys.readouterr().err
-    assert main([]) == 2
+    assert main(["runs", "show"]) == 2
+    assert main(["runs"]) == 2
 
 
 # ----------------------------------------------------------------------------------- memory estimate
@@ -377,7 +379,7 @@ def _errors_quoted_in_troubleshooting():
 
 
 def test_troubleshooting_quotes_the_real_messages():
-    args_mod = pytest.importorskip("megatron_dynbatch.args")
+    args_mod = pytest.importorskip("megatron_dynbatch.megatron.args")
     doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md").read_text().split())
     messages = _errors_quoted_in_troubleshooting()
     parser = args_mod.add_dynamic_batch_args(argparse.ArgumentParser())
@@ -404,7 +406,7 @@ def test_quickstart_custom_loop_snippet_runs_on_cpu(megatron_world1):
     import torch
 
     from megatron_dynbatch.demo import synthetic_rl_batch
-    from megatron_dynbatch.schedule import dynamic_forward_backward, forward_log_probs
+    from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs
     from megatron_dynbatch.testing import megatron_cpu
 
     rc = RunConfig.from_yaml("tiny-cpu-demo").replace(parallel={"world_size": 1}, samples_per_step=8)

@@ -1,5 +1,5 @@
 """Launch scripts (scripts/*.sh, scripts/sbatch/*.sbatch), the Megatron-LM integration
-(megatron_dynbatch/megatron_lm.py) and its entry point (scripts/pretrain_gpt_dynbatch.py): syntax, DRY_RUN
+(megatron_dynbatch/integrations/megatron_lm.py) and its entry point (scripts/pretrain_gpt_dynbatch.py): syntax, DRY_RUN
 output, agreement with the run presets, Slurm rendezvous, the pure-Python parts of the hook, and a real
 2-process torchrun run of the sbatch body on CPU."""
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dynbatch import DynBatchConfigError
-from megatron_dynbatch import megatron_lm as ml
-from megatron_dynbatch.run_config import RunConfig
+from megatron_dynbatch.integrations import megatron_lm as ml
+from megatron_dynbatch.core.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DENSE = ROOT / "scripts" / "run_dense_qwen3_8b.sh"
@@ -200,16 +200,16 @@ def test_entry_point_help_without_megatron_training():
 
 
 def test_entry_point_is_a_thin_script_over_the_package_module():
-    """The script holds no hook code of its own: it imports megatron_dynbatch.megatron_lm."""
+    """The script holds no hook code of its own: it imports megatron_dynbatch.integrations.megatron_lm."""
     text = ENTRY.read_text()
-    assert "from megatron_dynbatch import megatron_lm" in text
+    assert "from megatron_dynbatch.integrations import megatron_lm" in text
     for name in ("class DynamicForwardBackward", "def install", "class JsonlGlobalBatches", "def parse_sample"):
         assert name not in text
     assert len(text.splitlines()) < 120
 
 
 def test_megatron_lm_imports_without_torch_or_megatron():
-    code = ("import sys, megatron_dynbatch.megatron_lm as m; "
+    code = ("import sys, megatron_dynbatch.integrations.megatron_lm as m; "
             "assert not [k for k in sys.modules if k == 'torch' or k.startswith('megatron.')], sorted(sys.modules); "
             "print(m.help_text())")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -390,7 +390,7 @@ def test_wrapper_runs_a_real_megatron_schedule_on_cpu(megatron_world1):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_dynbatch.demo import synthetic_rl_batch
-    from megatron_dynbatch.model_spec import ModelSpec
+    from megatron_dynbatch.core.model_spec import ModelSpec
     from megatron_dynbatch.testing import megatron_cpu
 
     config = megatron_cpu.tiny_gpt_config()
@@ -410,9 +410,9 @@ def test_wrapper_runs_a_real_megatron_schedule_on_cpu(megatron_world1):
 
 
 def _documented_lines(doc: Path) -> str:
-    """The python block of ``doc`` that imports megatron_dynbatch.megatron_lm (the lines a user adds)."""
+    """The python block of ``doc`` that imports megatron_dynbatch.integrations.megatron_lm (the lines a user adds)."""
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.DOTALL)
-    found = [b for b in blocks if "from megatron_dynbatch.megatron_lm import" in b]
+    found = [b for b in blocks if "from megatron_dynbatch.integrations.megatron_lm import" in b]
     assert found, f"{doc.name} shows no megatron_lm lines"
     return found[0]
 

@@ -14,7 +14,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import DynBatchConfigError
+from ..core.errors import DynBatchConfigError
 
 
 def _ranks_to_show(rank_time: np.ndarray, max_ranks: int) -> List[int]:
@@ -30,7 +30,7 @@ def plot_timelines(plans: Mapping[str, Any], path: str, title: Optional[str] = N
                    order: Optional[Sequence[str]] = None) -> str:
     """Write a PNG (or any format matplotlib infers from ``path``) with one panel per plan; returns ``path``.
 
-    ``plans`` maps an algorithm name to a :class:`~megatron_dynbatch.planner.Plan` (or anything with
+    ``plans`` maps an algorithm name to a :class:`~megatron_dynbatch.core.planner.Plan` (or anything with
     ``micro_batches``, ``microbatch_time``, ``rank_time`` and ``parallel``).
     """
     try:

@@ -1,8 +1,8 @@
 """Benchmark runner: every algorithm on every workload, scored with one cost model.
 
 For each workload and seed the global batch is generated once; the planner (``plan_global_batch``, in a few
-variants) and every baseline of :mod:`megatron_dynbatch.baselines` plan it, and each plan is scored by the
-same :class:`~megatron_dynbatch.cost_model.CostModel` (``CostModel.from_model`` of the workload's preset and
+variants) and every baseline of :mod:`megatron_dynbatch.bench.baselines` plan it, and each plan is scored by the
+same :class:`~megatron_dynbatch.core.cost_model.CostModel` (``CostModel.from_model`` of the workload's preset and
 layout). The results are :class:`Row` objects collected in a :class:`BenchResult` (JSON round-trippable).
 
 Also here: the planning-speed micro-benchmark (:func:`run_speed`), which times ``plan_global_batch`` on
@@ -21,10 +21,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..baselines import BASELINES, BaselineContext, run_baseline, structural_problems
-from ..cost_model import CostModel
-from ..errors import DynBatchConfigError
-from ..parallel import ParallelConfig
+from .baselines import BASELINES, BaselineContext, run_baseline, structural_problems
+from ..core.cost_model import CostModel
+from ..core.errors import DynBatchConfigError
+from ..core.parallel import ParallelConfig
 from .workloads import Workload, grpo_lengths
 
 #: Planner variants benchmarked next to the baselines: name -> (plan_global_batch kwargs, needs group ids).
@@ -187,7 +187,7 @@ def _row_from_plan(w: Workload, seed: int, name: str, family: str, plan: Any, pl
 def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]] = None,
                  keep_plans: bool = False) -> Tuple[List[Row], Dict[Tuple[str, int, str], Any]]:
     """Plan and score one workload's batch of ``seed`` with every requested algorithm."""
-    from ..planner import plan_global_batch
+    from ..core.planner import plan_global_batch
 
     algos = list(algorithms) if algorithms else list(ALGORITHMS)
     batch = w.generate(seed)
@@ -254,7 +254,7 @@ def run_speed(cases: Sequence[Tuple[int, int, float]] = SPEED_CASES, repeats: in
               model: str = "qwen3-8b", max_tokens_per_gpu: int = 32768) -> List[SpeedResult]:
     """Median planning time of ``plan_global_batch`` (GRPO-like lengths, groups of 8, 16k max response,
     ``tp=2``) for each ``(samples, dp, target_ms)`` case; one warm-up call first, then ``repeats`` timed."""
-    from ..planner import plan_global_batch
+    from ..core.planner import plan_global_batch
 
     out = []
     for samples, dp, target in cases:

@@ -26,8 +26,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import DynBatchConfigError
-from ..parallel import ParallelConfig
+from ..core.errors import DynBatchConfigError
+from ..core.parallel import ParallelConfig
 
 #: Environment variable pointing at the shared material (a directory holding ``data/`` or the data files).
 SHARED_ENV = "MEGATRON_DYNBATCH_SHARED"

@@ -44,13 +44,13 @@ mis-paired in the shape exchange (megatron-core 0.16.1, NVIDIA/Megatron-LM #5100
 every micro-batch of a rank to one length there; with ``pp>=3`` ``variable_seq_lengths=True`` deadlocked in
 the shape exchange in our runs; ``pp=4, vpp=2`` with one fixed length per step (``variable_seq_lengths=False``)
 runs. The local ``DotProductAttention`` refuses ``packed_seq_params``; pass ``thd=True`` to
-:func:`build_tiny_gpt` to use :class:`megatron_dynbatch.attention.ThdDotProductAttention` instead.
+:func:`build_tiny_gpt` to use :class:`megatron_dynbatch.megatron.attention.ThdDotProductAttention` instead.
 
 Sequence and context parallelism need no shim here (they are real layers, not patches), only ``thd=True``:
 
 * ``sequence_parallel=True`` (TP > 1): megatron-core's torch norm (``WrappedTorchNorm``) refuses it, so
-  :func:`build_tiny_gpt` then builds a whole block spec (:func:`megatron_dynbatch.cpu_layers.get_thd_local_block_spec`)
-  whose layer and final norms are :class:`megatron_dynbatch.cpu_layers.SequenceParallelTorchNorm` (torch
+  :func:`build_tiny_gpt` then builds a whole block spec (:func:`megatron_dynbatch.megatron.specs.get_thd_local_block_spec`)
+  whose layer and final norms are :class:`megatron_dynbatch.megatron.norms.SequenceParallelTorchNorm` (torch
   RMSNorm/LayerNorm with parameters marked ``sequence_parallel`` for ``finalize_model_grads``). The embedding
   scatter, the linear layers' all-gather / reduce-scatter and the output gather run on gloo unchanged (torch
   2.13's gloo backend supports ``all_gather_into_tensor`` and ``reduce_scatter_tensor``).
@@ -310,10 +310,10 @@ def build_tiny_gpt(
     """A real ``megatron.core.models.gpt.GPTModel`` with the local (non-TE) layer spec and RoPE.
 
     ``pre_process``/``post_process`` default to this rank's first/last pipeline stage (virtual stage
-    ``vp_stage`` under VPP). ``thd=True`` swaps in :class:`~megatron_dynbatch.attention.ThdDotProductAttention`
+    ``vp_stage`` under VPP). ``thd=True`` swaps in :class:`~megatron_dynbatch.megatron.attention.ThdDotProductAttention`
     so the model accepts THD ``packed_seq_params`` (and runs context parallelism); with
     ``config.sequence_parallel`` it also uses the sequence-parallel torch norms of
-    :mod:`megatron_dynbatch.cpu_layers` (``thd=True`` is then required).
+    :mod:`megatron_dynbatch.megatron.norms` (``thd=True`` is then required).
     """
     install_cpu_shims()
     from megatron.core import parallel_state
@@ -326,11 +326,11 @@ def build_tiny_gpt(
         raise ValueError("build_tiny_gpt(sequence_parallel config) needs thd=True (the sequence-parallel torch "
                          "norms come with the THD local spec)")
     if thd and sequence_parallel:  # a whole block spec: the final norm must support sequence parallelism too
-        from megatron_dynbatch.cpu_layers import get_thd_local_block_spec
+        from megatron_dynbatch.megatron.specs import get_thd_local_block_spec
 
         spec = get_thd_local_block_spec(config, vp_stage=vp_stage, normalization=normalization)
     elif thd:
-        from megatron_dynbatch.attention import get_thd_local_layer_spec
+        from megatron_dynbatch.megatron.specs import get_thd_local_layer_spec
 
         spec = get_thd_local_layer_spec(normalization=normalization)
     else:

@@ -2,7 +2,7 @@
 
 A thin wrapper. For one optimizer step it
 
-1. builds (or takes) a :class:`~megatron_dynbatch.iterator.DynamicBatchIterator` over the global batch;
+1. builds (or takes) a :class:`~megatron_dynbatch.megatron.iterator.DynamicBatchIterator` over the global batch;
 2. sets ``config.variable_seq_lengths = True`` when ``pp > 1`` (micro-batches differ in length, so the p2p
    layer must send shapes first; Megatron-core 0.16 then ignores ``seq_length`` for the shapes but still needs
    a non-None ``tensor_shape``, so ``seq_length`` is the longest packed micro-batch and ``micro_batch_size=1``);
@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
-from .errors import DynBatchConfigError
+from ..core.errors import DynBatchConfigError
 from .iterator import DynamicBatchIterator, split_per_sample
 from .loss import RESULT_KEY, MicroBatchResult
-from .planner import Plan
+from ..core.planner import Plan
 
 __all__ = [
     "DynamicStepResult",
@@ -195,12 +195,12 @@ def dynamic_forward_backward(
             ``parallel``, ``max_tokens_per_gpu``, ...). For a forward-only log-prob pass give its own budget
             (``max_tokens_per_gpu=log_probs_max_tokens_per_gpu``). Ignored when ``samples`` is an iterator.
         config: the model's ``TransformerConfig`` (default: read from the model).
-        loss_mode, group_reduce: loss normalisation (:mod:`megatron_dynbatch.loss`).
+        loss_mode, group_reduce: loss normalisation (:mod:`megatron_dynbatch.megatron.loss`).
         forward_step_func: a Megatron forward step of your own (``(data_iterator, model) -> (output, loss_fn)``;
-            the iterator yields :class:`~megatron_dynbatch.packing.PackedMicroBatch`; build ``loss_fn`` with
+            the iterator yields :class:`~megatron_dynbatch.megatron.packing.PackedMicroBatch`; build ``loss_fn`` with
             ``result.iterator.loss_func`` -- pass a ready iterator as ``samples`` to have it beforehand).
             Default: :func:`default_forward_step`.
-        per_token_loss, collect: see :func:`megatron_dynbatch.loss.make_loss_func`. ``collect`` defaults to
+        per_token_loss, collect: see :func:`megatron_dynbatch.megatron.loss.make_loss_func`. ``collect`` defaults to
             per-token log-probs when ``forward_only``.
         forward_only: no backward (log-prob / reference passes). Runs every step of the plan in one call.
         step: optimizer step of the plan to run (required when the plan has several; default 0).

@@ -11,7 +11,7 @@ norm does not, hence the refusal).
 ``config.normalization``, same math, same parameter names ``weight`` / ``bias``) whose parameters carry that
 mark when ``config.sequence_parallel`` is on. It plugs into the local spec wherever ``WrappedTorchNorm`` does
 (``input_layernorm``, ``pre_mlp_layernorm``, the block's ``final_layernorm``):
-:func:`get_thd_local_block_spec` builds a whole decoder-block spec with it (the final norm of a block built
+:func:`megatron_dynbatch.megatron.specs.get_thd_local_block_spec` builds a whole decoder-block spec with it (the final norm of a block built
 from a LAYER spec is hard-wired to ``WrappedTorchNorm``, so a block spec is needed).
 
 For tests, the CPU demo and debugging; on GPU use the TE spec (``TENorm``).
@@ -24,9 +24,9 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import DynBatchConfigError
+from ..core.errors import DynBatchConfigError
 
-__all__ = ["SequenceParallelTorchNorm", "QKTorchNorm", "get_thd_local_block_spec", "use_sequence_parallel_norms"]
+__all__ = ["SequenceParallelTorchNorm", "QKTorchNorm", "use_sequence_parallel_norms"]
 
 
 def _check_config(config: Any) -> None:
@@ -96,22 +96,3 @@ def use_sequence_parallel_norms(layer_spec: Any) -> Any:
         if attn_sub is not None and getattr(attn_sub, name, None) is WrappedTorchNorm:
             setattr(attn_sub, name, QKTorchNorm)
     return spec
-
-
-def get_thd_local_block_spec(config: Any, *, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
-                             **layer_kwargs: Any):
-    """A ``TransformerBlockSubmodules`` for ``GPTModel(transformer_layer_spec=...)``: this pipeline stage's
-    layers built from :func:`megatron_dynbatch.attention.get_thd_local_layer_spec` (THD core attention;
-    sequence-parallel torch norms when ``config.sequence_parallel``) and, as the final norm,
-    :class:`SequenceParallelTorchNorm` (a block built from a layer spec would hard-wire ``WrappedTorchNorm``,
-    which refuses sequence parallelism). ``layer_kwargs`` go to ``get_gpt_layer_local_spec`` (``normalization``
-    defaults to ``config.normalization``)."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-    from .attention import get_thd_local_layer_spec
-
-    layer_kwargs.setdefault("normalization", getattr(config, "normalization", None))
-    layer_kwargs.setdefault("sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
-    layer = get_thd_local_layer_spec(**layer_kwargs)
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelTorchNorm)

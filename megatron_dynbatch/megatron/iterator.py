@@ -5,19 +5,19 @@ Every rank builds the iterator from the SAME global batch (list of sample dicts)
 :class:`~megatron_dynbatch.Plan` is given, validates the plan, and then
 
 * yields this DP rank's micro-batches in the plan's execution order, packed by
-  :func:`megatron_dynbatch.packing.pack_microbatch` with the plan's alignment and, with context parallelism,
-  sliced to this CP rank's zig-zag share (:func:`megatron_dynbatch.context_parallel.slice_packed_for_cp`);
+  :func:`megatron_dynbatch.megatron.packing.pack_microbatch` with the plan's alignment and, with context parallelism,
+  sliced to this CP rank's zig-zag share (:func:`megatron_dynbatch.megatron.context_parallel.slice_packed_for_cp`);
 * exposes one optimizer step at a time when the plan splits the batch into several (``samples_per_step``):
   ``microbatches(step)``, ``data_iterator(step, num_model_chunks)`` (a list of independent iterators over the
   same micro-batches for VPP, one per model chunk, as Megatron's interleaved schedule expects);
-* builds the loss function of each micro-batch with the step's global normalisation (:mod:`megatron_dynbatch.loss`),
+* builds the loss function of each micro-batch with the step's global normalisation (:mod:`megatron_dynbatch.megatron.loss`),
   so the gradient does not depend on the packing;
 * maps per-micro-batch results back to the ORIGINAL sample order (``restore_order``) and gathers them across DP
   ranks (``gather_across_dp``, one ``all_gather_object``).
 
 :meth:`DynamicBatchIterator.from_shard` builds the same iterator from only this DP rank's samples plus the global
 batch's per-sample metadata (lengths, loss-mask statistics, group ids), for drivers that plan centrally and ship
-each rank only its share (:mod:`megatron_dynbatch.ray`).
+each rank only its share (:mod:`megatron_dynbatch.integrations.ray`).
 
 Sample dicts: ``tokens`` (1-D), optional ``labels`` and ``loss_mask`` (label positions, Megatron's convention),
 per-token extras (advantages, old_log_probs, ref_log_probs, ...: length-``L`` tensors), per-sample scalars
@@ -31,11 +31,11 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optio
 
 import numpy as np
 
-from .alignment import Alignment
-from .errors import DynBatchConfigError
+from ..core.alignment import Alignment
+from ..core.errors import DynBatchConfigError
 from .loss import LOSS_MODES, LossNormalizer, loss_mask_stats, make_loss_func
-from .parallel import ParallelConfig
-from .planner import Plan, plan_global_batch
+from ..core.parallel import ParallelConfig
+from ..core.planner import Plan, plan_global_batch
 
 __all__ = ["DynamicBatchIterator", "PLAN_KWARGS"]
 
@@ -63,7 +63,7 @@ class DynamicBatchIterator:
             ``dp`` must equal Megatron's data-parallel size -- else 0).
         cp_rank, cp_size: context-parallel slice to produce (default: ``parallel_state``; ``cp_size`` must equal
             the plan's ``cp``).
-        loss_mode, group_reduce: loss normalisation (:mod:`megatron_dynbatch.loss`).
+        loss_mode, group_reduce: loss normalisation (:mod:`megatron_dynbatch.megatron.loss`).
         group_ids: one id per sample (default: each sample's ``group_key`` entry when every sample has one).
         pad_token_id: token id used on padding positions.
         device: where packed tensors go (default: where the sample tokens are).
@@ -144,7 +144,7 @@ class DynamicBatchIterator:
         per-sample metadata, with exactly the behaviour of one built from the whole batch.
 
         Used when a driver plans centrally and ships each DP rank only its own samples (see
-        :mod:`megatron_dynbatch.ray`). The loss stays exact because the normaliser only needs per-sample numbers of
+        :mod:`megatron_dynbatch.integrations.ray`). The loss stays exact because the normaliser only needs per-sample numbers of
         the whole batch, not its tokens.
 
         Args:
@@ -154,7 +154,7 @@ class DynamicBatchIterator:
             sample_indices: global index of each entry of ``samples`` (distinct).
             lengths: token count of every sample of the global batch (what the plan was made from).
             loss_mask_sums: ``T_i`` of every sample of the global batch
-                (:func:`megatron_dynbatch.loss.loss_mask_stats`, first array).
+                (:func:`megatron_dynbatch.megatron.loss.loss_mask_stats`, first array).
             loss_token_counts: non-zero loss-mask positions of every sample (second array; default: the sums, for
                 0/1 masks).
             group_ids: one id per sample of the global batch (``group_mean``; optional otherwise).
@@ -204,7 +204,7 @@ class DynamicBatchIterator:
                     raise DynBatchConfigError(
                         f"loss_mask_sums[{i}]", float(sums[i]),
                         f"global sample {i}'s loss mask sums to {got_sums[k]} ({int(got_counts[k])} non-zero "
-                        f"positions) here", "compute the statistics with megatron_dynbatch.loss.loss_mask_stats on the "
+                        f"positions) here", "compute the statistics with megatron_dynbatch.megatron.loss.loss_mask_stats on the "
                         "samples that are shipped")
         gids = list(group_ids) if group_ids is not None else None
         if gids is not None and len(gids) != n:
@@ -383,7 +383,7 @@ class DynamicBatchIterator:
         num_microbatches: Optional[int] = None,
         keep_packed: bool = False,
     ) -> Callable[[Any], tuple]:
-        """Megatron loss function for one of this iterator's micro-batches (:func:`megatron_dynbatch.loss.
+        """Megatron loss function for one of this iterator's micro-batches (:func:`megatron_dynbatch.megatron.loss.
         make_loss_func` with the step's normaliser and ``num_microbatches``). ``forward_only=True`` gives a
         zero loss that only collects outputs. ``num_microbatches`` defaults to the micro-batch's step size."""
         j = self._index_of.get(tuple(getattr(packed, "sample_indices", ())))

@@ -67,7 +67,7 @@ from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from .errors import DynBatchConfigError
+from ..core.errors import DynBatchConfigError
 
 LOSS_MODES = ("token_mean", "sample_mean", "group_mean", "token_sum")
 GROUP_REDUCE = ("token", "sample")
@@ -103,7 +103,7 @@ def _to_numpy_1d(value: Any) -> np.ndarray:
 
 
 def sample_loss_mask(sample: Mapping[str, Any]) -> np.ndarray:
-    """The loss mask (float64, one entry per token) that :func:`megatron_dynbatch.packing.pack_microbatch`
+    """The loss mask (float64, one entry per token) that :func:`megatron_dynbatch.megatron.packing.pack_microbatch`
     gives this sample: its ``loss_mask`` (default all ones) and, when the sample has no ``labels``, 0 on the
     last position (there is no next token to predict inside the sample)."""
     if not isinstance(sample, Mapping) or "tokens" not in sample:
@@ -352,7 +352,7 @@ def make_loss_func(
     Args:
         normalizer: the step's :class:`LossNormalizer` (its ``mode`` is the loss mode). ``None`` for a
             forward-only pass: the loss is 0 and only ``collect`` matters.
-        packed: the micro-batch (:class:`~megatron_dynbatch.packing.PackedMicroBatch`, possibly CP-sliced).
+        packed: the micro-batch (:class:`~megatron_dynbatch.megatron.packing.PackedMicroBatch`, possibly CP-sliced).
         num_microbatches: ``M`` passed to ``forward_backward_func`` for this step.
         calculate_per_token_loss: ``config.calculate_per_token_loss`` (must match, it changes the factor).
         dp_size, cp_size: data- and context-parallel sizes (default: from ``parallel_state``).

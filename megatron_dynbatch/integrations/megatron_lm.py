@@ -2,7 +2,7 @@
 
 The lines to add to an existing Megatron-LM launch script (for example a copy of ``pretrain_gpt.py``)::
 
-    from megatron_dynbatch.megatron_lm import add_dynamic_batch_args, global_batch_datasets_provider, install
+    from megatron_dynbatch.integrations.megatron_lm import add_dynamic_batch_args, global_batch_datasets_provider, install
 
     install()                                         # patches megatron.training.training.get_forward_backward_func
     pretrain(global_batch_datasets_provider,          # instead of train_valid_test_datasets_provider
@@ -25,12 +25,12 @@ to every ``train_step``; ``train_step`` calls it with ``num_microbatches=get_num
 ``global_batch_size / (micro_batch_size * dp)``). :func:`install` replaces that ONE module attribute,
 ``megatron.training.training.get_forward_backward_func``, by a function that validates the flags and returns
 Megatron's real schedule wrapped in :class:`DynamicForwardBackward`. The wrapper ignores the fixed count: it
-takes one global batch from the data iterator, plans it (:func:`megatron_dynbatch.args.plan_kwargs_from_args`:
+takes one global batch from the data iterator, plans it (:func:`megatron_dynbatch.megatron.args.plan_kwargs_from_args`:
 identical plan on every rank, no communication) and runs it through
-:func:`megatron_dynbatch.schedule.dynamic_forward_backward` with the plan's micro-batch count, THD packing and
+:func:`megatron_dynbatch.megatron.schedule.dynamic_forward_backward` with the plan's micro-batch count, THD packing and
 exact loss normalisation. Nothing else in Megatron is patched, so the optimizer step, gradient finalisation,
 checkpointing and logging are Megatron's own. The ``forward_step`` given to ``pretrain()`` is not called (the
-packed-THD forward step of :mod:`megatron_dynbatch.schedule` is).
+packed-THD forward step of :mod:`megatron_dynbatch.megatron.schedule` is).
 
 Data contract: with ``--dataloader-type external`` the datasets provider's train object IS the iterator; it must
 yield the WHOLE global batch (``--global-batch-size`` sample dicts, the same on every rank: ``tokens``, optional
@@ -84,7 +84,7 @@ __all__ = [
 ]
 
 MISSING_MEGATRON_LM = (
-    "the Megatron-LM integration (megatron_dynbatch.megatron_lm, scripts/pretrain_gpt_dynbatch.py) needs "
+    "the Megatron-LM integration (megatron_dynbatch.integrations.megatron_lm, scripts/pretrain_gpt_dynbatch.py) needs "
     "Megatron-LM's training package (megatron.training), which the megatron-core wheel does not contain. Clone "
     "Megatron-LM at the tag matching your megatron-core (e.g. core_v0.16.1) and put it on PYTHONPATH, or set "
     "MEGATRON_LM_DIR=/path/to/Megatron-LM. The planner, the CLI and the CPU demo (`megatron-dynbatch demo`) work "
@@ -118,7 +118,7 @@ def _megatron_get_args() -> Any:
 def add_data_source_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The data-source flags of :func:`global_batch_datasets_provider`."""
     g = parser.add_argument_group(title="dynbatch data source",
-                                  description="global batches for megatron_dynbatch.megatron_lm."
+                                  description="global batches for megatron_dynbatch.integrations.megatron_lm."
                                               "global_batch_datasets_provider")
     g.add_argument("--dynbatch-train-data", type=str, default=None, metavar="JSONL",
                    help="JSON-lines file, one sample per line: {\"tokens\": [...], \"loss_mask\": [...] (optional), "
@@ -133,17 +133,17 @@ def add_data_source_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider`` for Megatron-LM: the dynamic-batching flags of
-    :func:`megatron_dynbatch.args.add_dynamic_batch_args` plus the data-source flags. To keep another provider
+    :func:`megatron_dynbatch.megatron.args.add_dynamic_batch_args` plus the data-source flags. To keep another provider
     (e.g. ModelOpt's), chain them: ``extra_args_provider=lambda p: add_dynamic_batch_args(add_modelopt_args(p))``."""
-    from .args import add_dynamic_batch_args as add_core_args
+    from ..megatron.args import add_dynamic_batch_args as add_core_args
 
     return add_data_source_args(add_core_args(parser))
 
 
 def check_megatron_lm_args(args: Any) -> None:
     """Checks specific to running inside Megatron-LM's ``pretrain()`` (after
-    :func:`~megatron_dynbatch.args.validate_dynamic_batch_args`)."""
-    from .errors import DynBatchConfigError
+    :func:`~megatron_dynbatch.megatron.args.validate_dynamic_batch_args`)."""
+    from ..core.errors import DynBatchConfigError
 
     if not getattr(args, "use_dynamic_batch_size", False):
         raise DynBatchConfigError("--use-dynamic-batch-size", False,
@@ -164,7 +164,7 @@ def check_megatron_lm_args(args: Any) -> None:
 
 def check_data_source_args(args: Any) -> None:
     """Exactly one of ``--dynbatch-train-data`` / ``--dynbatch-mock-data`` (for :func:`global_batch_datasets_provider`)."""
-    from .errors import DynBatchConfigError
+    from ..core.errors import DynBatchConfigError
 
     if bool(getattr(args, "dynbatch_train_data", None)) == bool(getattr(args, "dynbatch_mock_data", False)):
         raise DynBatchConfigError("--dynbatch-train-data", getattr(args, "dynbatch_train_data", None),
@@ -172,9 +172,9 @@ def check_data_source_args(args: Any) -> None:
 
 
 def validate_megatron_lm_args(args: Any) -> Any:
-    """:func:`~megatron_dynbatch.args.validate_dynamic_batch_args` + :func:`check_megatron_lm_args`. Cheap and
+    """:func:`~megatron_dynbatch.megatron.args.validate_dynamic_batch_args` + :func:`check_megatron_lm_args`. Cheap and
     idempotent (it runs at each of the points listed in the module docstring). Returns ``args``."""
-    from .args import validate_dynamic_batch_args
+    from ..megatron.args import validate_dynamic_batch_args
 
     validate_dynamic_batch_args(args)
     check_megatron_lm_args(args)
@@ -198,7 +198,7 @@ def checked_model_provider(model_provider: Callable[..., Any]) -> Callable[..., 
 # ================================================================================== global-batch sources
 def parse_sample(obj: Any, where: str) -> Dict[str, Any]:
     """One JSONL record -> a sample dict of Python lists (validated; ``where`` names the line in errors)."""
-    from .errors import DynBatchConfigError
+    from ..core.errors import DynBatchConfigError
 
     if not isinstance(obj, Mapping) or "tokens" not in obj:
         raise DynBatchConfigError(where, type(obj).__name__, "each line must be a JSON object with 'tokens'",
@@ -222,7 +222,7 @@ def parse_sample(obj: Any, where: str) -> Dict[str, Any]:
 
 
 def to_torch_sample(sample: Mapping[str, Any]) -> Dict[str, Any]:
-    """Lists -> tensors in the layout :class:`~megatron_dynbatch.iterator.DynamicBatchIterator` takes."""
+    """Lists -> tensors in the layout :class:`~megatron_dynbatch.megatron.iterator.DynamicBatchIterator` takes."""
     import torch
 
     out: Dict[str, Any] = {"tokens": torch.as_tensor(sample["tokens"], dtype=torch.long)}
@@ -240,7 +240,7 @@ class JsonlGlobalBatches(Iterator[List[Dict[str, Any]]]):
     (Megatron's ``consumed_train_samples`` when resuming) and wrapping around at the end of the file."""
 
     def __init__(self, path: str, batch_size: int, *, start_sample: int = 0, as_torch: bool = True) -> None:
-        from .errors import DynBatchConfigError
+        from ..core.errors import DynBatchConfigError
 
         if not os.path.isfile(path):
             raise DynBatchConfigError("--dynbatch-train-data", path, "file not found", "pass a JSON-lines file")
@@ -347,7 +347,7 @@ class DynamicForwardBackward:
         self.last_result: Any = None
 
     def __call__(self, *, data_iterator: Any, model: Any, forward_only: bool = False, **kwargs: Any) -> List[Dict[str, Any]]:
-        from .errors import DynBatchConfigError
+        from ..core.errors import DynBatchConfigError
 
         if forward_only:
             raise DynBatchConfigError("--eval-iters", getattr(self.args, "eval_iters", None),
@@ -376,13 +376,13 @@ class DynamicForwardBackward:
 
 
 def _default_plan_kwargs(args: Any) -> Dict[str, Any]:
-    from .args import plan_kwargs_from_args
+    from ..megatron.args import plan_kwargs_from_args
 
     return plan_kwargs_from_args(args)
 
 
 def _default_run_step(*a: Any, **k: Any) -> Any:
-    from .schedule import dynamic_forward_backward
+    from ..megatron.schedule import dynamic_forward_backward
 
     return dynamic_forward_backward(*a, **k)
 
@@ -400,7 +400,7 @@ def install(training_module: Any = None, *, get_args: Optional[Callable[[], Any]
     if original is None:
         raise RuntimeError("megatron.training.training has no get_forward_backward_func: this Megatron-LM "
                            "version obtains its schedule differently; wrap the call site by hand "
-                           "(see the docstring of megatron_dynbatch/megatron_lm.py)")
+                           "(see the docstring of megatron_dynbatch/integrations/megatron_lm.py)")
     if getattr(original, "_dynbatch_original", None) is not None:
         original = original._dynbatch_original  # already installed: wrap the real one again
     read_args = get_args or _megatron_get_args

@@ -3,7 +3,7 @@
 :class:`ModelSpec` is a frozen, validated dataclass whose field names are Megatron's (``--num-layers`` is
 ``num_layers``, ``--num-query-groups`` is ``num_query_groups``, ...), so a Megatron command line, a
 ``TransformerConfig`` and a YAML preset all describe a model with the same words. It carries only what the
-FLOPs model (:mod:`megatron_dynbatch.flops`) needs: layer count and widths, attention layout (MHA / GQA /
+FLOPs model (:mod:`megatron_dynbatch.core.flops`) needs: layer count and widths, attention layout (MHA / GQA /
 MLA), MLP layout (dense, gated or not, MoE with a per-layer pattern and shared experts), vocabulary and
 multi-token-prediction depth.
 
@@ -31,21 +31,17 @@ import argparse
 import ast
 import dataclasses
 import difflib
-import functools
 import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from . import presets
 from .errors import DynBatchConfigError
+from .presets import CONFIGS_ENV, available_presets, load_model_mapping, preset_dirs, resolve_model_preset
+from .model_sources import MLA_FIELDS, fields_from_hf_config, fields_from_megatron
 
-__all__ = ["ModelSpec", "available_presets", "preset_dirs", "ModelLike"]
-
-#: Environment variable with extra preset directories (``os.pathsep``-separated). Each directory may hold the
-#: ``<name>.yaml`` files itself or a ``models/`` sub-directory with them.
-CONFIGS_ENV = "MEGATRON_DYNBATCH_CONFIGS"
+__all__ = ["ModelSpec", "available_presets", "preset_dirs", "ModelLike", "CONFIGS_ENV"]
 
 # Other names for our fields that users will plausibly type: TransformerConfig's spellings and a few
 # Hugging Face ones whose meaning is identical.
@@ -63,7 +59,7 @@ _HF_KEYS = frozenset(
     }
 )
 
-_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+_MLA_FIELDS = MLA_FIELDS
 _MLA_REQUIRED = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 _MOE_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size")
 
@@ -133,7 +129,7 @@ def _eval_list_expr(node: ast.AST) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Shape of a decoder-only transformer with Megatron's field names. See the module docstring for the
-    defaults; every problem found at construction raises :class:`~megatron_dynbatch.errors.DynBatchConfigError`
+    defaults; every problem found at construction raises :class:`~megatron_dynbatch.core.errors.DynBatchConfigError`
     naming the field, its value and the fix.
 
     Build one with :meth:`from_dict`, :meth:`from_yaml` (a file or a preset name such as ``"qwen3-8b"``),
@@ -402,8 +398,8 @@ class ModelSpec:
         ``configs/models/qwen3-8b.yaml``; see :func:`preset_dirs` for where presets are looked up).
         A YAML file whose only top-level key is ``model`` is read from that key. JSON files work too (JSON is
         YAML). Parsed files are cached by path and modification time."""
-        path = _resolve_config_path(path_or_preset).resolve()
-        data = dict(_load_mapping(path, path.stat().st_mtime_ns))
+        path = resolve_model_preset(path_or_preset).resolve()
+        data = dict(load_model_mapping(path, path.stat().st_mtime_ns))
         if set(data) == {"model"} and isinstance(data["model"], Mapping):
             data = dict(data["model"])
         if "name" not in data:
@@ -430,69 +426,8 @@ class ModelSpec:
         Megatron's tokenizer builder) is preferred; otherwise the vocabulary is padded like Megatron does, to a
         multiple of ``make_vocab_size_divisible_by * tensor_model_parallel_size``.
         """
-        model_vocab = None
-        if getattr(obj, "num_layers", None) is None and getattr(obj, "config", None) is not None:
-            model_vocab = getattr(obj, "vocab_size", None)
-            obj = obj.config
-
-        def get(attr: str, default: Any = None) -> Any:
-            value = getattr(obj, attr, default)
-            return default if value is None else value
-
-        d: Dict[str, Any] = {}
-        for attr in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels"):
-            d[attr] = get(attr)
-        if d["num_layers"] is None or d["hidden_size"] is None or d["num_attention_heads"] is None:
-            raise DynBatchConfigError(
-                "model", type(obj).__name__,
-                "has no num_layers / hidden_size / num_attention_heads attributes",
-                "pass Megatron's parsed args, a TransformerConfig or a GPTModel",
-            )
-        if d["ffn_hidden_size"] is None:  # same default as TransformerConfig.__post_init__
-            d["ffn_hidden_size"] = 4 * d["hidden_size"]
-        if getattr(obj, "group_query_attention", True) is False:
-            d["num_query_groups"] = None  # args carry num_query_groups=1 even without GQA
-        else:
-            d["num_query_groups"] = get("num_query_groups")
-        swiglu = getattr(obj, "swiglu", None)
-        d["swiglu"] = bool(swiglu if swiglu is not None else get("gated_linear_unit", False))
-
-        num_experts = get("num_experts", get("num_moe_experts"))
-        if num_experts:
-            d["num_experts"] = num_experts
-            d["moe_ffn_hidden_size"] = get("moe_ffn_hidden_size", d["ffn_hidden_size"])
-            d["moe_router_topk"] = get("moe_router_topk", 2)  # Megatron's default
-            d["moe_shared_expert_intermediate_size"] = get("moe_shared_expert_intermediate_size") or None
-            d["moe_layer_freq"] = get("moe_layer_freq", 1)
-        if getattr(obj, "multi_latent_attention", False):
-            d["multi_latent_attention"] = True
-            d["num_query_groups"] = None
-            for attr in _MLA_FIELDS:
-                d[attr] = get(attr)
-        mtp = get("mtp_num_layers")
-        if mtp:
-            d["mtp_num_layers"] = mtp
-
-        divisible = get("make_vocab_size_divisible_by", 128)
-        vocab = vocab_size if vocab_size is not None else get("vocab_size", model_vocab)
-        padded = padded_vocab_size if padded_vocab_size is not None else get("padded_vocab_size")
-        if padded is None and vocab_size is None and model_vocab is not None and vocab == model_vocab:
-            padded = model_vocab  # a GPTModel's vocab_size is the width its output layer really has
-        if vocab is None:
-            vocab = padded
-        if vocab is None:
-            raise DynBatchConfigError(
-                "vocab_size", None, f"{type(obj).__name__} carries no vocabulary size",
-                "pass ModelSpec.from_megatron(config, vocab_size=...) (TransformerConfig has no vocab)",
-            )
-        if padded is None:  # Megatron's _vocab_size_with_padding
-            multiple = int(divisible) * int(get("tensor_model_parallel_size", 1))
-            padded = -(-int(vocab) // multiple) * multiple
-        d["vocab_size"] = vocab
-        d["padded_vocab_size"] = padded
-        d["make_vocab_size_divisible_by"] = divisible
-        d["name"] = name
-        return cls.from_dict(d)
+        return cls.from_dict(fields_from_megatron(obj, vocab_size=vocab_size, padded_vocab_size=padded_vocab_size,
+                                                  name=name))
 
     @classmethod
     def from_hf_config(cls, path_or_dict: Union[str, os.PathLike, Mapping[str, Any]],
@@ -508,90 +443,7 @@ class ModelSpec:
         top level has no layer count. DeepSeek's MTP module (``num_nextn_predict_layers``) is not counted:
         whether MTP is trained is a Megatron flag (``--mtp-num-layers``), so set ``mtp_num_layers`` yourself.
         """
-        if isinstance(path_or_dict, Mapping):
-            cfg = dict(path_or_dict)
-            src = "config"
-        else:
-            p = Path(path_or_dict)
-            if p.is_dir():
-                p = p / "config.json"
-            if not p.is_file():
-                raise DynBatchConfigError(
-                    "path", str(path_or_dict), "no Hugging Face config.json there",
-                    "pass the path of a local config.json or of the model directory holding it (nothing is "
-                    "downloaded)",
-                )
-            with open(p, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-            src = str(p)
-            if name is None:
-                name = p.parent.name.lower() or None
-        if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
-            cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
-        model_type = cfg.get("model_type")
-        if model_type not in _HF_MODEL_TYPES:
-            raise DynBatchConfigError(
-                "model_type", model_type, f"unsupported Hugging Face model type in {src}",
-                f"supported: {', '.join(sorted(_HF_MODEL_TYPES))}; for another family write a YAML file with "
-                "Megatron field names (see configs/models/)",
-            )
-
-        def req(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise DynBatchConfigError(
-                    key, None, f"missing from the {model_type} config {src}",
-                    "use the model's original config.json",
-                )
-            return cfg[key]
-
-        num_layers = int(req("num_hidden_layers"))
-        hidden = int(req("hidden_size"))
-        heads = int(req("num_attention_heads"))
-        d: Dict[str, Any] = {
-            "name": name,
-            "num_layers": num_layers,
-            "hidden_size": hidden,
-            "num_attention_heads": heads,
-            "ffn_hidden_size": int(req("intermediate_size")),
-            "vocab_size": int(req("vocab_size")),
-            "swiglu": True,  # every supported family uses a gated (SiLU) MLP: gate_proj, up_proj, down_proj
-        }
-        family = _HF_MODEL_TYPES[model_type]
-        if family == "mla":
-            d["multi_latent_attention"] = True
-            d["q_lora_rank"] = cfg.get("q_lora_rank")
-            d["kv_lora_rank"] = int(req("kv_lora_rank"))
-            d["qk_head_dim"] = int(req("qk_nope_head_dim"))
-            d["qk_pos_emb_head_dim"] = int(req("qk_rope_head_dim"))
-            d["v_head_dim"] = int(req("v_head_dim"))
-            d["kv_channels"] = int(req("v_head_dim"))
-        else:
-            kv_heads = cfg.get("num_key_value_heads")
-            d["num_query_groups"] = int(kv_heads) if kv_heads is not None else None
-            head_dim = cfg.get("head_dim")
-            if head_dim is not None:
-                d["kv_channels"] = int(head_dim)
-
-        if family == "qwen_moe" and cfg.get("num_experts"):
-            step = int(cfg.get("decoder_sparse_step") or 1)
-            dense_only = set(cfg.get("mlp_only_layers") or [])
-            pattern = [0 if (i in dense_only or (i + 1) % step != 0) else 1 for i in range(num_layers)]
-            d.update(num_experts=int(cfg["num_experts"]), moe_router_topk=int(req("num_experts_per_tok")),
-                     moe_ffn_hidden_size=int(req("moe_intermediate_size")), moe_layer_freq=_compact(pattern))
-            shared = cfg.get("shared_expert_intermediate_size")
-            if shared:
-                d["moe_shared_expert_intermediate_size"] = int(shared)
-        elif family == "mla" and cfg.get("n_routed_experts"):
-            first_dense = int(cfg.get("first_k_dense_replace") or 0)
-            freq = int(cfg.get("moe_layer_freq") or 1)
-            pattern = [1 if (i >= first_dense and i % freq == 0) else 0 for i in range(num_layers)]
-            moe_ffn = int(req("moe_intermediate_size"))
-            d.update(num_experts=int(cfg["n_routed_experts"]), moe_router_topk=int(req("num_experts_per_tok")),
-                     moe_ffn_hidden_size=moe_ffn, moe_layer_freq=_compact(pattern))
-            n_shared = cfg.get("n_shared_experts")
-            if n_shared:
-                d["moe_shared_expert_intermediate_size"] = int(n_shared) * moe_ffn
-        return cls.from_dict(d)
+        return cls.from_dict(fields_from_hf_config(path_or_dict, name=name))
 
     @classmethod
     def from_any(cls, model: "ModelLike") -> "ModelSpec":
@@ -626,50 +478,6 @@ class ModelSpec:
 
 ModelLike = Union[ModelSpec, Mapping[str, Any], str, os.PathLike, argparse.Namespace, Any]
 
-_HF_MODEL_TYPES = {
-    "llama": "dense", "mistral": "dense", "qwen2": "dense", "qwen3": "dense",
-    "qwen2_moe": "qwen_moe", "qwen3_moe": "qwen_moe",
-    "deepseek_v2": "mla", "deepseek_v3": "mla",
-}
-
-
-def _compact(pattern: Sequence[int]) -> Union[int, List[int]]:
-    """All-MoE patterns are written as ``1`` (Megatron's default); anything else stays a list."""
-    return 1 if all(pattern) else list(pattern)
-
-
 def _divisors_hint(n: int) -> str:
     divs = [d for d in range(1, n + 1) if n % d == 0]
     return ", ".join(str(d) for d in divs[:8]) + (", ..." if len(divs) > 8 else "")
-
-
-# ------------------------------------------------------------------------------------------------- presets
-def preset_dirs() -> List[Path]:
-    """Where preset names are looked up, in order: each directory in ``$MEGATRON_DYNBATCH_CONFIGS``
-    (``os.pathsep``-separated; the directory itself and its ``models/`` sub-directory), then the repository's
-    ``configs/models`` next to this package (present in a source checkout and an editable install)."""
-    dirs: List[Path] = []
-    for entry in os.environ.get(CONFIGS_ENV, "").split(os.pathsep):
-        if entry.strip():
-            base = Path(entry.strip()).expanduser()
-            dirs += [base / "models", base]
-    dirs.append(Path(__file__).resolve().parents[1] / "configs" / "models")
-    return dirs
-
-
-def available_presets() -> List[str]:
-    """Names of every preset found in :func:`preset_dirs` (sorted)."""
-    return presets.available(preset_dirs())
-
-
-def _resolve_config_path(path_or_preset: Union[str, os.PathLike]) -> Path:
-    return presets.resolve(path_or_preset, preset_dirs(), field="model", kind="model preset",
-                           suffixes=(".yaml", ".yml", ".json"),
-                           extra_fix=f"; or add {str(path_or_preset).lower()}.yaml to a directory in ${CONFIGS_ENV}")
-
-
-@functools.lru_cache(maxsize=64)
-def _load_mapping(path: Path, mtime_ns: int) -> Dict[str, Any]:
-    """Parse a YAML/JSON mapping (``mtime_ns`` is only a cache key). Callers copy the result."""
-    return presets.load_mapping(path, field="model", what="ModelSpec fields",
-                                example="'num_layers: ...', 'hidden_size: ...' lines")

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .errors import DynBatchConfigError
+from ..core.errors import DynBatchConfigError
 from .packing import PackedMicroBatch
 
 

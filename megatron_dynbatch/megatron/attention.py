@@ -17,7 +17,7 @@ module is Megatron's own ``DotProductAttention`` (sbhd), so one spec serves pack
 
 Context parallelism (``config.context_parallel_size > 1``; the CP group is ``pg_collection.cp`` as Megatron's
 ``Attention`` passes it, else ``parallel_state.get_context_parallel_group()``): every CP rank holds the zig-zag
-chunks ``r`` and ``2cp-1-r`` of every sequence (:mod:`megatron_dynbatch.context_parallel`), ``t = T/cp``, while
+chunks ``r`` and ``2cp-1-r`` of every sequence (:mod:`megatron_dynbatch.megatron.context_parallel`), ``t = T/cp``, while
 ``packed_seq_params`` keeps the FULL ``cu_seqlens``. Key and value are all-gathered over the CP group in one
 collective (:class:`_AllGatherCP`: forward ``all_gather``, backward ``reduce_scatter`` of the gradient, so
 every rank gets the sum of all ranks' gradients for its own K/V rows), put back in full packed order, and each
@@ -39,7 +39,7 @@ from torch import Tensor
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from .errors import DynBatchConfigError
+from ..core.errors import DynBatchConfigError
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _FULL = (AttnMaskType.no_mask, AttnMaskType.padding)
@@ -265,31 +265,6 @@ class _AllGatherCP(torch.autograd.Function):
         out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))
         _dist_fn("reduce_scatter_single", "reduce_scatter_tensor")(out, grad, group=ctx.group)
         return out, None
-
-
-def get_thd_local_layer_spec(sequence_parallel: bool = False, **kwargs: Any):
-    """``get_gpt_layer_local_spec(**kwargs)`` with :class:`ThdDotProductAttention` as core attention.
-
-    ``sequence_parallel=True`` also swaps megatron-core's torch norms (which refuse sequence parallelism) for
-    :class:`megatron_dynbatch.cpu_layers.SequenceParallelTorchNorm` (same math, parameters marked
-    ``sequence_parallel``). The final norm of the decoder block is not part of a layer spec: use
-    :func:`megatron_dynbatch.cpu_layers.get_thd_local_block_spec` for a whole block under sequence parallelism.
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = copy.deepcopy(get_gpt_layer_local_spec(**kwargs))
-    try:
-        attn = spec.submodules.self_attention.submodules
-        attn.core_attention  # noqa: B018 - existence check
-    except AttributeError as exc:
-        raise DynBatchConfigError("layer_spec", type(spec).__name__, "has no self_attention.core_attention",
-                                  "use a dense or MoE GPT local spec") from exc
-    attn.core_attention = ThdDotProductAttention
-    if sequence_parallel:
-        from .cpu_layers import use_sequence_parallel_norms
-
-        spec = use_sequence_parallel_norms(spec)
-    return spec
 
 
 def _thd_offsets(params: Any) -> Tuple[List[int], List[int], List[int], List[int], Tensor]:

@@ -2,7 +2,7 @@
 
 ``add_dynamic_batch_args(parser)`` is a Megatron ``extra_args_provider``: it adds one argument group and returns
 the parser. ``validate_dynamic_batch_args(args)`` checks the combination against the parallel layout Megatron
-parsed (raising :class:`~megatron_dynbatch.errors.DynBatchConfigError` with the flag, its value and the fix)
+parsed (raising :class:`~megatron_dynbatch.core.errors.DynBatchConfigError` with the flag, its value and the fix)
 and fills in derived defaults. ``model_spec_from_args`` / ``parallel_from_args`` / ``plan_kwargs_from_args``
 turn Megatron's ``args`` into the planner's inputs.
 
@@ -30,10 +30,10 @@ import argparse
 import os
 from typing import Any, Dict, Optional, Union
 
-from .alignment import Alignment, fp8_multiple
-from .errors import DynBatchConfigError
+from ..core.alignment import Alignment, fp8_multiple
+from ..core.errors import DynBatchConfigError
 from .loss import GROUP_REDUCE, LOSS_MODES
-from .parallel import ParallelConfig
+from ..core.parallel import ParallelConfig
 
 __all__ = [
     "add_dynamic_batch_args",
@@ -133,7 +133,7 @@ def parallel_from_args(args: Any, world_size: Optional[int] = None) -> ParallelC
 
 def model_spec_from_args(args: Any):
     """:class:`~megatron_dynbatch.ModelSpec` from Megatron's parsed args (``ModelSpec.from_megatron``)."""
-    from .model_spec import ModelSpec
+    from ..core.model_spec import ModelSpec
 
     return ModelSpec.from_megatron(args)
 
@@ -236,7 +236,7 @@ def plan_kwargs_from_args(args: Any, *, forward_only: bool = False, world_size: 
     if not forward_only and getattr(args, "dynbatch_samples_per_step", None):
         kwargs["samples_per_step"] = int(args.dynbatch_samples_per_step)
     if getattr(args, "dynbatch_cost_model", None):
-        from .cost_model import load_cost_model
+        from ..core.cost_model import load_cost_model
 
         # With a calibrated model, --balance-by-flops balances its measured seconds (the planner's default
         # "time" mode when a model is given).

@@ -1,7 +1,7 @@
 """Run presets: one typed, validated object for everything a dynamic-batching training run decides.
 
 A :class:`RunConfig` names the model (a preset such as ``"qwen3-8b"`` or an inline mapping of
-:class:`~megatron_dynbatch.model_spec.ModelSpec` fields), the parallel layout, the token budgets, the
+:class:`~megatron_dynbatch.core.model_spec.ModelSpec` fields), the parallel layout, the token budgets, the
 balancing mode, the oversize policy, FP8 alignment, the loss normalisation and the optimizer-step size. It is
 the single source for three consumers that must agree with each other:
 
@@ -11,7 +11,7 @@ the single source for three consumers that must agree with each other:
   dispatcher, batching flags); model-shape flags stay in the launch script;
 * people -- ``configs/runs/<name>.yaml`` is readable and is checked at load time.
 
-Every problem raises :class:`~megatron_dynbatch.errors.DynBatchConfigError` at construction, naming the field,
+Every problem raises :class:`~megatron_dynbatch.core.errors.DynBatchConfigError` at construction, naming the field,
 its value and the fix; unknown keys are rejected with close-match suggestions. Bare names resolve in the
 ``runs/`` sibling of every model-preset directory (:func:`run_preset_dirs`), so ``$MEGATRON_DYNBATCH_CONFIGS``
 works for both kinds of preset.
@@ -26,13 +26,12 @@ import difflib
 import os
 import sys
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .alignment import Alignment
 from .errors import DynBatchConfigError
-from . import presets
-from .model_spec import ModelSpec, available_presets, preset_dirs
+from .model_spec import ModelSpec
+from .presets import available_presets, available_run_presets, load_run_mapping, resolve_run_preset, run_preset_dirs
 from .parallel import ParallelConfig
 
 __all__ = ["RunConfig", "run_preset_dirs", "available_run_presets", "LOSS_MODES", "BALANCE_MODES",
@@ -296,8 +295,8 @@ class RunConfig:
         Layout (``--tensor-model-parallel-size`` ... ``--sequence-parallel``), the MoE dispatcher, the batch
         shape Megatron's bookkeeping needs (``--micro-batch-size 1 --global-batch-size samples_per_step``: the
         learning-rate schedule and the consumed-samples counter then count samples exactly), and the
-        dynamic-batching flags of :mod:`megatron_dynbatch.args` (without ``fp8_alignment`` the flag is left out,
-        so that :mod:`megatron_dynbatch.args` derives it from Megatron's own ``--fp8-*`` flags).
+        dynamic-batching flags of :mod:`megatron_dynbatch.megatron.args` (without ``fp8_alignment`` the flag is left out,
+        so that :mod:`megatron_dynbatch.megatron.args` derives it from Megatron's own ``--fp8-*`` flags).
         ``group_size`` has no flag: at run time groups come from each sample's ``group_id``. Model-shape flags (``--num-layers``, norms,
         RoPE, ...) are not implied by a :class:`ModelSpec` and stay in the launch script. ``dp`` is not a flag:
         Megatron derives it from the world size.
@@ -414,8 +413,8 @@ class RunConfig:
     @classmethod
     def from_yaml(cls, path_or_name: Union[str, os.PathLike]) -> "RunConfig":
         """Load ``configs/runs/<name>.yaml`` by bare name (see :func:`run_preset_dirs`) or any YAML file."""
-        path = _resolve_run_path(path_or_name)
-        return cls.from_dict(_load_yaml_mapping(path), name=path.stem)
+        path = resolve_run_preset(path_or_name)
+        return cls.from_dict(load_run_mapping(path), name=path.stem)
 
     @classmethod
     def from_any(cls, run: Union["RunConfig", Mapping[str, Any], str, os.PathLike]) -> "RunConfig":
@@ -476,67 +475,3 @@ def _parallel_from_mapping(par: Any) -> Tuple[ParallelConfig, Optional[int]]:
                                       "give either dp or world_size, or make them agree")
         par["dp"] = dp
     return ParallelConfig.from_any(par), etp
-
-
-def run_preset_dirs() -> List[Path]:
-    """Where run preset names are looked up: the ``runs/`` sibling of every ``models/`` directory that
-    :func:`megatron_dynbatch.model_spec.preset_dirs` lists (``$MEGATRON_DYNBATCH_CONFIGS/runs``, then the
-    repository's ``configs/runs``)."""
-    out: List[Path] = []
-    for d in preset_dirs():
-        if d.name == "models":
-            cand = d.parent / "runs"
-            if cand not in out:
-                out.append(cand)
-    return out
-
-
-def available_run_presets() -> List[str]:
-    """Names of every run preset found in :func:`run_preset_dirs` (sorted)."""
-    return presets.available(run_preset_dirs())
-
-
-def _resolve_run_path(path_or_name: Union[str, os.PathLike]) -> Path:
-    key = str(path_or_name).strip().lower()
-    model_hint = (f"{key!r} is a MODEL preset; a run preset names one in its 'model:' field. "
-                  if key in available_presets() else "")
-    return presets.resolve(path_or_name, run_preset_dirs(), field="run", kind="run preset", extra_hint=model_hint)
-
-
-def _load_yaml_mapping(path: Path) -> Dict[str, Any]:
-    return presets.load_mapping(path, field="run", what="run fields",
-                                example="'model: ...', 'parallel: {...}', 'max_tokens_per_gpu: ...'")
-
-
-# ------------------------------------------------------------------------------------------ tiny CLI
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m megatron_dynbatch.run_config {list | show NAME | args NAME}``: list presets, print one as
-    YAML, or print the Megatron flags it implies (one line, shell-quoted) for launch scripts."""
-    import shlex
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("list", "show", "args"):
-        print(main.__doc__.strip() if main.__doc__ else "", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    if argv[0] == "list":
-        print("\n".join(available_run_presets()))
-        return 0
-    if len(argv) != 2:
-        print(f"usage: python -m megatron_dynbatch.run_config {argv[0]} NAME_OR_PATH", file=sys.stderr)
-        return 2
-    try:
-        rc = RunConfig.from_yaml(argv[1])
-    except DynBatchConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if argv[0] == "args":
-        print(" ".join(shlex.quote(a) for a in rc.to_megatron_args()))
-    else:
-        import yaml
-
-        print(yaml.safe_dump(rc.to_dict(), sort_keys=False).rstrip())
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

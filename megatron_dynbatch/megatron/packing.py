@@ -37,8 +37,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .alignment import Alignment
-from .errors import DynBatchConfigError
+from ..core.alignment import Alignment
+from ..core.errors import DynBatchConfigError
 
 Device = Union[str, torch.device, None]
 _RESERVED = ("tokens", "labels", "loss_mask")
@@ -65,7 +65,7 @@ def _make_packed_seq_params(cu: torch.Tensor, cu_padded: torch.Tensor, max_seqle
 @dataclass
 class PackedMicroBatch:
     """One THD micro-batch. All per-token tensors are ``[1, T]`` (extras ``[1, T, ...]``), or ``[1, T/cp]``
-    after :func:`megatron_dynbatch.context_parallel.slice_packed_for_cp` (``cp_size``/``cp_rank`` say which).
+    after :func:`megatron_dynbatch.megatron.context_parallel.slice_packed_for_cp` (``cp_size``/``cp_rank`` say which).
 
     ``cu_seqlens`` (cumulative real lengths) and ``cu_seqlens_padded`` (cumulative slot lengths) are int32
     ``[n+1]``. ``packed_seq_params`` (built lazily, needs megatron-core) carries both, ``qkv_format="thd"`` and
