@@ -42,7 +42,8 @@ def _expected_layout(lengths, alignment):
 
 
 CP2 = Alignment.for_layout(ParallelConfig(cp=2))  # seq 4, total 4
-CP2_SP_FP8 = Alignment.for_layout(ParallelConfig(cp=2, tp=2, sequence_parallel=True), fp8="fp8")  # seq 4, total 32
+# seq 4, total 64: each of the cp*tp = 4 GPUs holds a 16-token (FP8 tile) share of the sequence-parallel input
+CP2_SP_FP8 = Alignment.for_layout(ParallelConfig(cp=2, tp=2, sequence_parallel=True), fp8="fp8")
 
 
 def test_cu_seqlens_real_and_padded():
@@ -73,10 +74,11 @@ def test_tail_padding_goes_to_last_slot():
     lengths = [3, 5, 8]
     pk = pack_microbatch(_samples(lengths), CP2_SP_FP8)
     padded, total = _expected_layout(lengths, CP2_SP_FP8)
-    assert total == 32 and pk.num_tokens == 32
-    assert pk.seqlens_padded == padded == [4, 8, 20]
+    assert total == 64 and pk.num_tokens == 64
+    assert pk.seqlens_padded == padded == [4, 8, 52]
     assert all(p % CP2_SP_FP8.seq_multiple == 0 for p in pk.seqlens_padded)
-    assert pk.num_padding_tokens == 32 - 16
+    assert pk.num_padding_tokens == 64 - 16
+    assert (pk.num_tokens // (2 * 2)) % 16 == 0  # every GPU's local share is a whole FP8 tile
 
 
 def test_labels_shift_within_sample_and_loss_mask():

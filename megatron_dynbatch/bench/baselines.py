@@ -33,6 +33,7 @@ import numpy as np
 
 from ..core.alignment import Alignment
 from ..core.cost_model import CostModel
+from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 from ..core.parallel import ParallelConfig
 from .partitioning import (BaselineInfeasible, adjust_bin_count, first_fit, karmarkar_karp,
@@ -68,7 +69,7 @@ class BaselineContext:
             from ..core.model_spec import ModelSpec
 
             spec = ModelSpec.from_any(model)
-        if isinstance(max_tokens_per_gpu, bool) or not isinstance(max_tokens_per_gpu, (int, np.integer)) \
+        if not is_int(max_tokens_per_gpu) \
                 or max_tokens_per_gpu < 1:
             raise DynBatchConfigError("max_tokens_per_gpu", max_tokens_per_gpu, "must be a positive integer",
                                       "pass the per-GPU token budget, e.g. 16384")

@@ -23,6 +23,7 @@ import numpy as np
 
 from .baselines import BASELINES, BaselineContext, run_baseline, structural_problems
 from ..core.cost_model import CostModel
+from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 from ..core.parallel import ParallelConfig
 from .workloads import Workload, grpo_lengths
@@ -285,7 +286,7 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
 
     ``progress``: show a tqdm bar on stderr (default: only when stderr is a terminal).
     """
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+    if not is_int(seeds) or seeds < 1:
         raise DynBatchConfigError("--seeds", seeds, "must be a positive integer", "use e.g. --seeds 3")
     if algorithms:
         bad = [a for a in algorithms if a not in ALGORITHMS]

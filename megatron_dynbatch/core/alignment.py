@@ -7,9 +7,12 @@ Two kinds of padding exist:
   zig-zag layout, so each sequence is padded to a multiple of ``2*cp`` (``seq_multiple``);
 * **per micro-batch** -- the tokens each GPU holds must divide by ``tp`` under sequence parallelism and by the
   FP8 GEMM tile (16 for FP8, 32 for MXFP8, 128 for NVFP4/blockwise). Each CP rank holds ``total/cp`` tokens,
-  so the micro-batch total is padded to a multiple of ``total_multiple = lcm(m*cp, seq_multiple)`` with
-  ``m = lcm(tp if sequence_parallel, fp8 tile)``. The packer adds that tail padding to the last sequence's
-  padded slot, which keeps every padded slot a multiple of ``seq_multiple``.
+  so the micro-batch total is padded to a multiple of ``total_multiple = lcm(m*cp, seq_multiple)``. Without
+  sequence parallelism ``m`` is the FP8 tile; with it, ``m = tp * tile``: Transformer Engine checks the FP8
+  shape rule (``assert_dim_for_fp8_exec``, and for block-scaled recipes ``assert_dim_for_all_gather``) on each
+  TP rank's *local* shard of ``total/(cp*tp)`` tokens, before the sequence-parallel all-gather, so that share
+  -- not only the gathered total -- must be a multiple of the tile. The packer adds that tail padding to the
+  last sequence's padded slot, which keeps every padded slot a multiple of ``seq_multiple``.
 
 The budget check is therefore ``padded_total(sum(seq_len(lengths))) <= cap``, which is the same as
 ``sum(seq_len(lengths)) <= effective_cap(cap)`` with ``effective_cap = floor(cap / total_multiple) * total_multiple``.
@@ -23,8 +26,12 @@ from typing import Optional, Union
 
 import numpy as np
 
+from .checks import as_int, is_int
 from .errors import DynBatchConfigError
 from .parallel import ParallelConfig
+
+#: Largest explicit FP8 token multiple accepted (a tile, not a budget).
+MAX_FP8_MULTIPLE = 4096
 
 FP8_TILES = {"none": 1, "fp8": 16, "e4m3": 16, "hybrid": 16, "mxfp8": 32, "nvfp4": 128, "blockwise": 128}
 
@@ -34,14 +41,13 @@ def fp8_multiple(fp8: Union[None, str, int]) -> int:
     "nvfp4"/"blockwise" -> 128, or an explicit positive integer."""
     if fp8 is None:
         return 1
-    if isinstance(fp8, bool):
+    if is_int(fp8):
+        return as_int(fp8, "fp8_alignment", minimum=1, maximum=MAX_FP8_MULTIPLE,
+                      fix="use 16 (FP8), 32 (MXFP8) or 128 (NVFP4)")
+    if not isinstance(fp8, str):
         raise DynBatchConfigError("fp8_alignment", fp8, "must be a recipe name or a positive integer",
                                   f"use one of {sorted(FP8_TILES)} or an integer such as 16")
-    if isinstance(fp8, int):
-        if fp8 < 1:
-            raise DynBatchConfigError("fp8_alignment", fp8, "must be >= 1", "use 16 (FP8), 32 (MXFP8) or 128 (NVFP4)")
-        return fp8
-    key = str(fp8).lower()
+    key = fp8.lower()
     if key not in FP8_TILES:
         raise DynBatchConfigError("fp8_alignment", fp8, "unknown FP8 recipe",
                                   f"use one of {sorted(FP8_TILES)} or an integer such as 16")
@@ -57,15 +63,14 @@ class Alignment:
 
     def __post_init__(self) -> None:
         for name in ("seq_multiple", "total_multiple"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise DynBatchConfigError(f"alignment.{name}", v, "must be an integer >= 1", "use 1 for no padding")
+            object.__setattr__(self, name, as_int(getattr(self, name), f"alignment.{name}", minimum=1,
+                                                  fix="use 1 for no padding"))
 
     @classmethod
     def for_layout(cls, parallel: Optional[ParallelConfig] = None, fp8: Union[None, str, int] = None) -> "Alignment":
         p = parallel or ParallelConfig()
         seq = 2 * p.cp if p.cp > 1 else 1
-        m = math.lcm(p.tp if p.sequence_parallel else 1, fp8_multiple(fp8))
+        m = (p.tp if p.sequence_parallel else 1) * fp8_multiple(fp8)
         total = math.lcm(m * p.cp, seq)
         return cls(seq_multiple=seq, total_multiple=total)
 
@@ -89,3 +94,9 @@ class Alignment:
     def effective_cap(self, cap: int) -> int:
         """Largest sum of per-sequence padded lengths whose padded total still fits ``cap``."""
         return (int(cap) // self.total_multiple) * self.total_multiple
+
+    def budget_for(self, slot_tokens: int, cp: int) -> int:
+        """Smallest ``max_tokens_per_gpu`` whose micro-batch (``budget * cp`` tokens, after tail padding) holds
+        ``slot_tokens`` of per-sequence padded slots -- the number an error message should suggest."""
+        need = self.padded_total(max(int(slot_tokens), self.seq_multiple))
+        return -(-need // int(cp))

@@ -38,6 +38,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Union
 
+from .checks import is_int
 from .errors import DynBatchConfigError
 from .model_spec import ModelLike, ModelSpec
 from .parallel import ParallelConfig
@@ -167,7 +168,7 @@ def estimate_memory(
         raise DynBatchConfigError("optimizer", optimizer, "unknown optimizer layout", f"use one of {OPTIMIZERS}")
     if recompute not in RECOMPUTE:
         raise DynBatchConfigError("recompute", recompute, "unknown recompute mode", f"use one of {RECOMPUTE}")
-    if isinstance(tokens_per_gpu, bool) or not isinstance(tokens_per_gpu, int) or tokens_per_gpu < 0:
+    if not is_int(tokens_per_gpu) or tokens_per_gpu < 0:
         raise DynBatchConfigError("tokens_per_gpu", tokens_per_gpu, "must be an integer >= 0", "pass e.g. 16384")
     etp = expert_tensor_parallel_size or p.tp
     T = float(tokens_per_gpu)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from .checks import is_int as _is_int
 from .errors import DynBatchConfigError
 from .presets import CONFIGS_ENV, available_presets, load_model_mapping, preset_dirs, resolve_model_preset
 from .model_sources import MLA_FIELDS, fields_from_hf_config, fields_from_megatron
@@ -62,20 +63,6 @@ _HF_KEYS = frozenset(
 _MLA_FIELDS = MLA_FIELDS
 _MLA_REQUIRED = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 _MOE_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size")
-
-
-def _is_int(value: Any) -> bool:
-    # bool is an int subclass; numpy integers are not ints but are accepted and converted.
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return True
-    try:
-        import numpy as np
-
-        return isinstance(value, np.integer)
-    except ImportError:  # pragma: no cover - numpy is a core dependency
-        return False
 
 
 def _parse_layer_freq(value: Any) -> Union[int, Tuple[int, ...]]:

@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
+from .checks import as_bool, as_int, is_int
 from .errors import DynBatchConfigError
+
+#: Largest parallel size accepted (a million GPUs): guards against nonsense that would allocate per-rank arrays.
+MAX_RANKS = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -27,11 +31,10 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "vpp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DynBatchConfigError(
-                    f"parallel.{name}", value, "must be an integer >= 1", f"pass {name}=1 or a larger whole number"
-                )
+            value = as_int(getattr(self, name), f"parallel.{name}", minimum=1, maximum=MAX_RANKS,
+                           fix=f"pass {name}=1 or a larger whole number (at most {MAX_RANKS})")
+            object.__setattr__(self, name, value)  # NumPy integers become plain ints
+        object.__setattr__(self, "sequence_parallel", as_bool(self.sequence_parallel, "parallel.sequence_parallel"))
         if self.vpp > 1 and self.pp < 2:
             raise DynBatchConfigError(
                 "parallel.vpp", self.vpp, "virtual pipeline stages need pipeline parallelism (pp >= 2)",
@@ -39,11 +42,12 @@ class ParallelConfig:
             )
         n = self.microbatch_group_size_per_vp_stage
         if n is not None:
-            if isinstance(n, bool) or not isinstance(n, int) or n < self.pp:
+            if not is_int(n) or n < self.pp or n > MAX_RANKS:
                 raise DynBatchConfigError(
                     "parallel.microbatch_group_size_per_vp_stage", n,
                     f"Megatron requires pp ({self.pp}) <= N", f"use N >= {self.pp} or leave it unset (defaults to pp)",
                 )
+            object.__setattr__(self, "microbatch_group_size_per_vp_stage", int(n))
 
     @property
     def vp_group_size(self) -> int:

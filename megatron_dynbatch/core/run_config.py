@@ -24,11 +24,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .alignment import Alignment
+from .checks import is_int as _is_int
 from .errors import DynBatchConfigError
 from .model_spec import ModelSpec
 from .presets import available_presets, available_run_presets, load_run_mapping, resolve_run_preset, run_preset_dirs
@@ -51,10 +51,6 @@ _PARALLEL_EXTRA = ("world_size", "etp", "expert_tensor_parallel_size")
 # Megatron flags that make an uneven pipeline split legal (layers not divisible by pp * vpp).
 _UNEVEN_PP_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                     "--pipeline-model-parallel-layout")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +108,10 @@ class RunConfig:
             raise DynBatchConfigError("name", self.name, "must be a non-empty string", "name the run, e.g. 'qwen3-8b-grpo'")
         if not isinstance(self.description, str):
             raise DynBatchConfigError("description", self.description, "must be a string", "write free text or omit it")
+        for f in fields(self):  # NumPy integers (accepted like ints) are stored as plain ints
+            value = getattr(self, f.name)
+            if _is_int(value):
+                set_(f.name, int(value))
         spec = self._resolve_model()
         set_("_spec", spec)
         if not isinstance(self.layout, ParallelConfig):

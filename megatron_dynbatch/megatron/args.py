@@ -31,6 +31,7 @@ import os
 from typing import Any, Dict, Optional, Union
 
 from ..core.alignment import Alignment, fp8_multiple
+from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 from .loss import GROUP_REDUCE, LOSS_MODES
 from ..core.parallel import ParallelConfig
@@ -178,7 +179,7 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
                        ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu"),
                        ("--dynbatch-samples-per-step", "dynbatch_samples_per_step")):
         v = getattr(args, name, None)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        if v is not None and (not is_int(v) or v < 1):
             raise DynBatchConfigError(flag, v, "must be a positive integer", f"pass {flag} N with N >= 1")
     if getattr(args, "log_probs_max_tokens_per_gpu", None) is None:
         args.log_probs_max_tokens_per_gpu = max_tokens

@@ -17,14 +17,15 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 from .packing import PackedMicroBatch
 
 
 def _check_cp(cp_size: int, cp_rank: int) -> None:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+    if not is_int(cp_size) or cp_size < 1:
         raise DynBatchConfigError("cp_size", cp_size, "must be an integer >= 1", "pass the context-parallel size")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+    if not is_int(cp_rank) or not 0 <= cp_rank < cp_size:
         raise DynBatchConfigError("cp_rank", cp_rank, f"must be in [0, {cp_size})", "pass this rank's CP rank")
 
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optio
 import numpy as np
 
 from ..core.alignment import Alignment
+from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 from .loss import LOSS_MODES, LossNormalizer, loss_mask_stats, make_loss_func
 from ..core.parallel import ParallelConfig
@@ -334,7 +335,7 @@ class DynamicBatchIterator:
         """Indices (into this rank's micro-batch list) of ``step``'s micro-batches; ``None`` = all steps."""
         if step is None:
             return range(0, self.num_microbatches)
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < self.num_steps:
+        if not is_int(step) or not 0 <= step < self.num_steps:
             raise DynBatchConfigError("step", step, f"must be in [0, {self.num_steps})",
                                       "pass the optimizer step index within this global batch")
         return range(self._offsets[step], self._offsets[step + 1])

@@ -67,6 +67,7 @@ from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Seque
 
 import numpy as np
 
+from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 
 LOSS_MODES = ("token_mean", "sample_mean", "group_mean", "token_sum")
@@ -297,7 +298,7 @@ def megatron_loss_factor(
     ``S * f`` over the loss functions' returns turn into exactly ``grad L`` after Megatron's scaling. See the
     table in the module docstring; ``total_loss_tokens`` is only used with ``calculate_per_token_loss``."""
     for name, v in (("num_microbatches", num_microbatches), ("dp_size", dp_size), ("cp_size", cp_size)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        if not is_int(v) or v < 1:
             raise DynBatchConfigError(name, v, "must be a positive integer", f"pass the {name.replace('_', ' ')}")
     if tuple_size == 3:
         return float(total_loss_tokens) if calculate_per_token_loss else float(num_microbatches * dp_size * cp_size)

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..alignment import Alignment
 from ..cost_model import CostModel
+from ..checks import as_int
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .inputs import (BALANCE_MODES, OVERSIZE_POLICIES, balance_mode, check_budget, check_lengths,
@@ -109,8 +110,9 @@ def plan_global_batch(
 
     units_of_step = steps_and_units(lens.size, group_ids, samples_per_step, par.dp)
     if num_microbatches is not None:
-        check_forced_count(num_microbatches, par)
-    rounds = 4 * par.dp if refine_rounds is None else int(refine_rounds)
+        num_microbatches = check_forced_count(num_microbatches, par)
+    rounds = 4 * par.dp if refine_rounds is None else as_int(refine_rounds, "refine_rounds", minimum=0,
+                                                            fix="pass None for the default (4 * dp)")
 
     micro_batches: List[List[List[int]]] = [[] for _ in range(par.dp)]
     per_step: List[int] = []
@@ -119,7 +121,8 @@ def plan_global_batch(
     for step_samples, units in units_of_step:
         inp = StepInput(aligned=aligned[step_samples], weight=weight[step_samples], oversize=over[step_samples],
                         units=units, cap=cap_eff)
-        bins, lb_m = plan_step(inp, par, cm, lens[step_samples], num_microbatches, rounds, align)
+        bins, lb_m = plan_step(inp, par, cm, lens[step_samples], num_microbatches, rounds, align,
+                               int(max_tokens_per_gpu))
         per_step.append(len(bins[0]))
         for r in range(par.dp):
             micro_batches[r].extend([[int(step_samples[i]) for i in mb] for mb in bins[r]])

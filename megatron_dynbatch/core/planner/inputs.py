@@ -6,11 +6,12 @@ Every check raises ``DynBatchConfigError`` naming the field or flag, the value a
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import numpy as np
 
 from ..alignment import Alignment
+from ..checks import MAX_TOKENS, as_bool, as_int, is_int
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from ..parallel import ParallelConfig
@@ -20,50 +21,107 @@ BALANCE_MODES = ("flops", "tokens", "time")
 
 
 def check_lengths(lengths) -> np.ndarray:
-    if isinstance(lengths, (str, bytes)) or lengths is None:
-        raise DynBatchConfigError("lengths", lengths, "must be a sequence of token counts",
-                                  "pass a list or 1-D array of non-negative integers")
-    arr = np.asarray(lengths)
+    """Token counts as an int64 array, or a ``DynBatchConfigError`` naming the first bad entry.
+
+    Accepted: a 1-D sequence or array of integers (Python or NumPy, any integer dtype) in ``[0, MAX_TOKENS]``.
+    Refused: booleans (also inside a list: ``[True, 2]`` is not two token counts), floats, strings, nested or
+    ragged sequences, scalars, mappings, values beyond ``MAX_TOKENS`` (reported with their true value, also for
+    unsigned 64-bit input)."""
+    fix = "pass a list or 1-D array of non-negative integers (one token count per sample)"
+    if lengths is None or isinstance(lengths, (str, bytes, Mapping, set, frozenset)) or _ndim(lengths) == 0 \
+            and not isinstance(lengths, (list, tuple)):
+        raise DynBatchConfigError("lengths", _short(lengths), "must be a sequence of token counts", fix)
+    if isinstance(lengths, np.ndarray):
+        arr = lengths
+    else:
+        items = list(lengths)
+        for i, v in enumerate(items):
+            if isinstance(v, (bool, np.bool_)) or not _is_scalar(v):
+                raise DynBatchConfigError(f"lengths[{i}]", _short(v), "must be a whole token count",
+                                          "pass one integer per sample (e.g. len(token_ids)); lengths must be "
+                                          "one-dimensional")
+            if not is_int(v):
+                raise DynBatchConfigError(f"lengths[{i}]", v, "token counts must be integers",
+                                          "pass whole token counts (e.g. len(token_ids)), not floats or strings")
+        if not items:
+            raise DynBatchConfigError("lengths", [], "the global batch is empty", "pass at least dp samples")
+        arr = np.asarray(items, dtype=object) if any(isinstance(v, int) and abs(v) > MAX_TOKENS for v in items) \
+            else np.asarray(items)
     if arr.ndim != 1:
         raise DynBatchConfigError("lengths", f"array of shape {arr.shape}", "must be one-dimensional",
                                   "pass one token count per sample")
     if arr.size == 0:
         raise DynBatchConfigError("lengths", [], "the global batch is empty", "pass at least dp samples")
-    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
-        if arr.dtype != object and np.issubdtype(arr.dtype, np.floating):
-            bad = int(np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))[0]) \
-                if (~np.isfinite(arr) | (arr != np.round(arr))).any() else 0
-        else:
-            bad = 0
-            for i, v in enumerate(arr.tolist()):
-                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                    bad = i
-                    break
-        raise DynBatchConfigError(f"lengths[{bad}]", arr.tolist()[bad], "token counts must be integers",
+    if arr.dtype.kind == "f":  # blame the first non-integral value, else the first value
+        bad_mask = ~np.isfinite(arr) | (arr != np.round(arr))
+        i = int(np.flatnonzero(bad_mask)[0]) if bad_mask.any() else 0
+        raise DynBatchConfigError(f"lengths[{i}]", arr[i].item(), "token counts must be integers",
                                   "pass whole token counts (e.g. len(token_ids)), not floats or strings")
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        for i, v in enumerate(arr.tolist()):
+            if not is_int(v):
+                raise DynBatchConfigError(f"lengths[{i}]", v, "token counts must be integers",
+                                          "pass whole token counts (e.g. len(token_ids)), not floats or strings")
+        values = arr.tolist()  # Python ints of any size (object arrays)
+        bad = next((i for i, v in enumerate(values) if not 0 <= v <= MAX_TOKENS), None)
+        if bad is not None:
+            _raise_range(bad, values[bad])
+        return np.asarray(values, dtype=np.int64)
+    if np.issubdtype(arr.dtype, np.unsignedinteger):
+        over = arr > MAX_TOKENS
+        if over.any():
+            bad = int(np.flatnonzero(over)[0])
+            _raise_range(bad, int(arr[bad]))
+        return arr.astype(np.int64)
     arr = arr.astype(np.int64)
-    if (arr < 0).any():
-        bad = int(np.flatnonzero(arr < 0)[0])
-        raise DynBatchConfigError(f"lengths[{bad}]", int(arr[bad]), "token counts cannot be negative",
-                                  "pass the number of tokens of each sample (>= 0)")
+    out = (arr < 0) | (arr > MAX_TOKENS)
+    if out.any():
+        bad = int(np.flatnonzero(out)[0])
+        _raise_range(bad, int(arr[bad]))
     return arr
 
 
+def _raise_range(i: int, v: int) -> None:
+    if v < 0:
+        raise DynBatchConfigError(f"lengths[{i}]", v, "token counts cannot be negative",
+                                  "pass the number of tokens of each sample (>= 0)")
+    raise DynBatchConfigError(f"lengths[{i}]", v, f"is larger than any sequence this planner accepts ({MAX_TOKENS})",
+                              "pass token counts, not token ids or byte sizes")
+
+
+def _ndim(v: Any) -> int:
+    """``np.ndim`` that answers -1 for ragged nesting instead of raising."""
+    try:
+        return int(np.ndim(v))
+    except ValueError:
+        return -1
+
+
+def _is_scalar(v: Any) -> bool:
+    return _ndim(v) == 0 and not isinstance(v, (Mapping, str, bytes))
+
+
+def _short(v: Any) -> Any:
+    """A value for an error message: long sequences are summarised."""
+    if isinstance(v, (list, tuple)) and len(v) > 8:
+        return f"{type(v).__name__} of {len(v)} items"
+    if isinstance(v, np.ndarray):
+        return f"array of shape {v.shape}"
+    return v
+
+
 def check_budget(max_tokens_per_gpu, par: ParallelConfig, fp8_alignment):
-    if isinstance(max_tokens_per_gpu, bool) or not isinstance(max_tokens_per_gpu, (int, np.integer)) \
-            or max_tokens_per_gpu < 1:
-        raise DynBatchConfigError("--max-tokens-per-gpu", max_tokens_per_gpu, "must be a positive integer",
-                                  "pass the per-GPU token budget, e.g. --max-tokens-per-gpu 16384")
+    budget = as_int(max_tokens_per_gpu, "--max-tokens-per-gpu", minimum=1, maximum=MAX_TOKENS,
+                    fix="pass the per-GPU token budget, e.g. --max-tokens-per-gpu 16384")
     align = Alignment.for_layout(par, fp8_alignment)
-    cap = int(max_tokens_per_gpu) * par.cp
+    cap = budget * par.cp
     cap_eff = align.effective_cap(cap)
     if cap_eff < align.seq_multiple:
-        need = -(-max(align.total_multiple, align.seq_multiple) // par.cp)
         raise DynBatchConfigError(
-            "--max-tokens-per-gpu", max_tokens_per_gpu,
+            "--max-tokens-per-gpu", budget,
             f"the budget ({cap} tokens per micro-batch) is smaller than one aligned sequence (per-sequence "
             f"multiple {align.seq_multiple}, micro-batch multiple {align.total_multiple})",
-            f"use --max-tokens-per-gpu >= {need}",
+            f"use --max-tokens-per-gpu >= {align.budget_for(align.seq_multiple, par.cp)}",
         )
     return cap, align, cap_eff
 
@@ -73,7 +131,7 @@ def balance_mode(balance_by: Optional[str], balance_by_flops: bool, has_model: b
     efficiency its kernels reach (the cost model), because that is what makes ranks finish together; with
     equal efficiencies it is plain FLOPs. ``balance_by="flops"`` asks for raw FLOPs."""
     if balance_by is None:
-        if not balance_by_flops:
+        if not as_bool(balance_by_flops, "balance_by_flops"):
             return "tokens"
         return "time" if has_model else "flops"
     if balance_by not in BALANCE_MODES:
@@ -84,17 +142,12 @@ def balance_mode(balance_by: Optional[str], balance_by_flops: bool, has_model: b
 def steps_and_units(n: int, group_ids, samples_per_step, dp: int):
     """Split sample indices into optimizer steps and each step into units (groups or single samples)."""
     if group_ids is not None:
-        gids = list(group_ids)
-        if len(gids) != n:
-            raise DynBatchConfigError("group_ids", f"{len(gids)} ids", f"needs one id per sample ({n})",
-                                      "pass group_ids with the same length as lengths")
+        gids = check_group_ids(group_ids, n)
     if samples_per_step is None:
         bounds = [(0, n)]
     else:
-        if isinstance(samples_per_step, bool) or not isinstance(samples_per_step, (int, np.integer)) \
-                or samples_per_step < 1:
-            raise DynBatchConfigError("samples_per_step", samples_per_step, "must be a positive integer",
-                                      "pass the number of samples per optimizer step, or None")
+        samples_per_step = as_int(samples_per_step, "samples_per_step", minimum=1,
+                                  fix="pass the number of samples per optimizer step, or None")
         if n % samples_per_step:
             raise DynBatchConfigError(
                 "samples_per_step", samples_per_step, f"does not divide the global batch of {n} samples",
@@ -129,8 +182,33 @@ def steps_and_units(n: int, group_ids, samples_per_step, dp: int):
     return out
 
 
+def check_group_ids(group_ids: Any, n: int) -> list:
+    """One hashable, non-``None`` id per sample (NumPy scalars become Python scalars, so ``np.int64(3)`` and
+    ``3`` are one group); anything else is a ``DynBatchConfigError`` naming the entry."""
+    fix = "pass one id per sample (an int or str, e.g. the prompt index), as a list or 1-D array"
+    if isinstance(group_ids, (str, bytes, Mapping, set, frozenset)) or _ndim(group_ids) == 0 \
+            and not isinstance(group_ids, (list, tuple)):
+        raise DynBatchConfigError("group_ids", _short(group_ids), "must be a sequence of group ids", fix)
+    if isinstance(group_ids, np.ndarray) and group_ids.ndim != 1:
+        raise DynBatchConfigError("group_ids", f"array of shape {group_ids.shape}", "must be one-dimensional", fix)
+    gids = list(group_ids)
+    if len(gids) != n:
+        raise DynBatchConfigError("group_ids", f"{len(gids)} ids", f"needs one id per sample ({n})",
+                                  "pass group_ids with the same length as lengths")
+    for i, g in enumerate(gids):
+        if isinstance(g, np.generic):
+            g = gids[i] = g.item()
+        if g is None or (isinstance(g, float) and g != g) or (not isinstance(g, (str, bytes)) and not _is_scalar(g)):
+            raise DynBatchConfigError(f"group_ids[{i}]", _short(g), "is not a group id", fix)
+        try:
+            hash(g)
+        except TypeError:
+            raise DynBatchConfigError(f"group_ids[{i}]", _short(g), "is not hashable", fix) from None
+    return gids
+
+
 def check_oversize_policy(oversize: str) -> None:
-    if oversize not in OVERSIZE_POLICIES:
+    if not isinstance(oversize, str) or oversize not in OVERSIZE_POLICIES:
         raise DynBatchConfigError("oversize", oversize, "unknown oversize-sample policy",
                                   f"use one of {OVERSIZE_POLICIES}")
 
@@ -171,7 +249,7 @@ def oversize_mask(lens: np.ndarray, aligned: np.ndarray, cap_eff: int, align: Al
                  f"{align.seq_multiple}) but a micro-batch may hold {cap_eff} (max_tokens_per_gpu="
                  f"{max_tokens_per_gpu} x cp={par.cp}, less alignment); {int(over.sum())} sample(s) are over")
         if oversize == "error":
-            need = -(-int(aligned[over].max()) // par.cp)
+            need = align.budget_for(int(aligned[over].max()), par.cp)
             raise OversizeSampleError(
                 "--max-tokens-per-gpu", max_tokens_per_gpu, where,
                 f"raise --max-tokens-per-gpu to at least {need}, truncate the sample, or run it in a micro-batch "

@@ -1,14 +1,25 @@
 """Choosing the micro-batch count of one optimizer step (see ``api.py`` for the strategy).
 
-Start at the fewest micro-batches the budget allows (moved to a count Megatron's interleaved schedule accepts),
-raise it while the packing is infeasible, then score a few more counts with the cost model and keep the
-fastest. Pure NumPy; deterministic.
+1. **Start at a true lower bound.** ``M0`` = the fewest micro-batches per rank any packing could use: the
+   bin-packing bounds of :mod:`.bounds` (tokens, Martello-Toth L2, cardinality) over ``dp`` ranks, moved to a
+   count Megatron's interleaved schedule accepts.
+2. **Find the first count that packs in O(log) packings.** If ``M0`` does not pack, gallop (``M0+1, +2, +4,
+   ...``) to a count that does, then bisect between the last failure and the first success. A count "packs"
+   when the balancing packer (:mod:`.packer`) or one of the feasibility-first strategies (:mod:`.fallback`)
+   fills it. Every tried count is cached, so no count is packed twice.
+3. **Score a few more counts** with the cost model and keep the fastest (with ``pp > 1`` up to the count that
+   minimises the modelled bubble + per-micro-batch overhead; with ``pp == 1`` one more when the first leaves
+   the ranks unbalanced).
+
+Planning time is therefore ``O(log n)`` packings of ``O(n log n)`` each plus a constant number of scored
+counts, on every input (``megatron-dynbatch bench`` times adversarial shapes; docs/benchmarks.md records them).
+Pure NumPy; deterministic.
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -16,69 +27,125 @@ from ..alignment import Alignment
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from .bounds import min_bins
+from .fallback import feasible_packing
 from .ordering import order_and_time, polish_pipeline
 from .packer import StepInput, plan_for_count, plan_global_bins
-from .vpp import is_valid_microbatch_count, next_valid_microbatch_count
+from .vpp import is_valid_microbatch_count, next_valid_microbatch_count, previous_valid_microbatch_count
+
+Result = Tuple[list, float, float]  # (ordered bins, step time, imbalance)
 
 
-def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, lens: np.ndarray, forced: Optional[int],
-               rounds: int, align: Alignment):
-    dp, cap = par.dp, inp.cap
-    charged = np.where(inp.oversize, cap, inp.aligned)
-    lb_m = max(1, -(-int(charged.sum()) // (dp * cap)), -(-int(inp.oversize.sum()) // dp))
-    m_max = int(inp.unit_count.size and _max_count(inp, dp))
-    sq = lens.astype(np.float64) ** 2
+class _Counts:
+    """Packs and scores counts for one step; remembers every count it tried."""
 
-    pipeline_polish = par.pp > 1 and cm.ep_group == 1 and inp.singletons
+    def __init__(self, inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, rounds: int,
+                 align: Alignment) -> None:
+        self.inp, self.par, self.cm, self.sq, self.rounds, self.align = inp, par, cm, sq, rounds, align
+        self.pipeline_polish = par.pp > 1 and cm.ep_group == 1 and inp.singletons
+        self.lockstep = cm.ep_group > 1 and inp.singletons
+        self.cache: Dict[Tuple[int, int], Optional[Result]] = {}
 
-    lockstep = cm.ep_group > 1 and inp.singletons
+    def evaluate(self, m: int, polish_evals: int = 120) -> Optional[Result]:
+        key = (m, polish_evals)
+        if key not in self.cache:
+            self.cache[key] = self._evaluate(m, polish_evals)
+        return self.cache[key]
 
-    def evaluate(m, polish_evals=120):
-        bins = plan_for_count(inp, dp, m, rounds)
-        if bins is not None and pipeline_polish:
-            polish_pipeline(bins, inp.aligned, sq, inp.oversize, cap, cm, align, max_evals=polish_evals)
-        best = order_and_time(bins, inp.aligned, sq, cm, align) if bins is not None else None
-        if lockstep:  # expert-parallel ranks advance together: also try even micro-batches across ranks
+    def feasible(self, m: int) -> bool:
+        return self.evaluate(m) is not None
+
+    def _evaluate(self, m: int, polish_evals: int) -> Optional[Result]:
+        inp, dp = self.inp, self.par.dp
+        bins = plan_for_count(inp, dp, m, self.rounds)
+        if bins is None:
+            bins = feasible_packing(inp, dp, m)
+        if bins is not None and self.pipeline_polish:
+            polish_pipeline(bins, inp.aligned, self.sq, inp.oversize, inp.cap, self.cm, self.align,
+                            max_evals=polish_evals)
+        best = order_and_time(bins, inp.aligned, self.sq, self.cm, self.align) if bins is not None else None
+        if self.lockstep:  # expert-parallel ranks advance together: also try even micro-batches across ranks
             alt = plan_global_bins(inp, dp, m)
             if alt is not None:
-                res = order_and_time(alt, inp.aligned, sq, cm, align)
+                res = order_and_time(alt, inp.aligned, self.sq, self.cm, self.align)
                 if best is None or res[1] < best[1]:
                     best = res
         return best
+
+
+def lower_bound_count(inp: StepInput, dp: int) -> int:
+    """Fewest micro-batches per rank that any packing of the step could use."""
+    normal = ~inp.oversize
+    bins = min_bins(inp.aligned[normal], inp.cap, n_alone=int(inp.oversize.sum()))
+    return max(1, -(-bins // dp))
+
+
+def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, lens: np.ndarray, forced: Optional[int],
+              rounds: int, align: Alignment, max_tokens_per_gpu: int):
+    """``(bins, lower-bound count)`` for one optimizer step (``bins[r][j]``: local sample indices)."""
+    dp = par.dp
+    lb_m = lower_bound_count(inp, dp)
+    m_max = _max_count(inp, dp)
+    counts = _Counts(inp, par, cm, lens.astype(np.float64) ** 2, rounds, align)
 
     if forced is not None:
         if forced > m_max:
             raise DynBatchConfigError("num_microbatches", forced,
                                       f"needs {forced} samples on every rank but the step has only {len(lens)} "
                                       f"samples for dp={dp}", f"use at most {m_max}")
-        best = evaluate(forced)
+        best = counts.evaluate(forced)
         if best is None:
-            raise DynBatchConfigError(
-                "num_microbatches", forced, f"the samples do not fit {forced} micro-batches of {cap} tokens per rank",
-                f"use at least {next_valid_microbatch_count(lb_m, par)} or raise --max-tokens-per-gpu")
+            raise _forced_count_error(counts, forced, lb_m, m_max, max_tokens_per_gpu)
         return best[0], lb_m
 
     m = next_valid_microbatch_count(lb_m, par)
     if m > m_max:
-        raise _too_few_samples(par, len(lens), m, m_max, inp)
-    best = None
-    while m <= m_max:
-        best = evaluate(m)
-        if best is not None:
-            break
-        m = next_valid_microbatch_count(m + 1, par)
-    if best is None:
-        raise _too_few_samples(par, len(lens), m, m_max, inp)
-    chosen = m
-    for cand in _candidate_counts(m, m_max, par, cm, inp, best):
-        res = evaluate(cand)
+        raise _too_few_samples(par, len(lens), m, m_max, max_tokens_per_gpu)
+    chosen = _first_feasible(counts, m, m_max)
+    if chosen is None:
+        raise _too_few_samples(par, len(lens), m, m_max, max_tokens_per_gpu, packed=False)
+    best = counts.evaluate(chosen)
+    for cand in _candidate_counts(chosen, m_max, par, cm, inp, best):
+        res = counts.evaluate(cand)
         if res is not None and res[1] < best[1] * (1 - 1e-9):
             best, chosen = res, cand
-    if pipeline_polish:  # spend the larger polishing budget on the winner only
-        final = evaluate(chosen, polish_evals=1500)
-        if final[1] <= best[1]:
+    if counts.pipeline_polish:  # spend the larger polishing budget on the winner only
+        final = counts.evaluate(chosen, polish_evals=1500)
+        if final is not None and final[1] <= best[1]:
             best = final
     return best[0], lb_m
+
+
+def _first_feasible(counts: _Counts, lo: int, hi_limit: int) -> Optional[int]:
+    """The first valid count in ``[lo, hi_limit]`` that packs, in O(log) packings: gallop up from ``lo`` to a
+    count that packs, then bisect down to the first one (``P(x)``: the first valid count ``>= x`` packs)."""
+    par = counts.par
+    if counts.feasible(lo):
+        return lo
+    bad, step, good = lo, 1, None
+    while good is None:
+        cand = next_valid_microbatch_count(bad + step, par)
+        if cand > hi_limit:
+            cand = previous_valid_microbatch_count(hi_limit, par)
+            if cand is None or cand <= bad:
+                return None
+        if counts.feasible(cand):
+            good = cand
+        else:
+            if cand == previous_valid_microbatch_count(hi_limit, par):
+                return None
+            bad, step = cand, step * 2
+    # Bisect on x with P(x) = "the first valid count >= x packs": P(bad) is false, P(good) is true, and
+    # ``good`` stays the first valid count >= hi.
+    lo_x, hi_x = bad, good
+    while hi_x - lo_x > 1:
+        mid = (lo_x + hi_x) // 2
+        cand = next_valid_microbatch_count(mid, par)
+        if counts.feasible(cand):
+            hi_x, good = mid, cand
+        else:
+            lo_x = mid
+    return good
 
 
 def _max_count(inp: StepInput, dp: int) -> int:
@@ -86,16 +153,38 @@ def _max_count(inp: StepInput, dp: int) -> int:
     return int(inp.unit_count.sum() // dp)
 
 
-def _too_few_samples(par, n, m, m_max, inp) -> DynBatchConfigError:
+def _too_few_samples(par: ParallelConfig, n: int, m: int, m_max: int, budget: int,
+                     packed: bool = True) -> DynBatchConfigError:
     vpp = ""
     if par.vpp > 1:
         vpp = (f" (interleaved pipeline: pp={par.pp}, vpp={par.vpp} needs M >= "
                f"microbatch_group_size_per_vp_stage={par.vp_group_size})")
-    return DynBatchConfigError(
-        "--max-tokens-per-gpu", inp.cap,
-        f"{n} samples over dp={par.dp} ranks need {m} non-empty micro-batches per rank{vpp}, but at most {m_max} "
-        f"can be filled without leaving one empty", "raise --max-tokens-per-gpu, lower dp or vpp, or pass more samples",
-    )
+    if packed:
+        problem = (f"{n} samples over dp={par.dp} ranks need at least {m} non-empty micro-batches per rank{vpp}, "
+                   f"but at most {m_max} can be filled without leaving one empty")
+    else:
+        problem = (f"no packing of the {n} samples over dp={par.dp} ranks into at most {m_max} non-empty "
+                   f"micro-batches per rank{vpp} fits the budget")
+    return DynBatchConfigError("--max-tokens-per-gpu", budget, problem,
+                               "raise --max-tokens-per-gpu, lower dp or vpp, or pass more samples")
+
+
+def _forced_count_error(counts: _Counts, forced: int, lb_m: int, m_max: int, budget: int) -> DynBatchConfigError:
+    """The error for a forced count that does not pack: suggest the first larger count that does."""
+    par = counts.par
+    cap = counts.inp.cap
+    if forced < lb_m:
+        why = (f"the samples need at least {lb_m} micro-batches of at most {cap} tokens per rank (a lower bound: "
+               f"no packing uses fewer)")
+    else:
+        why = f"no packing into {forced} micro-batches of at most {cap} tokens per rank was found"
+    start = next_valid_microbatch_count(max(forced + 1, lb_m), par)
+    better = _first_feasible(counts, start, m_max) if start <= m_max else None
+    if better is not None:
+        fix = f"use num_microbatches >= {better} (or None to let the planner choose), or raise --max-tokens-per-gpu"
+    else:
+        fix = f"raise --max-tokens-per-gpu (now {budget}); no count up to {m_max} packs"
+    return DynBatchConfigError("num_microbatches", forced, why, fix)
 
 
 def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, inp: StepInput, best) -> List[int]:

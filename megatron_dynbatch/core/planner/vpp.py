@@ -11,6 +11,9 @@ Without interleaving (``vpp == 1``) any ``M >= 1`` is accepted.
 
 from __future__ import annotations
 
+from typing import Optional
+
+from ..checks import as_int
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 
@@ -36,10 +39,17 @@ def next_valid_microbatch_count(m: int, parallel: ParallelConfig) -> int:
     return m
 
 
-def check_forced_count(m: int, parallel: ParallelConfig) -> None:
+def previous_valid_microbatch_count(m: int, parallel: ParallelConfig) -> Optional[int]:
+    """Largest valid count <= ``m``, or ``None`` if there is none."""
+    m = int(m)
+    while m >= 1 and not is_valid_microbatch_count(m, parallel):
+        m -= 1
+    return m if m >= 1 else None
+
+
+def check_forced_count(m: int, parallel: ParallelConfig) -> int:
     """Raise a clear error for a user-forced ``num_microbatches`` that Megatron would reject."""
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise DynBatchConfigError("num_microbatches", m, "must be an integer >= 1", "pass None to let the planner choose")
+    m = as_int(m, "num_microbatches", minimum=1, fix="pass None to let the planner choose")
     if not is_valid_microbatch_count(m, parallel):
         n = parallel.vp_group_size
         raise DynBatchConfigError(
@@ -48,3 +58,4 @@ def check_forced_count(m: int, parallel: ParallelConfig) -> None:
             f"needs M >= {n} and M % {n} == 0 or >= {parallel.pp}",
             f"use {next_valid_microbatch_count(m, parallel)} or pass None",
         )
+    return m

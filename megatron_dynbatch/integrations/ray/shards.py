@@ -10,6 +10,7 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from ...core.checks import is_int
 from ...core.errors import DynBatchConfigError
 from ...core.planner import Plan
 
@@ -203,7 +204,7 @@ def _ray_initialized() -> bool:
 
 def _step_samples(plan: Plan, step: int) -> List[int]:
     steps = len(plan.microbatches_per_step)
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < steps:
+    if not is_int(step) or not 0 <= step < steps:
         raise DynBatchConfigError("step", step, f"must be in [0, {steps})",
                                   "pass a training step of the plan")
     start = int(sum(plan.microbatches_per_step[:step]))

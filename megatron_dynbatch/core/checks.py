@@ -1,0 +1,53 @@
+"""The scalar checks every config object and entry point shares, so each kind of value is accepted and refused
+the same way everywhere.
+
+* integers: Python ``int`` and every NumPy integer scalar (``np.int64(8)``, ``np.uint32(3)``) are accepted and
+  returned as a Python ``int``; ``bool`` (a subclass of ``int``) and ``np.bool_`` are refused, and so are floats,
+  even integral ones (a float token count or rank count is almost always a bug upstream);
+* booleans: ``bool`` and ``np.bool_`` only -- never a string (``"no"`` is truthy) or ``0``/``1``;
+* magnitudes: token counts and budgets above :data:`MAX_TOKENS` are refused with a message, so no arithmetic
+  downstream can overflow an int64 (a budget of ``2**62`` times ``cp=4`` would).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import DynBatchConfigError
+
+#: Largest token count (per sample, per budget) accepted: ~1.1e12, far above any sequence or GPU memory, and
+#: small enough that sums over millions of samples stay exact in int64 and float64.
+MAX_TOKENS = 2 ** 40
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a boolean (Python or NumPy)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_bool(value: Any) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def as_int(value: Any, field: str, *, minimum: Optional[int] = None, maximum: Optional[int] = None,
+           fix: str = "") -> int:
+    """``value`` as a Python int, or a ``DynBatchConfigError`` naming ``field``, the value and ``fix``."""
+    if not is_int(value):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise DynBatchConfigError(field, value, f"must be an integer{bound}",
+                                  fix or f"pass a whole number{bound}")
+    out = int(value)
+    if minimum is not None and out < minimum:
+        raise DynBatchConfigError(field, out, f"must be >= {minimum}", fix or f"pass a whole number >= {minimum}")
+    if maximum is not None and out > maximum:
+        raise DynBatchConfigError(field, out, f"is larger than the supported maximum {maximum}",
+                                  fix or f"pass a value <= {maximum}")
+    return out
+
+
+def as_bool(value: Any, field: str) -> bool:
+    if not is_bool(value):
+        raise DynBatchConfigError(field, value, "must be True or False", f"pass {field}=True or {field}=False")
+    return bool(value)

@@ -1,0 +1,69 @@
+"""Lower bounds on the number of micro-batches (bins) that a set of samples needs.
+
+The count search starts at the fewest micro-batches per rank that can possibly hold the step, so a weak bound
+costs real time: with every sample just over half the budget the token bound ``ceil(sum / cap)`` says ``n/2``
+bins while ``n`` are needed, and a search that walked up from there one count at a time re-packed ``n/2``
+times. The bounds here are all valid (no packing can use fewer bins) and take ``O(n log n)``:
+
+* **L1** -- tokens: ``ceil(sum / cap)``;
+* **L2** (Martello & Toth, 1990) -- for a threshold ``k <= cap/2``: items over ``cap - k`` and items over
+  ``cap/2`` each need their own bin, and the items in ``[k, cap/2]`` fill the room the latter leave before
+  needing more bins; the maximum over every distinct ``k``;
+* **cardinality** -- at most ``j`` items larger than ``cap/(j+1)`` share a bin, so those items need
+  ``ceil(count / j)`` bins (``j = 2`` catches "every sample just over a third of the budget").
+
+Samples over the budget (``oversize='alone'``) run alone: each adds one bin and is not packed with others.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: cardinality bounds for j = 2 .. MAX_J (j = 1 is inside L2)
+MAX_J = 8
+
+
+def min_bins(sizes: np.ndarray, cap: int, n_alone: int = 0) -> int:
+    """A lower bound on the bins of capacity ``cap`` that items of ``sizes`` (each ``<= cap``) need, plus
+    ``n_alone`` items that must each have a bin of their own. At least 1 when there is anything to place."""
+    s = np.sort(np.asarray(sizes, dtype=np.int64))[::-1]  # descending
+    n = int(s.size)
+    if n == 0:
+        return int(n_alone)
+    cap = int(cap)
+    total = int(s.sum())
+    best = max(1, -(-total // cap))
+    best = max(best, _martello_toth_l2(s, cap))
+    asc = s[::-1]
+    for j in range(2, MAX_J + 1):
+        # items strictly larger than cap / (j + 1): at most j of them fit one bin
+        count = n - int(np.searchsorted(asc, cap // (j + 1), side="right"))
+        if count == 0:
+            break
+        best = max(best, -(-count // j))
+    return best + int(n_alone)
+
+
+def _martello_toth_l2(desc: np.ndarray, cap: int) -> int:
+    """Martello-Toth L2 for sizes sorted in decreasing order, every distinct ``k <= cap/2`` tried at once."""
+    asc = desc[::-1]
+    prefix = np.concatenate(([0], np.cumsum(asc)))  # prefix[i] = sum of the i smallest
+    n = asc.size
+    half = cap // 2  # "s <= cap/2" for integers is "s <= half" (cap even) or "s <= half" (cap odd: s < cap/2)
+    ks = np.unique(np.concatenate(([0], asc[asc <= half])))
+    # counts by threshold, via the ascending array
+    n_gt_half = n - int(np.searchsorted(asc, half, side="right"))          # s > cap/2
+    sum_gt_half = int(prefix[n] - prefix[n - n_gt_half])
+    idx_gt_cap_minus_k = np.searchsorted(asc, cap - ks, side="right")        # s > cap - k  (J1)
+    j1 = n - idx_gt_cap_minus_k
+    # J2: cap/2 < s <= cap - k
+    j2 = n_gt_half - j1
+    sum_j1 = prefix[n] - prefix[idx_gt_cap_minus_k]
+    sum_j2 = sum_gt_half - sum_j1
+    # J3: k <= s <= cap/2
+    lo = np.searchsorted(asc, ks, side="left")
+    hi = n - n_gt_half
+    sum_j3 = prefix[hi] - prefix[lo]
+    room = j2 * cap - sum_j2
+    extra = np.maximum(0, -(-(sum_j3 - room) // cap))
+    return int((j1 + j2 + extra).max())
