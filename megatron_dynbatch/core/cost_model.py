@@ -28,8 +28,9 @@ coefficients (see ``fit``) replace them when calibration data exists.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -121,15 +122,30 @@ class CostModel:
             return float(stage.sum() + (self.pp - 1) / self.vpp * stage.mean())
         return simulate_1f1b(stage, self.pp)
 
+    def rank_times(self, mb_times: np.ndarray) -> np.ndarray:
+        """:meth:`rank_time` of every row of ``mb_times`` (``[ranks, M]``, each row in execution order)."""
+        t = np.asarray(mb_times, dtype=np.float64)
+        if t.ndim != 2 or t.shape[1] == 0:
+            return np.zeros(t.shape[0] if t.ndim == 2 else 0)
+        if self.pp == 1:
+            return t.sum(axis=1)
+        stage = t / self.pp
+        if self.vpp > 1:
+            return stage.sum(axis=1) + (self.pp - 1) / self.vpp * stage.mean(axis=1)
+        return simulate_1f1b_batch(stage, self.pp)
+
     def step_time(self, per_rank_mb_times: Sequence[Sequence[float]]) -> np.ndarray:
         """Per-rank times for a whole plan (EP groups in lockstep); the step time is their maximum."""
         ranks = [np.asarray(t, dtype=np.float64) for t in per_rank_mb_times]
-        if self.ep_group > 1 and ranks and len({r.size for r in ranks}) == 1:
+        same_size = bool(ranks) and len({r.size for r in ranks}) == 1
+        if self.ep_group > 1 and same_size:
             out = np.empty(len(ranks))
             for g in range(0, len(ranks), self.ep_group):
                 lock = np.max(np.stack(ranks[g:g + self.ep_group]), axis=0)
                 out[g:g + self.ep_group] = self.rank_time(lock)
             return out
+        if same_size and self.pp > 1:
+            return self.rank_times(np.stack(ranks))
         return np.array([self.rank_time(r) for r in ranks])
 
     def lower_bound(self, total_work: float, max_sample_work: float, dp: int, min_microbatches: int,
@@ -159,14 +175,46 @@ def simulate_1f1b(stage_times: Sequence[float], pp: int) -> float:
     then alternates one forward / one backward, then drains the remaining backwards; forward ``j`` on stage
     ``s`` waits for forward ``j`` on stage ``s-1``, backward ``j`` on stage ``s`` for backward ``j`` on
     stage ``s+1``. Returns the time the first stage finishes its last backward (the step's compute end).
+
+    The dependency graph depends only on ``(M, pp)``, so it is built once (:func:`_schedule_1f1b`) and each
+    call is one pass of max-plus arithmetic over it; :func:`simulate_1f1b_batch` does many ranks at once.
     """
     t = [float(x) for x in stage_times]
     m = len(t)
     if m == 0:
         return 0.0
-    fwd = [x / 3.0 for x in t]
-    bwd = [x - f for x, f in zip(t, fwd)]
-    # Per-stage op order: (is_backward, microbatch).
+    order = _schedule_1f1b(m, pp)
+    end = [0.0] * len(order)
+    for k, (j, is_b, prev, dep) in enumerate(order):
+        start = end[prev] if prev >= 0 else 0.0
+        if dep >= 0 and end[dep] > start:
+            start = end[dep]
+        end[k] = start + (t[j] - t[j] / 3.0 if is_b else t[j] / 3.0)
+    return max(end)
+
+
+def simulate_1f1b_batch(stage_times: np.ndarray, pp: int) -> np.ndarray:
+    """:func:`simulate_1f1b` of every row of ``stage_times`` (``[ranks, M]``) at once."""
+    times = np.asarray(stage_times, dtype=np.float64)
+    if times.ndim != 2 or times.shape[1] == 0:
+        return np.zeros(times.shape[0] if times.ndim == 2 else 0)
+    fwd = times / 3.0
+    bwd = times - fwd
+    order = _schedule_1f1b(times.shape[1], pp)
+    end = np.zeros((len(order), times.shape[0]))
+    zero = np.zeros(times.shape[0])
+    for k, (j, is_b, prev, dep) in enumerate(order):
+        start = end[prev] if prev >= 0 else zero
+        if dep >= 0:
+            start = np.maximum(start, end[dep])
+        end[k] = start + (bwd[:, j] if is_b else fwd[:, j])
+    return end.max(axis=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule_1f1b(m: int, pp: int) -> Tuple[Tuple[int, bool, int, int], ...]:
+    """The 1F1B operations in a dependency-respecting order: ``(microbatch, is_backward, previous op on the
+    same stage, op it waits for on a neighbouring stage)`` (indices into the order; -1 for none)."""
     orders = []
     for s in range(pp):
         warm = min(pp - s - 1, m)
@@ -176,36 +224,30 @@ def simulate_1f1b(stage_times: Sequence[float], pp: int) -> float:
             ops.append((True, i))
         ops.extend((True, j) for j in range(m - warm, m))
         orders.append(ops)
-    f_end = [[None] * m for _ in range(pp)]
-    b_end = [[None] * m for _ in range(pp)]
+    index: Dict[Tuple[int, bool, int], int] = {}
+    out: List[Tuple[int, bool, int, int]] = []
     pos = [0] * pp
-    clock = [0.0] * pp
-    remaining = 2 * m * pp
-    while remaining:
+    last = [-1] * pp
+    while len(out) < 2 * m * pp:
         progressed = False
         for s in range(pp):
-            ops = orders[s]
-            n_ops = len(ops)
-            while pos[s] < n_ops:
-                is_b, j = ops[pos[s]]
+            while pos[s] < len(orders[s]):
+                is_b, j = orders[s][pos[s]]
                 if is_b:
-                    dep = f_end[s][j] if s == pp - 1 else b_end[s + 1][j]
+                    dep_key = (s, False, j) if s == pp - 1 else (s + 1, True, j)
                 else:
-                    dep = 0.0 if s == 0 else f_end[s - 1][j]
-                if dep is None:
+                    dep_key = None if s == 0 else (s - 1, False, j)
+                if dep_key is not None and dep_key not in index:
                     break
-                end = (clock[s] if clock[s] > dep else dep) + (bwd[j] if is_b else fwd[j])
-                if is_b:
-                    b_end[s][j] = end
-                else:
-                    f_end[s][j] = end
-                clock[s] = end
+                dep = index[dep_key] if dep_key is not None else -1
+                index[(s, is_b, j)] = len(out)
+                out.append((j, is_b, last[s], dep))
+                last[s] = len(out) - 1
                 pos[s] += 1
-                remaining -= 1
                 progressed = True
         if not progressed:  # pragma: no cover - the schedule is deadlock-free by construction
-            raise RuntimeError("1F1B simulation deadlocked")
-    return max(clock)
+            raise RuntimeError("1F1B schedule deadlocked")
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------- calibration

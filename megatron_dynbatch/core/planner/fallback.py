@@ -35,10 +35,14 @@ UNIT_FIT_BUDGET = 4_000_000
 Bins = List[List[List[int]]]
 
 
-def feasible_packing(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
-    """A valid packing of the step into ``dp`` ranks of ``m`` micro-batches, or ``None`` if none was found."""
+def feasible_packing(inp: StepInput, dp: int, m: int, global_fits: bool = True) -> Optional[Bins]:
+    """A valid packing of the step into ``dp`` ranks of ``m`` micro-batches, or ``None`` if none was found.
+
+    ``global_fits=False`` says best fit cannot fill ``dp * m`` bins (:func:`.packer.best_fit_bin_count`), which
+    skips the global-bins attempt; with ``dp == 1`` that attempt is the balancing packer's own, so it is
+    skipped too."""
     if inp.singletons:
-        found = plan_global_bins(inp, dp, m)
+        found = plan_global_bins(inp, dp, m) if global_fits and dp > 1 else None
         if found is not None:
             return found
     else:

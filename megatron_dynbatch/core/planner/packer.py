@@ -21,6 +21,7 @@ Any phase may return ``None``: the caller then tries a larger ``M``.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -146,7 +147,8 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     Cheap first: the heaviest rank against each of the four lightest, the exchange closest to half their gap.
     When that stalls (units large relative to the gap, e.g. few samples per rank), one vectorised search over
     every other rank and every unit finds the exchange that lowers the heaviest rank the most while keeping
-    its partner below it; those searches stop after ``global_budget`` candidate pairs in all (bounded time).
+    its partner below it; those searches stop before they would exceed ``global_budget`` candidate pairs in all
+    (bounded time and memory: on large steps, where pairwise exchanges suffice, they do not run).
     """
     dp = len(ranks)
     if dp < 2:
@@ -173,9 +175,10 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
                 moved = True
                 break
         if not moved:
-            if global_left <= 0 or not _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m):
+            cost = len(ranks[a]) * len(w)  # candidate pairs the vectorised search builds
+            if cost > global_left or not _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m):
                 return
-            global_left -= len(ranks[a]) * len(w)
+            global_left -= cost
 
 
 def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m) -> bool:
@@ -296,50 +299,129 @@ def pack_rank(samples: Sequence[int], inp: StepInput, m: int) -> Optional[List[L
     return bins + packed
 
 
+#: full bins the LPT packer may pop per item on average before it asks the room index instead
+SKIPS_PER_ITEM = 16
+#: full bins popped per item once that allowance is spent
+SKIP_LIMIT = 4
+
+
 def _lpt_bins(items: np.ndarray, aligned, weight, k: int, cap: int) -> Optional[List[List[int]]]:
+    """Each item (heaviest first) into the least-loaded bin with room for it. Popping full bins to find it is
+    paid from an allowance of ``SKIPS_PER_ITEM`` per item (real workloads use 0-4); once spent, an item that
+    meets ``SKIP_LIMIT`` full bins goes to the bin with the most room (a lazy max-heap on room), and a count
+    fails at once when not even that bin fits the item -- so one pass is ``O(n log k)`` however full bins get."""
     bins: List[List[int]] = [[] for _ in range(k)]
     used = [0] * k
-    heap = [(0.0, 0, b) for b in range(k)]
+    load = [0.0] * k
+    count = [0] * k
+    version = [0] * k
+    heap = [(0.0, 0, b, 0) for b in range(k)]
+    rooms = [(-cap, b) for b in range(k)]  # max-heap on room; an entry is current iff it matches used[b]
     pop, push = heapq.heappop, heapq.heappush
+    allowance = SKIPS_PER_ITEM * len(items)
     for i, need, w in zip(items.tolist(), aligned[items].tolist(), weight[items].tolist()):
         skipped = []
-        placed = False
-        while heap:
-            load, n, b = pop(heap)
+        target = -1
+        while heap and len(skipped) < max(SKIP_LIMIT, allowance):
+            entry = pop(heap)
+            b = entry[2]
+            if entry[3] != version[b]:
+                continue  # stale: the bin was filled through the room index
             if used[b] + need <= cap:
-                bins[b].append(i)
-                used[b] += need
-                push(heap, (load + w, n + 1, b))
-                placed = True
+                target = b
                 break
-            skipped.append((load, n, b))
-        for item in skipped:
-            push(heap, item)
-        if not placed:
-            return None
+            skipped.append(entry)
+        if target < 0:
+            while rooms and -rooms[0][0] != cap - used[rooms[0][1]]:
+                pop(rooms)
+            if not rooms or -rooms[0][0] < need:
+                return None
+            target = rooms[0][1]
+            version[target] += 1  # its entry in ``heap`` (if still there) is now stale
+        allowance -= len(skipped)
+        for entry in skipped:
+            push(heap, entry)
+        bins[target].append(i)
+        used[target] += need
+        load[target] += w
+        count[target] += 1
+        push(heap, (load[target], count[target], target, version[target]))
+        push(rooms, (used[target] - cap, target))
     return bins
 
 
 def _best_fit_bins(items: np.ndarray, aligned, k: int, cap: int) -> Optional[List[List[int]]]:
-    """Best-fit decreasing on tokens (the feasibility fallback), then split bins so none is empty."""
+    """Best-fit decreasing on tokens (the feasibility fallback): each item into the bin with the least room
+    that still holds it (lowest index on ties), then bins are split so none is empty. ``O(n log k)``: bins
+    are indexed by their room value (a sorted list of distinct rooms, a heap of bins per room)."""
     order = items[np.lexsort((items, -aligned[items]))]
     bins: List[List[int]] = [[] for _ in range(k)]
-    room = np.full(k, cap, dtype=np.int64)
-    for i in order.tolist():
-        need = aligned[i]
-        fits = np.flatnonzero(room >= need)
-        if fits.size == 0:
+    distinct = [cap]                      # distinct room values, ascending
+    holders = {cap: list(range(k))}       # room -> heap of bin indices
+    for i, need in zip(order.tolist(), aligned[order].tolist()):
+        j = bisect.bisect_left(distinct, need)
+        if j == len(distinct):
             return None
-        b = int(fits[np.argmin(room[fits])])
+        room = distinct[j]
+        heap = holders[room]
+        b = heapq.heappop(heap)
+        if not heap:
+            del holders[room]
+            distinct.pop(j)
         bins[b].append(i)
-        room[b] -= need
-    for b in range(k):
-        if not bins[b]:
-            donor = max(range(k), key=lambda d: (len(bins[d]), -d))
-            if len(bins[donor]) < 2:
-                return None
-            bins[b].append(bins[donor].pop())
-    return bins
+        left = room - need
+        same = holders.get(left)
+        if same is None:
+            holders[left] = [b]
+            bisect.insort(distinct, left)
+        else:
+            heapq.heappush(same, b)
+    return bins if _fill_empty_bins(bins) else None
+
+
+def best_fit_bin_count(sizes: np.ndarray, cap: int) -> int:
+    """Bins best-fit decreasing opens for ``sizes`` (each ``<= cap``) with no limit on bins. Best fit into
+    ``K`` empty bins opens a fresh bin only when no used one fits, exactly as here, so it succeeds iff this
+    count is ``<= K``: one ``O(n log n)`` pass answers "does BFD fit" for every count at once."""
+    distinct: List[int] = []              # distinct room values of open bins, ascending
+    holders: dict = {}                    # room -> number of open bins with that room
+    opened = 0
+    for need in np.sort(np.asarray(sizes, dtype=np.int64))[::-1].tolist():
+        j = bisect.bisect_left(distinct, need)
+        if j == len(distinct):
+            opened += 1
+            room = cap
+        else:
+            room = distinct[j]
+            holders[room] -= 1
+            if not holders[room]:
+                del holders[room]
+                distinct.pop(j)
+        left = room - need
+        if left in holders:
+            holders[left] += 1
+        else:
+            holders[left] = 1
+            bisect.insort(distinct, left)
+    return opened
+
+
+def _fill_empty_bins(bins: List[List[int]]) -> bool:
+    """In place: each empty bin (in index order) takes the last item of the bin with the most items (lowest
+    index on ties); ``False`` when no bin has two items to give."""
+    empty = [b for b, items in enumerate(bins) if not items]
+    if not empty:
+        return True
+    donors = [(-len(items), b) for b, items in enumerate(bins) if len(items) > 1]
+    heapq.heapify(donors)
+    for b in empty:
+        if not donors:
+            return False
+        _, d = heapq.heappop(donors)
+        bins[b].append(bins[d].pop())
+        if len(bins[d]) > 1:
+            heapq.heappush(donors, (-len(bins[d]), d))
+    return True
 
 
 def plan_global_bins(inp: StepInput, dp: int, m: int) -> Optional[List[List[List[int]]]]:

@@ -30,10 +30,21 @@ from ..parallel import ParallelConfig
 from .bounds import min_bins
 from .fallback import feasible_packing
 from .ordering import order_and_time, polish_pipeline
-from .packer import StepInput, plan_for_count, plan_global_bins
+from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins
 from .vpp import is_valid_microbatch_count, next_valid_microbatch_count, previous_valid_microbatch_count
 
 Result = Tuple[list, float, float]  # (ordered bins, step time, imbalance)
+
+#: pipeline-polish evaluations while scoring a count, and on the chosen count
+POLISH_EVALS = 120
+FINAL_POLISH_EVALS = 1500
+#: simulated pipeline operations one polish may spend while scoring a count, and on the chosen count
+POLISH_OPS = 1_200_000
+FINAL_POLISH_OPS = 8_000_000
+#: samples packed in all while scoring extra counts with pp > 1 (5 counts up to 26k samples, 2 at 64k)
+CANDIDATE_SAMPLES = 131_072
+#: relative tolerance of the count bisection (exact below 256 micro-batches per rank)
+COUNT_RTOL = 1 / 256
 
 
 class _Counts:
@@ -45,8 +56,19 @@ class _Counts:
         self.pipeline_polish = par.pp > 1 and cm.ep_group == 1 and inp.singletons
         self.lockstep = cm.ep_group > 1 and inp.singletons
         self.cache: Dict[Tuple[int, int], Optional[Result]] = {}
+        self._bfd_bins: Optional[int] = None
+        self.polished: Dict[int, Tuple[list, int]] = {}  # count -> (polished bins before ordering, evaluations)
 
-    def evaluate(self, m: int, polish_evals: int = 120) -> Optional[Result]:
+    def bfd_count(self) -> Optional[int]:
+        """Without groups: the first count at which best fit surely packs the step (``None`` with groups)."""
+        if not self.inp.singletons:
+            return None
+        if self._bfd_bins is None:
+            inp = self.inp
+            self._bfd_bins = best_fit_bin_count(inp.aligned[~inp.oversize], inp.cap) + int(inp.oversize.sum())
+        return next_valid_microbatch_count(-(-self._bfd_bins // self.par.dp), self.par)
+
+    def evaluate(self, m: int, polish_evals: int = POLISH_EVALS) -> Optional[Result]:
         key = (m, polish_evals)
         if key not in self.cache:
             self.cache[key] = self._evaluate(m, polish_evals)
@@ -57,12 +79,20 @@ class _Counts:
 
     def _evaluate(self, m: int, polish_evals: int) -> Optional[Result]:
         inp, dp = self.inp, self.par.dp
-        bins = plan_for_count(inp, dp, m, self.rounds)
-        if bins is None:
-            bins = feasible_packing(inp, dp, m)
+        final = polish_evals > POLISH_EVALS
+        if final and m in self.polished:  # continue the cheaper polish of this count instead of re-packing
+            bins, done = _copy_bins(self.polished[m][0]), self.polished[m][1]
+        else:
+            bins, done = plan_for_count(inp, dp, m, self.rounds), 0
+            if bins is None:
+                bfd = self.bfd_count()
+                bins = feasible_packing(inp, dp, m, global_fits=bfd is None or m >= bfd)
         if bins is not None and self.pipeline_polish:
-            polish_pipeline(bins, inp.aligned, self.sq, inp.oversize, inp.cap, self.cm, self.align,
-                            max_evals=polish_evals)
+            done = polish_pipeline(bins, inp.aligned, self.sq, inp.oversize, inp.cap, self.cm, self.align,
+                                   max_evals=polish_evals, max_ops=FINAL_POLISH_OPS if final else POLISH_OPS,
+                                   start_evals=done)
+            if not final:
+                self.polished[m] = (_copy_bins(bins), done)
         best = order_and_time(bins, inp.aligned, self.sq, self.cm, self.align) if bins is not None else None
         if self.lockstep:  # expert-parallel ranks advance together: also try even micro-batches across ranks
             alt = plan_global_bins(inp, dp, m)
@@ -73,11 +103,32 @@ class _Counts:
         return best
 
 
+def _copy_bins(bins: list) -> list:
+    return [[list(mb) for mb in rank] for rank in bins]
+
+
 def lower_bound_count(inp: StepInput, dp: int) -> int:
-    """Fewest micro-batches per rank that any packing of the step could use."""
-    normal = ~inp.oversize
-    bins = min_bins(inp.aligned[normal], inp.cap, n_alone=int(inp.oversize.sum()))
-    return max(1, -(-bins // dp))
+    """Fewest micro-batches per rank that any packing of the step could use: the whole step's bins spread
+    over ``dp`` ranks, and the bins of the largest group, which must all sit on one rank."""
+    return max(1, -(-_bins_of(inp, np.ones(inp.aligned.size, dtype=bool)) // dp), _largest_group_bins(inp))
+
+
+def _bins_of(inp: StepInput, members: np.ndarray) -> int:
+    over = inp.oversize & members
+    return min_bins(inp.aligned[members & ~over], inp.cap, n_alone=int(over.sum()))
+
+
+def _largest_group_bins(inp: StepInput) -> int:
+    if inp.singletons:
+        return 1
+    # Only the groups with the most tokens can need the most bins; checking a few keeps this O(n log n).
+    heavy = np.argsort(-inp.unit_tokens, kind="stable")[:8]
+    best = 1
+    for u in heavy.tolist():
+        members = np.zeros(inp.aligned.size, dtype=bool)
+        members[inp.units[u]] = True
+        best = max(best, _bins_of(inp, members))
+    return best
 
 
 def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, lens: np.ndarray, forced: Optional[int],
@@ -100,7 +151,10 @@ def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, lens: np.ndarr
 
     m = next_valid_microbatch_count(lb_m, par)
     if m > m_max:
-        raise _too_few_samples(par, len(lens), m, m_max, max_tokens_per_gpu)
+        group_bins = _largest_group_bins(inp)
+        why = (f" (the largest group of group_ids alone needs {group_bins} micro-batches, all on one rank)"
+               if group_bins > 1 and group_bins >= lb_m else "")
+        raise _too_few_samples(par, len(lens), m, m_max, max_tokens_per_gpu, why=why)
     chosen = _first_feasible(counts, m, m_max)
     if chosen is None:
         raise _too_few_samples(par, len(lens), m, m_max, max_tokens_per_gpu, packed=False)
@@ -110,19 +164,25 @@ def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, lens: np.ndarr
         if res is not None and res[1] < best[1] * (1 - 1e-9):
             best, chosen = res, cand
     if counts.pipeline_polish:  # spend the larger polishing budget on the winner only
-        final = counts.evaluate(chosen, polish_evals=1500)
+        final = counts.evaluate(chosen, polish_evals=FINAL_POLISH_EVALS)
         if final is not None and final[1] <= best[1]:
             best = final
     return best[0], lb_m
 
 
 def _first_feasible(counts: _Counts, lo: int, hi_limit: int) -> Optional[int]:
-    """The first valid count in ``[lo, hi_limit]`` that packs, in O(log) packings: gallop up from ``lo`` to a
-    count that packs, then bisect down to the first one (``P(x)``: the first valid count ``>= x`` packs)."""
+    """The first valid count in ``[lo, hi_limit]`` that packs, in O(log) packings: a count known to pack
+    (best fit's, without groups) or one found by galloping up from ``lo``, then bisection down to the first one
+    (``P(x)``: the first valid count ``>= x`` packs). Bisection stops within :data:`COUNT_RTOL` of the first
+    count: one micro-batch more in thousands changes the step time by one per-micro-batch overhead."""
     par = counts.par
     if counts.feasible(lo):
         return lo
-    bad, step, good = lo, 1, None
+    bad, good = lo, None
+    known = counts.bfd_count()
+    if known is not None and known <= hi_limit and counts.feasible(known):
+        good = known
+    step = 1
     while good is None:
         cand = next_valid_microbatch_count(bad + step, par)
         if cand > hi_limit:
@@ -138,7 +198,7 @@ def _first_feasible(counts: _Counts, lo: int, hi_limit: int) -> Optional[int]:
     # Bisect on x with P(x) = "the first valid count >= x packs": P(bad) is false, P(good) is true, and
     # ``good`` stays the first valid count >= hi.
     lo_x, hi_x = bad, good
-    while hi_x - lo_x > 1:
+    while hi_x - lo_x > max(1, int(good * COUNT_RTOL)):
         mid = (lo_x + hi_x) // 2
         cand = next_valid_microbatch_count(mid, par)
         if counts.feasible(cand):
@@ -154,14 +214,14 @@ def _max_count(inp: StepInput, dp: int) -> int:
 
 
 def _too_few_samples(par: ParallelConfig, n: int, m: int, m_max: int, budget: int,
-                     packed: bool = True) -> DynBatchConfigError:
+                     packed: bool = True, why: str = "") -> DynBatchConfigError:
     vpp = ""
     if par.vpp > 1:
         vpp = (f" (interleaved pipeline: pp={par.pp}, vpp={par.vpp} needs M >= "
                f"microbatch_group_size_per_vp_stage={par.vp_group_size})")
     if packed:
-        problem = (f"{n} samples over dp={par.dp} ranks need at least {m} non-empty micro-batches per rank{vpp}, "
-                   f"but at most {m_max} can be filled without leaving one empty")
+        problem = (f"{n} samples over dp={par.dp} ranks need at least {m} non-empty micro-batches per rank{vpp}"
+                   f"{why}, but at most {m_max} can be filled without leaving one empty")
     else:
         problem = (f"no packing of the {n} samples over dp={par.dp} ranks into at most {m_max} non-empty "
                    f"micro-batches per rank{vpp} fits the budget")
@@ -196,7 +256,9 @@ def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, in
         target = int(math.ceil(math.sqrt(bubble * max(w, 1e-12) / cm.overhead_s)))
         hi = min(m_max, max(m, target))
         if hi > m:
-            raw = np.unique(np.geomspace(m + 1, hi, num=min(5, hi - m)).round().astype(int))
+            # Each scored count is a full packing: large steps score fewer (the analytic optimum ``hi`` always).
+            num = min(5, hi - m, max(2, CANDIDATE_SAMPLES // max(1, inp.aligned.size)))
+            raw = np.unique(np.geomspace(m + 1, hi, num=num).round().astype(int))
             out = sorted({next_valid_microbatch_count(int(c), par) for c in raw})
     elif best[2] > 1.002:
         out = [next_valid_microbatch_count(m + 1, par)]
