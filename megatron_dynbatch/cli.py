@@ -120,6 +120,7 @@ def _layout(args: argparse.Namespace) -> Any:
 # ============================================================================================ bench
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench.report import format_report
+    from .bench.adversarial import DEFAULT_SIZE as ADVERSARIAL_DEFAULT, GROWTH_SIZES as ADVERSARIAL_FULL
     from .bench.runner import ALGORITHMS, iter_algorithms, run_bench
     from .bench.workloads import WORKLOADS, select_workloads
 
@@ -135,7 +136,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                   f"use one of {', '.join(w.name for w in workloads)}")
     result = run_bench(workloads, seeds=args.seeds, algorithms=iter_algorithms(args.algorithms),
                        speed=not args.no_speed, speed_repeats=args.speed_repeats, progress=args.progress,
-                       keep_plans=bool(args.plot), argv=args.argv)
+                       keep_plans=bool(args.plot), argv=args.argv,
+                       adversarial_sizes=ADVERSARIAL_FULL if args.adversarial else (ADVERSARIAL_DEFAULT,))
     if args.output:
         Path(args.output).write_text(result.to_json(indent=1) + "\n", encoding="utf-8")
     if args.json:
@@ -385,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write per-rank timelines (one panel per algorithm) of one workload to this image")
     b.add_argument("--plot-workload", default=None, help="workload to plot (default: the first one run)")
     b.add_argument("--no-speed", action="store_true", help="skip the planning-speed micro-benchmark")
+    b.add_argument("--adversarial", action="store_true",
+                   help="time the adversarial input shapes at 4,096, 16,384 and 65,536 samples (up to 1,024 ranks; "
+                        "about a minute) instead of 4,096 only")
     b.add_argument("--speed-repeats", type=_positive_int, default=3,
                    help="timed runs per planning-speed case (median reported; default 3)")
     b.add_argument("--list", action="store_true", help="list the workloads and algorithms and exit")

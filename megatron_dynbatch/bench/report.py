@@ -86,8 +86,9 @@ def format_speed(result: BenchResult) -> str:
     for s in result.speed:
         runs = ", ".join(f"{x:.1f}" for x in s.runs_ms)
         verdict = "meets" if s.meets_target else "MISSES"
-        lines.append(f"  {s.samples:>6} samples / {s.dp:>5} DP ranks: {s.median_ms:8.1f} ms  (runs {runs}; "
-                     f"M={s.microbatches}; target < {s.target_ms:g} ms: {verdict})")
+        shape = f"{s.shape:<22} " if s.shape != "GRPO" else f"{'GRPO':<22} "
+        lines.append(f"  {shape}{s.samples:>6} samples / {s.dp:>5} DP ranks: {s.median_ms:8.1f} ms {s.clock:<4} "
+                     f"(runs {runs}; M={s.microbatches}; target < {s.target_ms:g} ms: {verdict})")
     return "\n".join(lines)
 
 

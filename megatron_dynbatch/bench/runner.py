@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .adversarial import SHAPES as ADVERSARIAL_SHAPES, run_adversarial
 from .baselines import BASELINES, BaselineContext, run_baseline, structural_problems
 from ..core.cost_model import CostModel
 from ..core.checks import is_int
@@ -96,6 +97,8 @@ class SpeedResult:
     runs_ms: List[float]
     target_ms: float
     microbatches: int = 0
+    shape: str = "GRPO"  # the input shape (see bench/adversarial.py for the adversarial ones)
+    clock: str = "wall"  # "wall" (perf_counter) or "cpu" (process_time)
 
     @property
     def median_ms(self) -> float:
@@ -113,7 +116,7 @@ class SpeedResult:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "SpeedResult":
         return cls(int(d["samples"]), int(d["dp"]), [float(x) for x in d["runs_ms"]], float(d["target_ms"]),
-                   int(d.get("microbatches", 0)))
+                   int(d.get("microbatches", 0)), str(d.get("shape", "GRPO")), str(d.get("clock", "wall")))
 
 
 @dataclass
@@ -281,8 +284,10 @@ def run_speed(cases: Sequence[Tuple[int, int, float]] = SPEED_CASES, repeats: in
 # ============================================================================================ everything
 def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optional[Sequence[str]] = None,
               speed: bool = True, speed_repeats: int = 3, progress: Optional[bool] = None,
-              keep_plans: bool = False, argv: Optional[Sequence[str]] = None) -> BenchResult:
-    """Run every workload for seeds ``0..seeds-1`` (and the speed micro-benchmark when ``speed``).
+              keep_plans: bool = False, argv: Optional[Sequence[str]] = None,
+              adversarial_sizes: Sequence[int] = ()) -> BenchResult:
+    """Run every workload for seeds ``0..seeds-1`` (and the speed micro-benchmark when ``speed``, with the
+    adversarial input shapes of :mod:`.adversarial` at ``adversarial_sizes`` samples).
 
     ``progress``: show a tqdm bar on stderr (default: only when stderr is a terminal).
     """
@@ -295,6 +300,7 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
     tasks: List[Tuple[str, Any]] = [("workload", (w, s)) for w in workloads for s in range(seeds)]
     if speed:
         tasks += [("speed", case) for case in SPEED_CASES]
+        tasks += [("adversarial", (n, shape)) for n in adversarial_sizes for shape in ADVERSARIAL_SHAPES]
     show = sys.stderr.isatty() if progress is None else progress
     bar = _progress(len(tasks), show)
     result = BenchResult(rows=[], workloads=[w.to_dict() for w in workloads])
@@ -309,6 +315,9 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
             for wd in result.workloads:
                 if wd["name"] == w.name and "source" not in wd:
                     wd["source"] = w.generate(s).source
+        elif kind == "adversarial":
+            bar.set_description(f"adversarial {task[1].name} n={task[0]}")
+            result.speed += run_adversarial([task[0]], repeats=1, shapes=[task[1]])
         else:
             bar.set_description(f"planning speed {task[0]}/{task[1]}")
             result.speed += run_speed([task], repeats=speed_repeats)

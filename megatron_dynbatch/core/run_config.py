@@ -108,6 +108,11 @@ class RunConfig:
             raise DynBatchConfigError("name", self.name, "must be a non-empty string", "name the run, e.g. 'qwen3-8b-grpo'")
         if not isinstance(self.description, str):
             raise DynBatchConfigError("description", self.description, "must be a string", "write free text or omit it")
+        if isinstance(self.megatron_args, (str, bytes, Mapping)) or not isinstance(self.megatron_args, (list, tuple)) \
+                or not all(isinstance(a, str) for a in self.megatron_args):
+            raise DynBatchConfigError("megatron_args", self.megatron_args, "must be a list of strings",
+                                      "write one flag or value per list entry, e.g. ['--recompute-granularity', 'full']")
+        set_("megatron_args", tuple(self.megatron_args))
         for f in fields(self):  # NumPy integers (accepted like ints) are stored as plain ints
             value = getattr(self, f.name)
             if _is_int(value):
@@ -123,10 +128,6 @@ class RunConfig:
         self._check_steps(par)
         self._check_layout(spec, par)
         self._check_moe(spec, par)
-        if isinstance(self.megatron_args, str) or not all(isinstance(a, str) for a in self.megatron_args):
-            raise DynBatchConfigError("megatron_args", self.megatron_args, "must be a list of strings",
-                                      "write one flag or value per list entry, e.g. ['--recompute-granularity', 'full']")
-        set_("megatron_args", tuple(self.megatron_args))
 
     def _resolve_model(self) -> ModelSpec:
         if isinstance(self.model, str):

@@ -37,6 +37,7 @@ from ..core.errors import DynBatchConfigError
 from .loss import LOSS_MODES, LossNormalizer, loss_mask_stats, make_loss_func
 from ..core.parallel import ParallelConfig
 from ..core.planner import Plan, plan_global_batch
+from ..core.planner.inputs import check_group_ids
 
 __all__ = ["DynamicBatchIterator", "PLAN_KWARGS"]
 
@@ -99,10 +100,7 @@ class DynamicBatchIterator:
         lengths = np.asarray([len(s["tokens"]) for s in samples], dtype=np.int64)
         if group_ids is None and all(group_key in s for s in samples):
             group_ids = [_hashable(s[group_key]) for s in samples]
-        gids = list(group_ids) if group_ids is not None else None
-        if gids is not None and len(gids) != len(samples):
-            raise DynBatchConfigError("group_ids", f"{len(gids)} ids",
-                                      f"needs one id per sample ({len(samples)})", "pass one group id per sample")
+        gids = check_group_ids(group_ids, len(samples)) if group_ids is not None else None
 
         if plan is None:
             unknown = sorted(set(plan_kwargs) - set(PLAN_KWARGS))

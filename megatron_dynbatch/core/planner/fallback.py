@@ -4,9 +4,9 @@ The balancing packer assigns ranks by load before it looks inside a rank, so it 
 packing exists for (``[7, 9, 7, 5, 4, 6]`` over ``dp=2`` ranks, ``M=2``, budget 11: it puts 24 tokens on one
 rank). Before the planner declares a count infeasible, it tries, in order:
 
-1. **global bins** (no groups): best-fit decreasing of every sample into ``dp * M`` micro-batches, then dealt
-   out ``M`` per rank by size tier (:func:`.packer.plan_global_bins`) -- with no groups, any ``dp * M``
-   non-empty bins make a valid plan;
+1. **global bins** (no groups; computed and cached by the caller): every sample packed into ``dp * M``
+   micro-batches, then dealt out ``M`` per rank by size tier (:func:`.packer.plan_global_bins`) -- with no
+   groups, any ``dp * M`` non-empty bins make a valid plan;
 2. **units by best fit** (groups): groups in decreasing tokens, each onto the rank with the most room whose
    ``M`` micro-batches take all its samples (best fit inside the rank); bounded work;
 3. **exact search** for small steps (at most :data:`EXACT_MAX_SAMPLES` samples): depth-first over
@@ -23,7 +23,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from .packer import StepInput, plan_global_bins
+from .packer import StepInput
 
 #: largest step solved exactly
 EXACT_MAX_SAMPLES = 14
@@ -35,16 +35,15 @@ UNIT_FIT_BUDGET = 4_000_000
 Bins = List[List[List[int]]]
 
 
-def feasible_packing(inp: StepInput, dp: int, m: int, global_fits: bool = True) -> Optional[Bins]:
+def feasible_packing(inp: StepInput, dp: int, m: int, global_bins: Optional[Bins] = None) -> Optional[Bins]:
     """A valid packing of the step into ``dp`` ranks of ``m`` micro-batches, or ``None`` if none was found.
 
-    ``global_fits=False`` says best fit cannot fill ``dp * m`` bins (:func:`.packer.best_fit_bin_count`), which
-    skips the global-bins attempt; with ``dp == 1`` that attempt is the balancing packer's own, so it is
-    skipped too."""
+    ``global_bins``: the global-bins packing of this count when the caller already has it (the count search
+    caches it, and skips it where best fit cannot fill ``dp * m`` bins); with ``dp == 1`` it is the balancing
+    packer's own attempt, so it is not repeated."""
     if inp.singletons:
-        found = plan_global_bins(inp, dp, m) if global_fits and dp > 1 else None
-        if found is not None:
-            return found
+        if global_bins is not None and dp > 1:
+            return global_bins
     else:
         found = _units_best_fit(inp, dp, m)
         if found is not None:

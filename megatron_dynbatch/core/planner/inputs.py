@@ -183,8 +183,9 @@ def steps_and_units(n: int, group_ids, samples_per_step, dp: int):
 
 
 def check_group_ids(group_ids: Any, n: int) -> list:
-    """One hashable, non-``None`` id per sample (NumPy scalars become Python scalars, so ``np.int64(3)`` and
-    ``3`` are one group); anything else is a ``DynBatchConfigError`` naming the entry."""
+    """One hashable, non-``None`` id per sample -- a scalar (int, str, ...) or a tuple of them; NumPy scalars
+    become Python scalars, so ``np.int64(3)`` and ``3`` are one group. Anything else (``None``, NaN, lists,
+    dicts, nested arrays) is a ``DynBatchConfigError`` naming the entry."""
     fix = "pass one id per sample (an int or str, e.g. the prompt index), as a list or 1-D array"
     if isinstance(group_ids, (str, bytes, Mapping, set, frozenset)) or _ndim(group_ids) == 0 \
             and not isinstance(group_ids, (list, tuple)):
@@ -198,7 +199,8 @@ def check_group_ids(group_ids: Any, n: int) -> list:
     for i, g in enumerate(gids):
         if isinstance(g, np.generic):
             g = gids[i] = g.item()
-        if g is None or (isinstance(g, float) and g != g) or (not isinstance(g, (str, bytes)) and not _is_scalar(g)):
+        if g is None or (isinstance(g, float) and g != g) or \
+                (not isinstance(g, (str, bytes, tuple)) and not _is_scalar(g)):
             raise DynBatchConfigError(f"group_ids[{i}]", _short(g), "is not a group id", fix)
         try:
             hash(g)

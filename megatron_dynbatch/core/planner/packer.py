@@ -299,15 +299,17 @@ def pack_rank(samples: Sequence[int], inp: StepInput, m: int) -> Optional[List[L
     return bins + packed
 
 
-#: full bins the LPT packer may pop per item on average before it asks the room index instead
+#: full bins the LPT packer may pop per item on average (and per pass at most) before it asks the room index
 SKIPS_PER_ITEM = 16
+MAX_SKIPS = 200_000
 #: full bins popped per item once that allowance is spent
 SKIP_LIMIT = 4
 
 
 def _lpt_bins(items: np.ndarray, aligned, weight, k: int, cap: int) -> Optional[List[List[int]]]:
     """Each item (heaviest first) into the least-loaded bin with room for it. Popping full bins to find it is
-    paid from an allowance of ``SKIPS_PER_ITEM`` per item (real workloads use 0-4); once spent, an item that
+    paid from an allowance of ``SKIPS_PER_ITEM`` per item, ``MAX_SKIPS`` per pass (real workloads use 0-4 per
+    item); once spent, an item that
     meets ``SKIP_LIMIT`` full bins goes to the bin with the most room (a lazy max-heap on room), and a count
     fails at once when not even that bin fits the item -- so one pass is ``O(n log k)`` however full bins get."""
     bins: List[List[int]] = [[] for _ in range(k)]
@@ -318,7 +320,7 @@ def _lpt_bins(items: np.ndarray, aligned, weight, k: int, cap: int) -> Optional[
     heap = [(0.0, 0, b, 0) for b in range(k)]
     rooms = [(-cap, b) for b in range(k)]  # max-heap on room; an entry is current iff it matches used[b]
     pop, push = heapq.heappop, heapq.heappush
-    allowance = SKIPS_PER_ITEM * len(items)
+    allowance = min(SKIPS_PER_ITEM * len(items), MAX_SKIPS)
     for i, need, w in zip(items.tolist(), aligned[items].tolist(), weight[items].tolist()):
         skipped = []
         target = -1

@@ -57,7 +57,20 @@ class _Counts:
         self.lockstep = cm.ep_group > 1 and inp.singletons
         self.cache: Dict[Tuple[int, int], Optional[Result]] = {}
         self._bfd_bins: Optional[int] = None
+        self._global: Dict[int, Optional[list]] = {}
         self.polished: Dict[int, Tuple[list, int]] = {}  # count -> (polished bins before ordering, evaluations)
+
+    def global_bins(self, m: int) -> Optional[list]:
+        """Without groups: ``dp * m`` bins packed over the whole step and dealt by size tier
+        (:func:`.packer.plan_global_bins`), once per count; ``None`` with groups, or where best fit already
+        says ``dp * m`` bins cannot hold the step (a failing pass over every sample is the expensive case)."""
+        if not self.inp.singletons:
+            return None
+        if m not in self._global:
+            bfd = self.bfd_count()
+            self._global[m] = plan_global_bins(self.inp, self.par.dp, m) if m >= bfd else None
+        found = self._global[m]
+        return None if found is None else _copy_bins(found)
 
     def bfd_count(self) -> Optional[int]:
         """Without groups: the first count at which best fit surely packs the step (``None`` with groups)."""
@@ -85,8 +98,7 @@ class _Counts:
         else:
             bins, done = plan_for_count(inp, dp, m, self.rounds), 0
             if bins is None:
-                bfd = self.bfd_count()
-                bins = feasible_packing(inp, dp, m, global_fits=bfd is None or m >= bfd)
+                bins = feasible_packing(inp, dp, m, global_bins=self.global_bins(m))
         if bins is not None and self.pipeline_polish:
             done = polish_pipeline(bins, inp.aligned, self.sq, inp.oversize, inp.cap, self.cm, self.align,
                                    max_evals=polish_evals, max_ops=FINAL_POLISH_OPS if final else POLISH_OPS,
@@ -95,7 +107,7 @@ class _Counts:
                 self.polished[m] = (_copy_bins(bins), done)
         best = order_and_time(bins, inp.aligned, self.sq, self.cm, self.align) if bins is not None else None
         if self.lockstep:  # expert-parallel ranks advance together: also try even micro-batches across ranks
-            alt = plan_global_bins(inp, dp, m)
+            alt = self.global_bins(m)
             if alt is not None:
                 res = order_and_time(alt, inp.aligned, self.sq, self.cm, self.align)
                 if best is None or res[1] < best[1]:

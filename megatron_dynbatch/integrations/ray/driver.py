@@ -14,6 +14,7 @@ import numpy as np
 from ...core.errors import DynBatchConfigError
 from ...core.parallel import ParallelConfig
 from ...core.planner import Plan, plan_global_batch, score_assignment
+from ...core.planner.inputs import check_group_ids
 from ...core.planner.vpp import is_valid_microbatch_count, next_valid_microbatch_count
 from ...megatron.iterator import _hashable
 from ...megatron.loss import LOSS_MODES, loss_mask_stats
@@ -140,10 +141,7 @@ def plan_rollout(
                                           "pass one value per sample")
     if group_ids is None and rc is not None and rc.group_size is not None:
         group_ids = rc.group_ids(n)
-    gids = list(group_ids) if group_ids is not None else None
-    if gids is not None and len(gids) != n:
-        raise DynBatchConfigError("group_ids", f"{len(gids)} ids", f"needs one id per sample ({n})",
-                                  "pass one group id per sample")
+    gids = check_group_ids(group_ids, n) if group_ids is not None else None
     if loss_mode == "group_mean" and gids is None:
         raise DynBatchConfigError("loss_mode", loss_mode, "group_mean needs a group id per sample",
                                   f"pass group_ids=, a '{group_key}' field in every sample, or a run_config with "

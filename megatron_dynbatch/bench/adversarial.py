@@ -1,0 +1,104 @@
+"""Planning time on adversarial input shapes: a slow plan stalls a whole cluster, so the planner is timed on the
+shapes that are hardest for a count search and a bin packer, not only on friendly GRPO batches.
+
+Each :class:`Shape` builds one batch (deterministic) and the planner arguments for it. The shapes:
+
+* ``half+1 spike`` -- every sample just over half the budget (a truncation spike at the maximum response length
+  with a budget about twice it): only one sample fits a micro-batch, the token bound says half as many;
+* ``third+1`` -- every sample just over a third: two per micro-batch, the token bound says three;
+* ``uniform 0.3-0.7`` -- sizes spread around half the budget, so best fit and the balancing packer disagree;
+* ``spike + pp8`` / ``GRPO pp4`` -- the same under 1F1B scoring (pipeline polish, extra counts);
+* ``GRPO MoE ep8`` -- expert-parallel lockstep (global bins dealt by size tier);
+* ``groups of 8`` -- GRPO groups of spike samples (units, not samples, are placed);
+* ``1% at cap`` / ``1% oversize`` -- a few huge samples among tiny ones (``oversize='alone'`` for the latter);
+* ``all zeros`` / ``all at cap`` -- degenerate batches.
+
+The default ``megatron-dynbatch bench`` times them at 4,096 samples; ``bench --adversarial`` at 65,536 samples
+over up to 1,024 ranks, where the target is < 2 s on one core, and at 4,096 / 16,384 / 65,536 samples to show the
+growth (no worse than ``n log n``). Times are CPU seconds of the planning process (``time.process_time``), so a
+busy machine does not turn a met target into a miss.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+#: the planning-time target of every shape at full size (n <= 65,536, dp <= 1,024)
+TARGET_MS = 2000.0
+BUDGET = 4096
+FULL_SIZE = 65_536
+DEFAULT_SIZE = 4_096
+GROWTH_SIZES = (4_096, 16_384, 65_536)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    dp: int
+    make: Callable[[int, np.random.Generator], Tuple[np.ndarray, Dict[str, Any]]]
+
+    def build(self, n: int) -> Tuple[np.ndarray, Dict[str, Any]]:
+        """The batch of ``n`` samples and the planner arguments (``dp`` shrinks with ``n`` to keep >= 4 each)."""
+        lengths, kwargs = self.make(n, np.random.default_rng(n))
+        dp = max(1, min(self.dp, n // 64))
+        par = dict(kwargs.pop("parallel", {}), dp=dp)
+        kwargs = {"max_tokens_per_gpu": BUDGET, "balance_by_flops": "model" in kwargs, **kwargs, "parallel": par}
+        return np.asarray(lengths, dtype=np.int64), kwargs
+
+
+def _grpo(n: int, rng: np.random.Generator, max_len: int) -> np.ndarray:
+    return np.minimum(rng.lognormal(7.5, 1.0, n).astype(np.int64) + 200, max_len)
+
+
+SHAPES: Tuple[Shape, ...] = (
+    Shape("half+1 spike", 1, lambda n, r: (np.full(n, BUDGET // 2 + 1), {})),
+    Shape("third+1", 2, lambda n, r: (np.full(n, BUDGET // 3 + 1), {})),
+    Shape("uniform 0.3-0.7", 1, lambda n, r: (r.integers(int(0.3 * BUDGET), int(0.7 * BUDGET), n), {})),
+    Shape("spike + pp8", 128, lambda n, r: (np.full(n, BUDGET // 2 + 1), {"parallel": {"pp": 8}})),
+    Shape("GRPO pp4 (FLOPs)", 1024, lambda n, r: (_grpo(n, r, 16_384), {
+        "parallel": {"pp": 4}, "model": "qwen3-8b", "max_tokens_per_gpu": 32_768})),
+    Shape("GRPO MoE ep8 (FLOPs)", 1024, lambda n, r: (_grpo(n, r, 16_384), {
+        "parallel": {"ep": 8}, "model": "qwen3-30b-a3b", "max_tokens_per_gpu": 32_768})),
+    Shape("groups of 8", 1024, lambda n, r: (np.full(n, BUDGET // 2 + 1), {"group_ids": np.arange(n) // 8})),
+    Shape("1% at cap", 1024, lambda n, r: (np.where(r.random(n) < 0.99, 5, BUDGET - 1), {})),
+    Shape("1% oversize (alone)", 256, lambda n, r: (np.where(r.random(n) < 0.99, 500, 3 * BUDGET),
+                                                    {"oversize": "alone"})),
+    Shape("all zeros", 1024, lambda n, r: (np.zeros(n, dtype=np.int64), {})),
+    Shape("all at cap", 8, lambda n, r: (np.full(n, BUDGET), {})),
+)
+
+
+def time_shape(shape: Shape, n: int, repeats: int = 1) -> Tuple[List[float], int]:
+    """CPU milliseconds of ``repeats`` plans of ``shape`` at ``n`` samples (after one untimed warm-up), and the
+    plan's micro-batch count."""
+    from ..core.planner import plan_global_batch
+
+    lengths, kwargs = shape.build(n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # oversize='alone' warns by design
+        plan = plan_global_batch(lengths, **kwargs)
+        runs = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            plan_global_batch(lengths, **kwargs)
+            runs.append(1e3 * (time.process_time() - t0))
+    return runs, plan.num_microbatches
+
+
+def run_adversarial(sizes: Sequence[int] = (DEFAULT_SIZE,), repeats: int = 1,
+                    shapes: Sequence[Shape] = SHAPES) -> List[Any]:
+    """One :class:`~megatron_dynbatch.bench.runner.SpeedResult` per shape and size."""
+    from .runner import SpeedResult
+
+    out = []
+    for n in sizes:
+        for shape in shapes:
+            runs, m = time_shape(shape, n, repeats)
+            dp = shape.build(n)[1]["parallel"]["dp"]
+            out.append(SpeedResult(n, dp, runs, TARGET_MS, m, shape=shape.name, clock="cpu"))
+    return out
