@@ -235,8 +235,9 @@ def _too_few_samples(par: ParallelConfig, n: int, m: int, m_max: int, budget: in
         problem = (f"{n} samples over dp={par.dp} ranks need at least {m} non-empty micro-batches per rank{vpp}"
                    f"{why}, but at most {m_max} can be filled without leaving one empty")
     else:
-        problem = (f"no packing of the {n} samples over dp={par.dp} ranks into at most {m_max} non-empty "
-                   f"micro-batches per rank{vpp} fits the budget")
+        problem = (f"no packing of the {n} samples over dp={par.dp} ranks into the same number of non-empty "
+                   f"micro-batches per rank (at most {m_max}){vpp} within the budget was found (with group_ids, "
+                   f"a group's samples also count on one rank only)")
     return DynBatchConfigError("--max-tokens-per-gpu", budget, problem,
                                "raise --max-tokens-per-gpu, lower dp or vpp, or pass more samples")
 
