@@ -4,10 +4,12 @@
 # (e.g. --seeds 5, --workloads grpo-longcot-8b,large-dp-256).
 #
 #   benchmarks/run_bench.sh                 # writes tmp/bench/{bench.txt,bench.json,timelines.png}
-#   OUT=/some/dir PYTHON=/work/venv/bin/python benchmarks/run_bench.sh --seeds 5
+#   OUT=/some/dir benchmarks/run_bench.sh --seeds 5      # PYTHON=... picks the interpreter (scripts/_env.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+REPO_ROOT=$PWD
+source scripts/_env.sh   # PYTHON: $PYTHON, the active venv, the project's .venv, or python3
+PY=$PYTHON
 OUT=${OUT:-tmp/bench}
 PLOT_WORKLOAD=${PLOT_WORKLOAD:-sft-longctx-70b-cp4-pp4}
 mkdir -p "$OUT"

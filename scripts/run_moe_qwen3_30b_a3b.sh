@@ -13,6 +13,8 @@
 #
 # Environment knobs: GPUS_PER_NODE (8), MAX_TOKENS_PER_GPU (16384), LOG_PROBS_MAX_TOKENS_PER_GPU (32768),
 # GLOBAL_BATCH_SIZE (256), TRAIN_ITERS (100), SEQ_LENGTH (32768), DATA_PATH, LOAD / SAVE, MASTER_PORT (29500).
+# PYTHON (default: the active venv, else the project's .venv, else python3; see scripts/_env.sh) runs
+# torchrun as `$PYTHON -m torch.distributed.run`; TORCHRUN=... replaces that launcher.
 #
 # Attention backend: NVTE_FLASH_ATTN=1 (NVTE_FUSED_ATTN=0, NVTE_UNFUSED_ATTN=0) with --attention-backend flash;
 # megatron-core asserts that the NVTE_* variables match --attention-backend. With CP, SP or FP8 alignment
@@ -20,6 +22,7 @@
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$REPO_ROOT/scripts/_env.sh"   # PYTHON: $PYTHON, the active venv, the project's .venv, or python3
 MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-/workspace/Megatron-LM}
 TOKENIZER=${TOKENIZER:-Qwen/Qwen3-30B-A3B}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
@@ -69,9 +72,11 @@ TRAIN_ARGS=(
 [ -n "${LOAD:-}" ] && TRAIN_ARGS+=(--load "$LOAD")
 [ -n "${SAVE:-}" ] && TRAIN_ARGS+=(--save "$SAVE" --save-interval 50)
 
+# torchrun of the chosen Python (TORCHRUN=... overrides it, e.g. TORCHRUN=torchrun).
+if [ -n "${TORCHRUN:-}" ]; then read -r -a LAUNCHER <<< "$TORCHRUN"; else LAUNCHER=("$PYTHON" -m torch.distributed.run); fi
 CMD=(
   env CUDA_DEVICE_MAX_CONNECTIONS=1 "${ATTN_ENV[@]}" "PYTHONPATH=$MEGATRON_LM_DIR:$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  "${TORCHRUN:-torchrun}" --nproc-per-node "$GPUS_PER_NODE" --nnodes 1 --master-addr 127.0.0.1 --master-port "$MASTER_PORT"
+  "${LAUNCHER[@]}" --nproc-per-node "$GPUS_PER_NODE" --nnodes 1 --master-addr 127.0.0.1 --master-port "$MASTER_PORT"
   "$REPO_ROOT/scripts/pretrain_gpt_dynbatch.py"
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DYNBATCH_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAIN_ARGS[@]}" "$@"
 )

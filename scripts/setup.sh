@@ -40,9 +40,17 @@ if [ "$want_test" = 1 ]; then
   "$VPY" -m pip install -q -e ".[megatron,ray,plot,test]"
   # Fail loudly now rather than in the middle of the test run.
   "$VPY" - <<'PYCHECK'
-import importlib, sys
-for mod in ("torch", "megatron.core", "ray", "hypothesis", "pytest", "megatron_dynbatch"):
-    importlib.import_module(mod)
+import importlib, sys, warnings
+with warnings.catch_warnings(record=True) as caught:  # megatron-core warns once per fallback on CPU machines
+    for mod in ("torch", "megatron.core", "ray", "hypothesis", "pytest", "megatron_dynbatch"):
+        importlib.import_module(mod)
+no_te = [w for w in caught if "Transformer Engine and Apex are not installed" in str(w.message)]
+for w in caught:
+    if w not in no_te:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+if no_te:
+    print("setup.sh: note: megatron-core falls back to torch in %d places (\"Transformer Engine and Apex are not "
+          "installed\"): expected on a CPU machine" % len(no_te))
 try:
     import transformer_engine  # noqa: F401
     print("setup.sh: note: transformer_engine is importable here (GPU machine?)")
@@ -52,5 +60,5 @@ print("setup.sh: test environment ready (torch %s)" % __import__("torch").__vers
 PYCHECK
 else
   "$VPY" -m pip install -q -e .
-  echo "setup.sh: ready: .venv/bin/megatron-dynbatch"
+  echo "setup.sh: ready: .venv/bin/megatron-dynbatch (or 'source .venv/bin/activate', then megatron-dynbatch)"
 fi

@@ -129,10 +129,12 @@ def test_sbatch_header_and_rendezvous_from_slurm_env(tmp_path):
     words = _dry(SBATCH, **{**env, "PATH": f"{fake}:{env['PATH']}", "SLURM_GPUS_ON_NODE": "4"})
     assert _value(words, "--master-addr") == "node-a"
     assert _value(words, "--nproc-per-node") == "4"
-    # outside Slurm: one node, localhost, 8 GPUs
-    words = _dry(SBATCH, PATH=_path_without("scontrol"))
-    assert (_value(words, "--master-addr"), _value(words, "--nnodes"), _value(words, "--nproc-per-node")) == \
-        ("127.0.0.1", "1", "8")
+    # outside Slurm: the job of the #SBATCH header (32 nodes x 8 GPUs) as node 0 runs it, master on localhost
+    res = _run(SBATCH, DRY_RUN="1", PATH=_path_without("scontrol"))
+    words = shlex.split(res.stdout)
+    assert (_value(words, "--master-addr"), _value(words, "--nnodes"), _value(words, "--nproc-per-node"),
+            _value(words, "--node-rank")) == ("127.0.0.1", "32", "8", "0")
+    assert "$SLURM_NODEID" not in res.stdout and "node 0 of 32" in res.stderr
 
 
 def _path_without(tool: str) -> str:
