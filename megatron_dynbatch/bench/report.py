@@ -82,10 +82,14 @@ def format_table(result: BenchResult) -> str:
 def format_speed(result: BenchResult) -> str:
     if not result.speed:
         return ""
-    lines = ["planning speed (plan_global_batch, median of runs, single process):"]
+    load, cpus = result.meta.get("load_avg"), result.meta.get("cpus")
+    busy = load is not None and cpus and load > 0.75 * cpus
+    where = f"; load average {load:.1f} on {cpus} CPU(s) during the run" if load is not None and cpus else ""
+    lines = [f"planning speed (plan_global_batch, median of runs, single process{where}):"]
     for s in result.speed:
         runs = ", ".join(f"{x:.1f}" for x in s.runs_ms)
-        verdict = "meets" if s.meets_target else "MISSES"
+        verdict = "meets" if s.meets_target else \
+            "MISSES (the machine was busy, which slows even CPU time: rerun when idle)" if busy else "MISSES"
         shape = f"{s.shape:<22} " if s.shape != "GRPO" else f"{'GRPO':<22} "
         lines.append(f"  {shape}{s.samples:>6} samples / {s.dp:>5} DP ranks: {s.median_ms:8.1f} ms {s.clock:<4} "
                      f"(runs {runs}; M={s.microbatches}; target < {s.target_ms:g} ms: {verdict})")
@@ -125,7 +129,11 @@ def verdicts(result: BenchResult, variants: Sequence[str] = (PRIMARY,)) -> List[
 
 
 def format_report(result: BenchResult) -> str:
-    parts = [format_table(result), "", *verdicts(result)]
+    """Headline, table, legend, verdicts, planning speed (what ``megatron-dynbatch bench`` prints)."""
+    from .explain import headline, legend
+
+    parts = [*headline(result), "", format_table(result), "", *legend(result, [c for c, _ in COLUMNS]), "",
+             *verdicts(result)]
     speed = format_speed(result)
     if speed:
         parts += ["", speed]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import sys
 import time
@@ -304,6 +305,7 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
         tasks += [("adversarial", (n, shape)) for n in adversarial_sizes for shape in ADVERSARIAL_SHAPES]
     show = sys.stderr.isatty() if progress is None else progress
     bar = _progress(len(tasks), show)
+    load_start = _load_average()
     result = BenchResult(rows=[], workloads=[w.to_dict() for w in workloads])
     t_start = time.perf_counter()
     for kind, task in tasks:
@@ -330,8 +332,18 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
         "python": platform.python_version(), "numpy": np.__version__,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "seeds": seeds, "wall_s": time.perf_counter() - t_start,
+        # the busier of start and end: contention slows planning times (report.format_speed says so on a miss)
+        "load_avg": max(load_start, _load_average()) if load_start is not None else None,
+        "cpus": os.cpu_count(),
     }
     return result
+
+
+def _load_average() -> Optional[float]:
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):  # not on every platform
+        return None
 
 
 class _NoBar:
