@@ -17,13 +17,15 @@ exit with status 2, like argparse's own usage errors; no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._argparse import SuggestingArgumentParser
 from .core.errors import DynBatchConfigError
 
 PROG = "megatron-dynbatch"
@@ -134,6 +136,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and plot_workload not in [w.name for w in workloads]:
         raise DynBatchConfigError("--plot-workload", plot_workload, "is not among the workloads being run",
                                   f"use one of {', '.join(w.name for w in workloads)}")
+    if args.plot:
+        from .bench.plot import require_matplotlib
+
+        require_matplotlib(args.plot)  # before the run, not after it
     result = run_bench(workloads, seeds=args.seeds, algorithms=iter_algorithms(args.algorithms),
                        speed=not args.no_speed, speed_repeats=args.speed_repeats, progress=args.progress,
                        keep_plans=bool(args.plot), argv=args.argv,
@@ -163,6 +169,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .core.planner import plan_global_batch
 
+    if args.plot:
+        from .bench.plot import require_matplotlib
+
+        require_matplotlib(args.plot)
     lengths = _read_values(args.lengths, "--lengths", integers=True)
     group_ids = _read_values(args.group_ids, "--group-ids", integers=False) if args.group_ids else None
     kwargs, run = _plan_kwargs(args)
@@ -185,9 +195,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(_plan_summary(plan, args, balance_by, len(lengths)))
     print()
     print(_rank_table(plan, args.max_ranks))
+    baselines: Dict[str, Any] = {}
     if args.compare:
         print()
-        print(_compare(plan, lengths, args, par))
+        text, baselines = _compare(plan, lengths, args, par)
+        print(text)
+    if args.plot:
+        from .bench.plot import plot_timelines
+
+        p = plan.parallel
+        plot_timelines({"dynbatch": plan, **baselines}, args.plot, max_ranks=args.max_ranks,
+                       title=f"{len(lengths)} samples, dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}, "
+                             f"{plan.cap:,} tokens per micro-batch: per-rank timelines")
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -267,7 +287,8 @@ def _rank_table(plan: Any, max_ranks: int) -> str:
     return "\n".join(rows)
 
 
-def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: Any) -> str:
+def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Tuple[str, Dict[str, Any]]:
+    """The comparison table, and the baselines' plans (for ``--plot``)."""
     from .bench.baselines import BASELINES, BaselineContext, run_baseline
     from .core.cost_model import CostModel
 
@@ -277,17 +298,20 @@ def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: A
     out = [f"{'algorithm':<14} {'step s':>9} {'x LB':>7} {'mb/rank':>8} {'over budget':>11}",
            f"{'dynbatch':<14} {plan.predicted_step_time:>9.4f} {plan.step_time_vs_lower_bound:>7.4f} "
            f"{plan.num_microbatches:>8} {plan.cap_violations:>11}"]
+    plans: Dict[str, Any] = {}
     for name in BASELINES:
         res = run_baseline(name, lengths, ctx, cm)
         if res.error:
             out.append(f"{name:<14} failed: {res.error}")
             continue
-        q = res.plan
+        q = plans[name] = res.plan
         counts = {len(r) for r in q.micro_batches}
         mb = str(max(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
         out.append(f"{name:<14} {q.predicted_step_time:>9.4f} {q.predicted_step_time / lb if lb else 0:>7.4f} "
                    f"{mb:>8} {q.cap_violations:>11}")
-    return "\n".join(out)
+    out.append("(step s: modelled step time; x LB: / the lower bound; mb/rank: micro-batches per rank; over budget: "
+               "micro-batches over the token budget, each an OOM risk; docs/benchmarks.md)")
+    return "\n".join(out), plans
 
 
 # ============================================================================================ flops
@@ -334,7 +358,16 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     from .core.run_config import RunConfig, available_run_presets
 
     if args.action == "list":
-        print("\n".join(available_run_presets()))
+        names = available_run_presets()
+        width = max((len(n) for n in names), default=0)
+        for name in names:
+            try:
+                about = RunConfig.from_yaml(name).description
+            except DynBatchConfigError as exc:  # one broken user preset must not hide the others
+                about = f"(does not load: {exc})"
+            print(f"{name:<{width}}  {about}".rstrip())
+        print("\n'runs show NAME' prints one; 'runs args NAME' the Megatron flags it implies; "
+              "'plan --run NAME' plans with it")
         return 0
     if args.preset is None:
         raise DynBatchConfigError("runs " + args.action, None, "needs a run preset", "pass a preset name or a YAML path")
@@ -354,22 +387,47 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         from .demo import main as demo_main
-    except ModuleNotFoundError as exc:
-        if exc.name in ("megatron_dynbatch.demo",):
+    except ImportError as exc:
+        from .requirements import import_problem
+
+        if getattr(exc, "name", None) == "megatron_dynbatch.demo" or "megatron_dynbatch.demo" in str(exc):
             print(f"{PROG}: error: the demo is not available in this installation (megatron_dynbatch/demo.py is "
                   f"missing)", file=sys.stderr)
         else:
-            print(f"{PROG}: error: the demo needs torch and megatron-core ({exc.name} is not installed); "
-                  f"pip install 'megatron-dynbatch[megatron]' (see scripts/setup.sh)", file=sys.stderr)
+            print(f"{PROG}: error: the demo {import_problem(exc.name or 'torch') or exc}", file=sys.stderr)
         return 2
-    rc = demo_main(list(args.demo_args))
+    try:
+        rc = demo_main(list(args.demo_args))
+    except SystemExit as exc:  # the demo's own usage errors (2) and --help (0)
+        return int(exc.code or 0)
     return int(rc or 0)
+
+
+# ============================================================================================ warnings
+@contextlib.contextmanager
+def _cli_warnings() -> Iterator[None]:
+    """This package's warnings (e.g. ``oversize='alone'``) print as ``megatron-dynbatch: warning: ...`` lines,
+    like the errors, instead of Python's ``file:line: Category: ...`` plus a source line; others are unchanged."""
+    import warnings
+
+    default = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if getattr(category, "__module__", "").startswith("megatron_dynbatch"):
+            print(f"{PROG}: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 # ============================================================================================ parser
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="FLOPs-balanced dynamic micro-batching for Megatron-Core: benchmark, plan, FLOPs.")
+    parser = SuggestingArgumentParser(
+        prog=PROG, description="FLOPs-balanced dynamic micro-batching for Megatron-Core: benchmark, plan, FLOPs.",
+        epilog="Start with 'megatron-dynbatch bench'; docs/quickstart.md walks through the rest.")
     sub = parser.add_subparsers(dest="command", metavar="{bench,plan,flops,runs,demo}")
 
     b = sub.add_parser("bench", help="run the built-in benchmark (defaults: every default workload, all algorithms)",
@@ -436,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="also score the baselines (fixed_padded, slime, verl, nemo_rl, ...) on the same batch")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="also write per-rank timelines of the plan to this image (with --compare: one panel per "
+                        "baseline too); needs matplotlib")
     p.set_defaults(func=_cmd_plan)
 
     f = sub.add_parser("flops", help="FLOPs of a model at given sequence lengths",
@@ -477,12 +538,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     args.argv = raw
     try:
-        return int(args.func(args) or 0)
+        with _cli_warnings():
+            return int(args.func(args) or 0)
     except DynBatchConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `megatron-dynbatch bench | head`: the reader left; no traceback for that
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,8 +15,13 @@ rank ends with the line ``demo rank R/W finished``::
 
 Per step it prints the exact loss, tokens/s, micro-batches per rank, the plan's FLOPs imbalance and padding.
 ``--check`` compares the first step's gradients (after ``finalize_model_grads``) with an UNPACKED reference
-(every sample run alone, sbhd, on one process, same loss definition) and prints ``max_grad_diff=<value>``;
-the exit status is 1 if it is above 1e-5.
+(every sample run alone, sbhd, on one process, same loss definition) and prints ``max_grad_diff=<value>`` and
+``check: PASS`` or ``check: FAIL`` with the 1e-5 threshold; the exit status is 1 on FAIL.
+
+Every step's batch is planned once in this process before any rank starts, so a setting the planner refuses
+(``--max-tokens-per-gpu`` below the longest sample, fewer samples or groups than ranks) is one error line, not
+one traceback per rank. Missing or broken torch / megatron-core is reported by
+:func:`megatron_dynbatch.requirements.import_problem` (installed-but-failing imports quote the real error).
 
 The module also holds the unpacked reference used by the tests (:func:`unpacked_reference`,
 :func:`reference_coefficients`, :func:`reference_log_probs`).
@@ -34,24 +39,33 @@ import numpy as np
 
 VOCAB = 128
 CHECK_TOLERANCE = 1e-5
+PROG = "megatron-dynbatch demo"
 
 __all__ = ["main", "synthetic_rl_batch", "reference_coefficients", "unpacked_reference", "reference_log_probs",
            "sample_targets"]
 
 
 # --------------------------------------------------------------------------------------- data
+def _synthetic_shapes(num_samples: int, seed: int, max_len: int = 96) -> List[Tuple[int, int, float]]:
+    """``(prompt tokens, response tokens, reward)`` of every sample of :func:`synthetic_rl_batch` (torch-free)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num_samples):
+        prompt = int(rng.integers(4, 17))
+        resp = int(min(max_len - prompt, max(1, rng.lognormal(mean=2.8, sigma=0.8))))
+        out.append((prompt, resp, float(rng.normal())))
+    return out
+
+
 def synthetic_rl_batch(num_samples: int, seed: int, *, vocab: int = VOCAB, max_len: int = 96,
                        group_size: int = 1) -> List[Dict[str, Any]]:
     """RL-like samples: prompt 4-16 tokens (loss mask 0), long-tailed response (loss mask 1), a per-token
     ``advantages`` extra, a scalar ``reward`` and a ``group_id`` (``group_size`` responses per prompt)."""
     import torch
 
-    rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(int(seed))
     out = []
-    for i in range(num_samples):
-        prompt = int(rng.integers(4, 17))
-        resp = int(min(max_len - prompt, max(1, rng.lognormal(mean=2.8, sigma=0.8))))
+    for i, (prompt, resp, reward) in enumerate(_synthetic_shapes(num_samples, seed, max_len)):
         n = prompt + resp
         mask = torch.zeros(n)
         mask[prompt - 1:n - 1] = 1.0  # label positions predicting response tokens
@@ -59,7 +73,7 @@ def synthetic_rl_batch(num_samples: int, seed: int, *, vocab: int = VOCAB, max_l
             "tokens": torch.randint(1, vocab, (n,), generator=g),
             "loss_mask": mask,
             "advantages": torch.randn(n, generator=g),
-            "reward": float(rng.normal()),
+            "reward": reward,
             "group_id": i // max(1, group_size),
         })
     return out
@@ -223,7 +237,10 @@ class _ExplicitDp(argparse.Action):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-dynbatch demo", description=__doc__.split("\n\n")[0])
+    from ._argparse import SuggestingArgumentParser
+
+    about = __doc__.split("\n\n")[0].replace("``", "")  # the docstring's first paragraph, without RST markup
+    p = SuggestingArgumentParser(prog=PROG, description=about)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     p.add_argument("--launcher", choices=("spawn", "torchrun"), default="spawn",
                    help="spawn: start --dp local processes (default); torchrun: this process is one rank of a "
@@ -238,7 +255,8 @@ def _parser() -> argparse.ArgumentParser:
                    choices=["token_mean", "sample_mean", "group_mean", "token_sum"])
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--check", action="store_true",
-                   help="compare the first step's gradients with the unpacked reference (exit 1 if > 1e-5)")
+                   help=f"compare the first step's gradients with the unpacked reference: PASS if they differ by "
+                        f"at most {CHECK_TOLERANCE:g}, else FAIL and exit status 1")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds before a hung run fails (spawn: the whole run; torchrun: gloo collectives)")
     return p
@@ -283,13 +301,50 @@ def _report(results: Sequence[Mapping[str, Any]], check: bool, *, verbose: bool 
     status = 0
     if check:
         diff = results[0]["max_grad_diff"]
+        ok = diff <= CHECK_TOLERANCE
         if verbose:
             _say(f"max_grad_diff={diff:.3e}")
-        if not diff <= CHECK_TOLERANCE:
-            if verbose:
-                _say(f"FAIL: gradients differ from the unpacked reference by more than {CHECK_TOLERANCE}")
+            if ok:
+                _say(f"check: PASS (max_grad_diff {diff:.1e} <= {CHECK_TOLERANCE:g}): the packed, dynamically "
+                     f"batched step gives the gradients of running every sample alone")
+            else:
+                _say(f"check: FAIL (max_grad_diff {diff:.1e} > {CHECK_TOLERANCE:g}): the gradients differ from the "
+                     f"unpacked reference")
+        if not ok:
             status = 1
     return status
+
+
+def _precheck(args: argparse.Namespace) -> Optional[str]:
+    """Plan every step's batch here, before any rank starts (the ranks plan the same lengths): a setting the
+    planner refuses becomes one error line instead of a traceback per rank. Returns that line, or None."""
+    from .core.errors import DynBatchConfigError
+    from .core.planner import plan_global_batch
+
+    if args.samples < 1:
+        return f"--samples={args.samples}: must be >= 1. Fix: pass --samples N with N >= --dp"
+    lengths: List[int] = []
+    for step in range(args.steps):  # every step's batch in one call: the error covers all of them
+        lengths += [p + r for p, r, _ in _synthetic_shapes(args.samples, args.seed * 1000 + step)]
+    groups = [(i // args.samples, (i % args.samples) // max(1, args.group_size)) for i in range(len(lengths))]
+    try:
+        plan_global_batch(lengths, parallel={"dp": args.dp}, balance_by_flops=False, samples_per_step=args.samples,
+                          max_tokens_per_gpu=args.max_tokens_per_gpu, group_ids=groups)
+    except DynBatchConfigError as exc:
+        text = str(exc).replace("optimizer step", "demo step")
+        if exc.field == "group_ids":
+            n_groups = -(-args.samples // max(1, args.group_size))
+            text += f"; here --samples {args.samples} with --group-size {args.group_size} make {n_groups} per step"
+        return text
+    return None
+
+
+def _rank_failure_line(text: str) -> Optional[str]:
+    """The message of a configuration error that every failing rank raised (then the tracebacks add nothing)."""
+    import re
+
+    found = set(re.findall(r"^megatron_dynbatch\.core\.errors\.\w+: (.+)$", text, flags=re.MULTILINE))
+    return found.pop() if len(found) == 1 else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -299,24 +354,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.launcher == "torchrun":
         env, problem = _torchrun_env()
         if problem:
-            print(f"error: {problem}", file=sys.stderr)
+            print(f"{PROG}: error: {problem}", file=sys.stderr)
             return 2
         world = int(env["WORLD_SIZE"])
         if not getattr(args, "dp_given", False):
             args.dp = world
         elif args.dp != world:
-            print(f"error: --dp={args.dp} disagrees with WORLD_SIZE={world} from torchrun: every torchrun process "
+            print(f"{PROG}: error: --dp={args.dp} disagrees with WORLD_SIZE={world} from torchrun: every torchrun process "
                   f"is one data-parallel rank; drop --dp or launch {args.dp} processes "
                   f"(--nnodes x --nproc-per-node = {args.dp})", file=sys.stderr)
             return 2
     if args.steps < 1 or args.dp < 1:
-        print("error: --steps and --dp must be >= 1", file=sys.stderr)
+        print(f"{PROG}: error: --steps and --dp must be >= 1", file=sys.stderr)
+        return 2
+    problem = _precheck(args)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
     _quiet()
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        print("error: the demo needs megatron-core (pip install 'megatron-dynbatch[megatron]')", file=sys.stderr)
+    from .requirements import import_problem
+
+    problem = import_problem("torch", "megatron.core")
+    if problem:
+        print(f"{PROG}: error: the demo {problem}", file=sys.stderr)
         return 2
 
     opts = {"steps": args.steps, "seed": args.seed, "samples": args.samples, "group_size": args.group_size,
@@ -328,9 +388,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              f"{args.samples} samples/step, max_tokens_per_gpu={args.max_tokens_per_gpu}, loss={args.loss_mode}")
     t0 = time.perf_counter()
     if env is None:
-        from .testing.multiproc import run_ranks
+        from .testing.multiproc import RankFailure, run_ranks
 
-        results = run_ranks(_demo_worker, args.dp, opts, timeout=args.timeout)
+        try:
+            results = run_ranks(_demo_worker, args.dp, opts, timeout=args.timeout)
+        except RankFailure as exc:
+            line = _rank_failure_line(str(exc))
+            print(f"{PROG}: error: {line}" if line else str(exc), file=sys.stderr)
+            return 2 if line else 1
     else:  # this process is one rank; torchrun's agent store serves the rendezvous at MASTER_ADDR:MASTER_PORT
         opts.update(gather=True, master_addr=env["MASTER_ADDR"], timeout_s=args.timeout)
         results = _demo_worker(rank, args.dp, opts)["all"]

@@ -21,6 +21,7 @@ def test_demo_check_one_step(capsys):
     m = re.search(r"max_grad_diff=(\S+)", out)
     assert m, out
     assert float(m.group(1)) <= 1e-5
+    assert re.search(r"^check: PASS \(max_grad_diff \S+ <= 1e-05\)", out, flags=re.M), out  # verdict + threshold
     step = re.search(r"step 0: loss=(\S+) tokens/s=(\S+) micro-batches/rank=(\d+) .*flops_imbalance=(\S+) "
                      r"padding=(\d+)", out)
     assert step, out
