@@ -24,7 +24,7 @@ from .core.flops import FlopsCoefficients, calculate_fwd_flops, flops_coefficien
 from .core.memory import estimate_max_tokens_per_gpu
 from .core.model_spec import ModelSpec
 from .core.parallel import ParallelConfig
-from .core.planner import Plan, plan_global_batch, score_assignment
+from .core.planner import Plan, local_microbatch_counts, plan_global_batch, plan_local_batch, score_assignment
 from .core.run_config import RunConfig
 from ._legacy import install_legacy_module_aliases
 
@@ -61,7 +61,9 @@ __all__ = [
     "flops_coefficients",
     "load_cost_model",
     "per_gpu_flops",
+    "local_microbatch_counts",
     "plan_global_batch",
+    "plan_local_batch",
     "score_assignment",
     *_LAZY,
 ]

@@ -120,6 +120,14 @@ def _check_plan_or_error(fn, n_samples=None):
            "balance_by": st.sampled_from([None, "tokens", "flops", "time", "bogus", 3]),
            "balance_by_flops": st.sampled_from([True, False, np.bool_(False), "no", 0, None]),
            "refine_rounds": st.sampled_from([None, 0, 3, -1, 2.0, np.int32(2)]),
+           # the drop-in knobs (integrations/): valid now and then, hostile now and then
+           "equal_samples_per_rank": st.sampled_from([True, False, np.bool_(True), "yes", 1, None]),
+           "min_num_microbatches": mostly(st.integers(-1, 9)),
+           "num_microbatches_multiple": mostly(st.integers(-1, 5)),
+           "sequence_pad_multiple": st.sampled_from([None, 1, 2, 8, 16, 0, -2, 2.0, 2 ** 21, np.int64(4), "8"]),
+           "microbatch_pad_multiple": st.sampled_from([None, 1, 128, 256, 0, 2 ** 40, True, np.uint16(64)]),
+           "microbatch_group_ids": st.sampled_from(["pairs", "hostile", "short", None, [None]]),
+           "rollouts": st.sampled_from(["ok", "ok", "no_ids", "hostile_count", "both"]),
        }))
 def test_plan_global_batch_hostile(lengths, parallel, budget, groups, hostile_group, extra):
     n = len(lengths) if isinstance(lengths, (list, tuple, range)) or \
@@ -127,6 +135,24 @@ def test_plan_global_batch_hostile(lengths, parallel, budget, groups, hostile_gr
     kwargs = dict(parallel=parallel, max_tokens_per_gpu=budget, **extra)
     if "balance_by_flops" not in kwargs and "balance_by" not in kwargs:
         kwargs["balance_by_flops"] = False
+    mb_kind = kwargs.pop("microbatch_group_ids", None)
+    rollouts = kwargs.pop("rollouts", None)
+    if n and mb_kind == "pairs":
+        kwargs["microbatch_group_ids"] = [i // 2 for i in range(n)]
+    elif n and mb_kind == "hostile":
+        kwargs["microbatch_group_ids"] = [hostile_group] * n
+    elif mb_kind == "short":
+        kwargs["microbatch_group_ids"] = [0]
+    elif mb_kind is not None:
+        kwargs["microbatch_group_ids"] = mb_kind
+    if n and rollouts == "ok":
+        kwargs.update(rollout_ids=[i // 3 for i in range(n)], rollouts_per_step=1)
+    elif rollouts == "no_ids":
+        kwargs["rollouts_per_step"] = 2
+    elif n and rollouts == "hostile_count":
+        kwargs.update(rollout_ids=[i // 3 for i in range(n)], rollouts_per_step=hostile_group)
+    elif n and rollouts == "both":
+        kwargs.update(rollout_ids=list(range(n)), rollouts_per_step=1, samples_per_step=1)
     if n:
         if groups == "ok":
             kwargs["group_ids"] = [i // 2 for i in range(n)]
@@ -136,7 +162,7 @@ def test_plan_global_batch_hostile(lengths, parallel, budget, groups, hostile_gr
             kwargs["group_ids"] = [hostile_group] + [i for i in range(1, n)]
         elif groups == "short":
             kwargs["group_ids"] = list(range(max(0, n - 1)))
-    _check_plan_or_error(lambda: plan_global_batch(lengths, **kwargs), n_samples=None)
+    _check_plan_or_error(lambda: plan_global_batch(lengths, **kwargs), n_samples=n)
 
 
 @SETTINGS

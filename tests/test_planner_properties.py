@@ -65,7 +65,7 @@ def workloads(draw):
     return par, per_gpu, lengths.astype(int).tolist(), groups, kind
 
 
-def check_invariants(plan, lengths, par, groups=None, samples_per_step=None):
+def check_invariants(plan, lengths, par, groups=None, samples_per_step=None, mb_groups=None):
     n = len(lengths)
     plan.validate(n)  # every sample once, no empty micro-batch, equal counts, steps sum up
     assert plan.dp == par["dp"]
@@ -81,8 +81,10 @@ def check_invariants(plan, lengths, par, groups=None, samples_per_step=None):
             slots = sum(plan.alignment.seq_len(lengths[i]) for i in mb)
             assert tokens == plan.alignment.padded_total(slots)
             if tokens > plan.cap:
-                # The only allowed excess: one over-budget sample alone (oversize='alone').
-                assert len(mb) == 1 and mb[0] in over, (r, j, mb, tokens, plan.cap)
+                # The only allowed excess: one over-budget sample alone (oversize='alone') -- or one over-budget
+                # micro-batch group (microbatch_group_ids), alone.
+                alone = len(mb) == 1 or (mb_groups is not None and len({mb_groups[i] for i in mb}) == 1)
+                assert alone and set(mb) <= over, (r, j, mb, tokens, plan.cap)
     if groups is not None:
         rank_of = {i: r for r in range(plan.dp) for i in plan.rank_samples(r)}
         for g in set(groups):
@@ -227,3 +229,198 @@ def test_flops_balance_beats_token_balance_on_quadratic_workload():
     tokens = plan_global_batch(lengths, balance_by_flops=False, **kw)
     assert flops.flops_imbalance <= tokens.flops_imbalance
     assert flops.flops_imbalance < 1.01
+
+
+# ---------------------------------------------------------------------- the drop-in knobs
+@st.composite
+def knobs(draw, n):
+    """A random combination of the knobs the RL drop-ins need (integrations/), with the ids they take."""
+    k = {}
+    if draw(st.booleans()):
+        k["equal_samples_per_rank"] = True
+    if draw(st.booleans()):
+        k["min_num_microbatches"] = draw(st.integers(1, 6))
+    if draw(st.booleans()):
+        k["num_microbatches_multiple"] = draw(st.integers(1, 4))
+    if draw(st.booleans()):
+        size = draw(st.sampled_from([2, 3]))
+        k["microbatch_group_ids"] = [i // size for i in range(n)]
+    if draw(st.booleans()):
+        per = draw(st.sampled_from([1, 2, 3]))
+        rollouts = -(-n // per)
+        rps = draw(st.sampled_from([d for d in range(1, rollouts + 1) if rollouts % d == 0]))
+        k["rollout_ids"] = [i // per for i in range(n)]
+        k["rollouts_per_step"] = rps
+    if draw(st.booleans()):
+        k["sequence_pad_multiple"] = draw(st.sampled_from([2, 4, 8, 16]))
+    if draw(st.booleans()):
+        k["microbatch_pad_multiple"] = draw(st.sampled_from([2, 16, 64]))
+    return k
+
+
+def check_knobs(plan, lengths, par, k):
+    """What each knob promises, on top of :func:`check_invariants`."""
+    steps = len(plan.microbatches_per_step)
+    for s, count in enumerate(plan.microbatches_per_step):
+        assert count >= k.get("min_num_microbatches", 1)
+        assert count % k.get("num_microbatches_multiple", 1) == 0
+        if k.get("equal_samples_per_rank"):
+            sizes = {sum(len(mb) for mb in plan.step_microbatches(r, s)) for r in range(plan.dp)}
+            assert len(sizes) == 1, (s, sizes)
+    if "microbatch_group_ids" in k:
+        where = {i: (r, j) for r, rank in enumerate(plan.micro_batches) for j, mb in enumerate(rank) for i in mb}
+        for g in set(k["microbatch_group_ids"]):
+            assert len({where[i] for i, gg in enumerate(k["microbatch_group_ids"]) if gg == g}) == 1
+    if "rollouts_per_step" in k:
+        rids, rps = k["rollout_ids"], k["rollouts_per_step"]
+        order = list(dict.fromkeys(rids))
+        for s in range(steps):
+            placed = {rids[i] for r in range(plan.dp) for mb in plan.step_microbatches(r, s) for i in mb}
+            assert placed == set(order[s * rps:(s + 1) * rps])
+    a = plan.alignment
+    assert a.seq_multiple % k.get("sequence_pad_multiple", 1) == 0
+    assert a.total_multiple % (k.get("microbatch_pad_multiple", 1) * par.get("cp", 1)) == 0
+
+
+KNOB_ERRORS = ("without leaving one empty", "cannot share equally", "empty micro-batch", "spans two",
+               "group spans optimizer steps", "smaller than one aligned sequence", "rollouts of the batch")
+
+
+@SETTINGS
+@given(workloads(), st.data())
+def test_knobs_keep_the_invariants_or_explain(workload, data):
+    par, per_gpu, lengths, groups, kind = workload
+    k = data.draw(knobs(len(lengths)))
+    if "microbatch_group_ids" in k and groups is not None:
+        groups = [k["microbatch_group_ids"][i] for i in range(len(lengths))]  # a pair inside one rank group
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        try:
+            plan = plan_global_batch(lengths, parallel=par, max_tokens_per_gpu=per_gpu, balance_by_flops=False,
+                                     group_ids=groups, oversize="alone", **k)
+        except DynBatchConfigError as err:
+            assert err.fix and err.field
+            assert any(s in str(err) for s in KNOB_ERRORS), str(err)
+            return
+    check_invariants(plan, lengths, par, groups, mb_groups=k.get("microbatch_group_ids"))
+    check_knobs(plan, lengths, par, k)
+
+
+@SETTINGS
+@given(workloads())
+def test_knobs_off_change_nothing(workload):
+    """Every knob at its default value plans exactly as without it."""
+    par, per_gpu, lengths, groups, _ = workload
+    kw = dict(parallel=par, max_tokens_per_gpu=per_gpu, balance_by_flops=False, group_ids=groups, oversize="alone")
+    off = dict(equal_samples_per_rank=False, microbatch_group_ids=None, min_num_microbatches=1,
+               num_microbatches_multiple=1, rollout_ids=None, rollouts_per_step=None, sequence_pad_multiple=1,
+               microbatch_pad_multiple=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        try:
+            a = plan_global_batch(lengths, **kw)
+        except DynBatchConfigError as err:
+            with pytest.raises(DynBatchConfigError) as again:
+                plan_global_batch(lengths, **kw, **off)
+            assert str(again.value) == str(err)
+            return
+        b = plan_global_batch(lengths, **kw, **off)
+    assert a.micro_batches == b.micro_batches and a.microbatch_tokens == b.microbatch_tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 12), st.integers(0, 2**31 - 1), st.data())
+def test_equal_samples_always_plan_when_counts_divide(dp, per_rank, seed, data):
+    """Every sample within the budget and a batch that divides by dp: an equal-count plan always exists (one
+    sample per micro-batch at worst), and the planner finds one."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 4000, size=dp * per_rank).tolist()
+    group = data.draw(st.sampled_from([None, 1, per_rank]))
+    groups = None if group is None else [i // group for i in range(len(lengths))]
+    plan = plan_global_batch(lengths, model="tiny-gpt", parallel={"dp": dp}, max_tokens_per_gpu=4096,
+                             equal_samples_per_rank=True, group_ids=groups)
+    check_invariants(plan, lengths, {"dp": dp}, groups)
+    assert {len(plan.rank_samples(r)) for r in range(dp)} == {per_rank}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=60), st.integers(1, 5), st.integers(0, 6),
+       st.sampled_from([None, 2, 3]), st.sampled_from([{}, {"pp": 2, "vpp": 2}, {"cp": 2}]))
+def test_local_mode_agreed_count_plans_on_every_rank(all_lengths, ranks, extra, multiple, layout):
+    """Local mode: the maximum of the ranks' own first counts (one all-reduce) packs on every rank, within the
+    cap, and so does any larger valid count the ranks still have samples for."""
+    from megatron_dynbatch import local_microbatch_counts, plan_local_batch
+
+    parts = [all_lengths[r::ranks] for r in range(ranks)]
+    kw = dict(parallel={"dp": ranks, **layout}, max_tokens_per_gpu=4096, balance_by_flops=False,
+              num_microbatches_multiple=multiple, oversize="alone")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        try:
+            counts = [local_microbatch_counts(p, **kw) for p in parts if p]
+        except DynBatchConfigError as err:
+            assert "without leaving one empty" in str(err) or "empty micro-batch" in str(err), str(err)
+            return
+        agreed = max(c[0] for c in counts)
+        for target in (agreed, agreed + extra * (multiple or 1)):
+            for p in parts:
+                if not p:
+                    continue
+                if target > len(p):
+                    with pytest.raises(DynBatchConfigError):
+                        plan_local_batch(p, num_microbatches=target, **kw)
+                    continue
+                if layout.get("vpp") and not (target >= 2 and target % 2 == 0):
+                    continue  # a count the VPP rule refuses is never agreed on
+                plan = plan_local_batch(p, num_microbatches=target, **kw)
+                check_invariants(plan, p, {"dp": 1, **layout})
+                assert plan.num_microbatches == target
+
+
+def test_forced_count_above_a_packing_one_is_never_refused():
+    """A forced count the balancing packer misses still plans: a smaller count's micro-batches are split."""
+    lengths = [7, 9, 7, 5, 4, 6] * 3
+    for m in range(6, 10):
+        plan = plan_global_batch(lengths, parallel={"dp": 2}, max_tokens_per_gpu=11, balance_by_flops=False,
+                                 num_microbatches=m)
+        check_invariants(plan, lengths, {"dp": 2})
+        assert plan.num_microbatches == m
+
+
+def test_counts_per_step_can_differ_when_forced():
+    lengths = [100] * 8 + [900] * 8
+    plan = plan_global_batch(lengths, parallel={"dp": 2}, max_tokens_per_gpu=1000, balance_by_flops=False,
+                             samples_per_step=8, num_microbatches=[1, 4])
+    assert plan.microbatches_per_step == [1, 4]
+    with pytest.raises(DynBatchConfigError, match="one count per optimizer step"):
+        plan_global_batch(lengths, parallel={"dp": 2}, max_tokens_per_gpu=1000, balance_by_flops=False,
+                          samples_per_step=8, num_microbatches=[1, 4, 4])
+
+
+def test_rollout_steps_keep_multi_sample_rollouts_together():
+    # rollout 0 emits 3 samples, rollout 1 two, rollout 2 four, rollout 3 one: two steps of two rollouts each
+    rids = [0, 0, 0, 1, 1, 2, 2, 2, 2, 3]
+    lengths = [50] * 10
+    plan = plan_global_batch(lengths, parallel={"dp": 1}, max_tokens_per_gpu=120, balance_by_flops=False,
+                             rollout_ids=rids, rollouts_per_step=2)
+    assert len(plan.microbatches_per_step) == 2
+    check_knobs(plan, lengths, {"dp": 1}, {"rollout_ids": rids, "rollouts_per_step": 2})
+    with pytest.raises(DynBatchConfigError, match="rollouts_per_step"):
+        plan_global_batch(lengths, max_tokens_per_gpu=120, balance_by_flops=False, rollout_ids=rids,
+                          rollouts_per_step=3)
+
+
+def test_padding_conventions_count_against_the_cap():
+    # verl pads each sequence to tp*cp*2 = 16 (tp=4, cp=2); slime pads a CP rank's share to tp*128
+    lengths = [1000, 17, 33, 4000, 250, 250, 1, 0]
+    plan = plan_global_batch(lengths, parallel={"dp": 2, "tp": 4, "cp": 2}, max_tokens_per_gpu=2048,
+                             balance_by_flops=False, sequence_pad_multiple=16, microbatch_pad_multiple=4 * 128)
+    assert plan.alignment.seq_multiple == 16 and plan.alignment.total_multiple == 1024
+    check_invariants(plan, lengths, {"dp": 2, "tp": 4, "cp": 2})
+    assert all(t <= plan.cap for rank in plan.microbatch_tokens for t in rank)
+
+
+def test_microbatch_group_over_the_cap_names_the_group():
+    with pytest.raises(OversizeSampleError, match="micro-batch group 'pair-1'"):
+        plan_global_batch([300, 300, 600, 600], parallel={"dp": 1}, max_tokens_per_gpu=1000,
+                          balance_by_flops=False, microbatch_group_ids=["pair-0", "pair-0", "pair-1", "pair-1"])

@@ -16,6 +16,13 @@ Two kinds of padding exist:
 
 The budget check is therefore ``padded_total(sum(seq_len(lengths))) <= cap``, which is the same as
 ``sum(seq_len(lengths)) <= effective_cap(cap)`` with ``effective_cap = floor(cap / total_multiple) * total_multiple``.
+
+Trainers pad by conventions of their own, and a cap is only hard if *their* padding counts against it:
+``for_layout(..., sequence_multiple=k)`` also pads every sequence to a multiple of ``k`` (verl's Megatron
+engine pads each sequence to ``tp*cp*2``, or ``tp`` without CP), ``microbatch_multiple=k`` also pads each GPU's
+share of a micro-batch (the ``total/cp`` tokens of one CP rank) to a multiple of ``k`` (slime pads it to
+``tp * data_pad_size_multiplier``). Both combine with the layout's own rules by least common multiple, so a
+plan meets all of them at once.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from .parallel import ParallelConfig
 
 #: Largest explicit FP8 token multiple accepted (a tile, not a budget).
 MAX_FP8_MULTIPLE = 4096
+#: Largest explicit padding multiple accepted (``sequence_multiple`` / ``microbatch_multiple``).
+MAX_PAD_MULTIPLE = 2 ** 20
 
 FP8_TILES = {"none": 1, "fp8": 16, "e4m3": 16, "hybrid": 16, "mxfp8": 32, "nvfp4": 128, "blockwise": 128}
 
@@ -54,6 +63,14 @@ def fp8_multiple(fp8: Union[None, str, int]) -> int:
     return FP8_TILES[key]
 
 
+def pad_multiple(value: Optional[int], field: str) -> int:
+    """A padding multiple (``None`` -> 1), or a ``DynBatchConfigError`` naming ``field``."""
+    if value is None:
+        return 1
+    return as_int(value, field, minimum=1, maximum=MAX_PAD_MULTIPLE,
+                  fix="pass the token multiple your trainer pads to (e.g. tp*cp*2), or None for none")
+
+
 @dataclass(frozen=True)
 class Alignment:
     """Padding rules for one parallel layout. Build it with :meth:`for_layout`."""
@@ -67,10 +84,14 @@ class Alignment:
                                                   fix="use 1 for no padding"))
 
     @classmethod
-    def for_layout(cls, parallel: Optional[ParallelConfig] = None, fp8: Union[None, str, int] = None) -> "Alignment":
+    def for_layout(cls, parallel: Optional[ParallelConfig] = None, fp8: Union[None, str, int] = None,
+                   sequence_multiple: Optional[int] = None, microbatch_multiple: Optional[int] = None) -> "Alignment":
+        """The padding of ``parallel`` (CP zig-zag, TP sequence parallel, FP8 tile), combined with a trainer's own
+        per-sequence multiple and per-GPU micro-batch multiple (see the module docstring); ``None`` = 1."""
         p = parallel or ParallelConfig()
-        seq = 2 * p.cp if p.cp > 1 else 1
-        m = (p.tp if p.sequence_parallel else 1) * fp8_multiple(fp8)
+        seq = math.lcm(2 * p.cp if p.cp > 1 else 1, pad_multiple(sequence_multiple, "sequence_pad_multiple"))
+        m = math.lcm((p.tp if p.sequence_parallel else 1) * fp8_multiple(fp8),
+                     pad_multiple(microbatch_multiple, "microbatch_pad_multiple"))
         total = math.lcm(m * p.cp, seq)
         return cls(seq_multiple=seq, total_multiple=total)
 

@@ -43,7 +43,9 @@ __all__ = ["DynamicBatchIterator", "PLAN_KWARGS"]
 
 #: Keyword arguments forwarded to :func:`plan_global_batch` when the iterator plans the batch itself.
 PLAN_KWARGS = ("model", "parallel", "max_tokens_per_gpu", "balance_by_flops", "balance_by", "samples_per_step",
-               "oversize", "fp8_alignment", "cost_model", "num_microbatches", "refine_rounds")
+               "oversize", "fp8_alignment", "cost_model", "num_microbatches", "refine_rounds",
+               "equal_samples_per_rank", "microbatch_group_ids", "min_num_microbatches", "num_microbatches_multiple",
+               "rollout_ids", "rollouts_per_step", "sequence_pad_multiple", "microbatch_pad_multiple")
 
 
 def _parallel_state():

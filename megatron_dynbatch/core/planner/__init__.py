@@ -1,7 +1,10 @@
 """The planner: lengths in, :class:`Plan` out. Pure Python + NumPy (see ``api.py`` for the strategy)."""
 
 from .api import plan_global_batch, score_assignment
+from .counts import CountRule
+from .local import local_microbatch_counts, plan_local_batch
 from .plan import Plan
 from .vpp import is_valid_microbatch_count, next_valid_microbatch_count
 
-__all__ = ["Plan", "plan_global_batch", "score_assignment", "is_valid_microbatch_count", "next_valid_microbatch_count"]
+__all__ = ["CountRule", "Plan", "plan_global_batch", "score_assignment", "is_valid_microbatch_count",
+           "next_valid_microbatch_count", "local_microbatch_counts", "plan_local_batch"]

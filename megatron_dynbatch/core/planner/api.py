@@ -25,7 +25,12 @@ Invariants (asserted by ``tests/test_planner_properties.py`` over thousands of r
   over budget under ``oversize='alone'`` (it is listed in ``plan.oversize_samples`` and a warning is raised);
 * with ``vpp > 1`` the count satisfies ``pp <= N <= M`` and ``M % N in {0} U [pp, N)``;
 * the samples of one group (``group_ids``) share a DP rank; each optimizer step holds exactly
-  ``samples_per_step`` samples;
+  ``samples_per_step`` samples (or ``rollouts_per_step`` rollouts);
+* the knobs the RL trainers' drop-ins need (``integrations/``), each off by default and then without effect:
+  ``equal_samples_per_rank`` (every rank ``n / dp`` samples per step), ``microbatch_group_ids`` (a group in
+  one micro-batch), ``min_num_microbatches`` / ``num_microbatches_multiple`` (on top of the VPP rule),
+  ``rollout_ids`` + ``rollouts_per_step`` (steps counted in rollouts), ``sequence_pad_multiple`` /
+  ``microbatch_pad_multiple`` (a trainer's padding counted against the cap);
 * the result depends only on the arguments: every rank computes the same plan without communicating.
 """
 
@@ -38,16 +43,12 @@ import numpy as np
 
 from ..alignment import Alignment
 from ..cost_model import CostModel
-from ..checks import as_int
-from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
-from .inputs import (BALANCE_MODES, OVERSIZE_POLICIES, balance_mode, check_budget, check_lengths,
-                     check_oversize_policy, oversize_mask, resolve_costs, sample_flops, steps_and_units)
+from .inputs import BALANCE_MODES, OVERSIZE_POLICIES, check_budget, check_lengths, resolve_costs, sample_flops
 from .ordering import mb_sums
-from .packer import StepInput
 from .plan import Plan
+from .prepare import Prepared, prepare
 from .search import plan_step
-from .vpp import check_forced_count
 
 __all__ = ["plan_global_batch", "score_assignment", "BALANCE_MODES", "OVERSIZE_POLICIES"]
 
@@ -65,8 +66,16 @@ def plan_global_batch(
     oversize: str = "error",
     fp8_alignment: Union[None, str, int] = None,
     cost_model: Optional[CostModel] = None,
-    num_microbatches: Optional[int] = None,
+    num_microbatches: Union[None, int, Sequence[int]] = None,
     refine_rounds: Optional[int] = None,
+    equal_samples_per_rank: bool = False,
+    microbatch_group_ids: Optional[Sequence[Any]] = None,
+    min_num_microbatches: Optional[int] = None,
+    num_microbatches_multiple: Optional[int] = None,
+    rollout_ids: Optional[Sequence[Any]] = None,
+    rollouts_per_step: Optional[int] = None,
+    sequence_pad_multiple: Optional[int] = None,
+    microbatch_pad_multiple: Optional[int] = None,
 ) -> Plan:
     """Split a global batch over DP ranks and into micro-batches (see the module docstring).
 
@@ -86,58 +95,52 @@ def plan_global_batch(
         oversize: policy for a sample longer than the budget: ``"error"`` (default) or ``"alone"``.
         fp8_alignment: ``None``, ``"fp8"``, ``"mxfp8"``, ``"nvfp4"``/``"blockwise"`` or a token multiple.
         cost_model: step-time model used to choose counts and orders; default from ``model``.
-        num_microbatches: force ``M`` per rank and optimizer step (raises if the budget cannot hold it).
+        num_microbatches: force ``M`` per rank and optimizer step, or a list with one count per step (raises if
+            the budget cannot hold it; a count above one that packs always works while every rank has enough
+            samples: micro-batches are split).
         refine_rounds: cap on rank-refinement rounds (default ``4 * dp``).
+        equal_samples_per_rank: every DP rank gets exactly ``n / dp`` samples of each step (verl's
+            ``balance_batch`` / ``equal_size=True``; ROLL's equal shards); raises if a step's samples do not
+            divide by ``dp``.
+        microbatch_group_ids: one id per sample; samples sharing an id run in ONE micro-batch (verl's
+            ``force_group_size``, e.g. a reward model's chosen/rejected pair). The group counts against the cap
+            as a whole (``oversize`` applies to it).
+        min_num_microbatches: at least this many micro-batches per rank and step (verl's
+            ``min_num_micro_batch``; NeMo-RL's ``min_bin_count``).
+        num_microbatches_multiple: the per-rank count of every step divides by this (verl's
+            ``num_batches_divided_by``; NeMo-RL's ``bin_count_multiple``), on top of the exact VPP rule.
+        rollout_ids, rollouts_per_step: count optimizer steps in rollouts: one id per sample, and each step
+            holds exactly ``rollouts_per_step`` rollouts (first-occurrence order), however many samples each
+            emitted (slime's ``--global-batch-size``). Exclusive with ``samples_per_step``.
+        sequence_pad_multiple: a trainer's own per-sequence padding multiple (verl: ``tp*cp*2``), counted
+            against the cap together with the layout's.
+        microbatch_pad_multiple: a trainer's own padding multiple of each GPU's share of a micro-batch (slime:
+            ``tp * data_pad_size_multiplier``), counted against the cap.
     """
     t_start = time.perf_counter()
-    par = ParallelConfig.from_any(parallel)
-    lens = check_lengths(lengths)
-    cap, align, cap_eff = check_budget(max_tokens_per_gpu, par, fp8_alignment)
-    check_oversize_policy(oversize)
-    mode = balance_mode(balance_by, balance_by_flops, model is not None)
-    if model is None and mode == "flops":
-        raise DynBatchConfigError("model", None, "balancing by FLOPs needs the model's shape",
-                                  "pass model=ModelSpec/dict/preset name, or balance_by_flops=False")
-    coeffs, cm = resolve_costs(model, par, cost_model)
-
-    aligned = align.seq_len(lens).astype(np.int64)
-    sq = lens.astype(np.float64) ** 2
-    over = oversize_mask(lens, aligned, cap_eff, align, par, max_tokens_per_gpu, oversize)
-    flops = sample_flops(coeffs, aligned, sq)
-    weight = {"flops": flops, "tokens": aligned.astype(np.float64)}.get(mode)
-    if weight is None:  # "time": the cost model's seconds
-        weight = cm.work(aligned, sq)
-
-    units_of_step = steps_and_units(lens.size, group_ids, samples_per_step, par.dp)
-    if num_microbatches is not None:
-        num_microbatches = check_forced_count(num_microbatches, par)
-    rounds = 4 * par.dp if refine_rounds is None else as_int(refine_rounds, "refine_rounds", minimum=0,
-                                                            fix="pass None for the default (4 * dp)")
-
+    prep = prepare(lengths, model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
+                   balance_by_flops=balance_by_flops, balance_by=balance_by, group_ids=group_ids,
+                   samples_per_step=samples_per_step, oversize=oversize, fp8_alignment=fp8_alignment,
+                   cost_model=cost_model, num_microbatches=num_microbatches, refine_rounds=refine_rounds,
+                   equal_samples_per_rank=equal_samples_per_rank, microbatch_group_ids=microbatch_group_ids,
+                   min_num_microbatches=min_num_microbatches, num_microbatches_multiple=num_microbatches_multiple,
+                   rollout_ids=rollout_ids, rollouts_per_step=rollouts_per_step,
+                   sequence_pad_multiple=sequence_pad_multiple, microbatch_pad_multiple=microbatch_pad_multiple)
+    par, cm, align = prep.par, prep.cm, prep.align
     micro_batches: List[List[List[int]]] = [[] for _ in range(par.dp)]
     per_step: List[int] = []
     lb_time = 0.0
     lb_count = 0
-    for step_samples, units in units_of_step:
-        inp = StepInput(aligned=aligned[step_samples], weight=weight[step_samples], oversize=over[step_samples],
-                        units=units, cap=cap_eff)
-        bins, lb_m = plan_step(inp, par, cm, lens[step_samples], num_microbatches, rounds, align,
-                               int(max_tokens_per_gpu))
+    for s, step in enumerate(prep.steps):
+        forced = None if prep.forced is None else prep.forced[s]
+        bins, lb_m = plan_step(step.inp, par, cm, step.sq, forced, prep.rounds, align, prep.budget, prep.rule)
         per_step.append(len(bins[0]))
-        for r in range(par.dp):
-            micro_batches[r].extend([[int(step_samples[i]) for i in mb] for mb in bins[r]])
+        for r, rank in enumerate(prep.step_samples(step, bins)):
+            micro_batches[r].extend(rank)
         lb_count += lb_m
-        work = cm.work(aligned[step_samples], sq[step_samples])
-        lb_time += cm.lower_bound(float(work.sum()), float(work.max()), par.dp, lb_m, step_samples.size // par.dp)
-
-    t_mult = align.total_multiple
-    tokens = [(-(-mb_sums(rank, aligned) // t_mult) * t_mult).astype(int).tolist() for rank in micro_batches]
-    sqs = [mb_sums(rank, sq) for rank in micro_batches]
-    plan = _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par, align, cap, cm,
-                       balance_by_flops=(mode != "tokens"), algorithm="dynbatch")
-    plan.lower_bound_microbatches = lb_count
-    plan.lower_bound_step_time = lb_time
-    plan.oversize_samples = [int(i) for i in np.flatnonzero(over)]
+        work = cm.work(step.inp.aligned, step.sq)
+        lb_time += cm.lower_bound(float(work.sum()), float(work.max()), par.dp, lb_m, step.items.size // par.dp)
+    plan = _assemble(prep, micro_batches, per_step, lb_count, lb_time)
     plan.planning_time_s = time.perf_counter() - t_start
     return plan
 
@@ -154,17 +157,21 @@ def score_assignment(
     pad_to_longest: bool = False,
     microbatches_per_step: Optional[Sequence[int]] = None,
     algorithm: str = "external",
+    sequence_pad_multiple: Optional[int] = None,
+    microbatch_pad_multiple: Optional[int] = None,
 ) -> Plan:
     """Score any assignment (e.g. a baseline's) with the same cost model and statistics as the planner.
 
     No invariant is enforced here -- ranks may differ in micro-batch count and micro-batches may break the cap
     (``plan.cap_violations`` counts them) -- so baselines are measured honestly. ``pad_to_longest`` models
     fixed-shape ``[b, s]`` micro-batches: every sample is padded to the longest in its micro-batch and attention
-    runs over the padded square.
+    runs over the padded square. ``sequence_pad_multiple`` / ``microbatch_pad_multiple`` score under a trainer's
+    own padding convention (as in :func:`plan_global_batch`).
     """
     par = ParallelConfig.from_any(parallel)
     lens = check_lengths(lengths)
-    cap, align, _ = check_budget(max_tokens_per_gpu, par, fp8_alignment)
+    cap, align, _ = check_budget(max_tokens_per_gpu, par, fp8_alignment, sequence_pad_multiple,
+                                 microbatch_pad_multiple)
     coeffs, cm = resolve_costs(model, par, cost_model)
     mbs = [[[int(i) for i in mb] for mb in rank] for rank in micro_batches]
     aligned = align.seq_len(lens).astype(np.int64)
@@ -182,6 +189,19 @@ def score_assignment(
     plan.lower_bound_microbatches = max(1, -(-int(aligned.sum()) // (par.dp * cap)))
     plan.lower_bound_step_time = cm.lower_bound(float(work.sum()), float(work.max()), par.dp,
                                                 plan.lower_bound_microbatches, lens.size // par.dp)
+    return plan
+
+
+def _assemble(prep: Prepared, micro_batches, per_step, lb_count: int, lb_time: float) -> Plan:
+    """The ``Plan`` of a planned batch: per-micro-batch padded tokens and squared lengths, then statistics."""
+    t_mult = prep.align.total_multiple
+    tokens = [(-(-mb_sums(rank, prep.aligned) // t_mult) * t_mult).astype(int).tolist() for rank in micro_batches]
+    sqs = [mb_sums(rank, prep.sq) for rank in micro_batches]
+    plan = _build_plan(micro_batches, per_step, tokens, sqs, prep.flops, prep.lens, prep.par, prep.align, prep.cap,
+                       prep.cm, balance_by_flops=(prep.mode != "tokens"), algorithm="dynbatch")
+    plan.lower_bound_microbatches = lb_count
+    plan.lower_bound_step_time = lb_time
+    plan.oversize_samples = prep.oversize_samples
     return plan
 
 

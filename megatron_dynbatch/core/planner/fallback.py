@@ -14,7 +14,8 @@ rank). Before the planner declares a count infeasible, it tries, in order:
    right, not heuristic.
 
 Every strategy keeps the hard cap, places every sample once, leaves no micro-batch empty and keeps a group's
-samples on one rank. Deterministic: ties break on indices.
+samples on one rank; under ``equal_samples`` (no global bins then) every rank also gets exactly its share of
+samples. Deterministic: ties break on indices.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def feasible_packing(inp: StepInput, dp: int, m: int, global_bins: Optional[Bins
     ``global_bins``: the global-bins packing of this count when the caller already has it (the count search
     caches it, and skips it where best fit cannot fill ``dp * m`` bins); with ``dp == 1`` it is the balancing
     packer's own attempt, so it is not repeated."""
-    if inp.singletons:
+    if inp.singletons and not inp.equal_samples:
         if global_bins is not None and dp > 1:
             return global_bins
     else:
@@ -59,6 +60,10 @@ def _units_best_fit(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
         return None
     cap = inp.cap
     order = np.lexsort((np.arange(n_units), -inp.unit_tokens))
+    if inp.equal_samples:  # many-sample units first, so the sample slots of the ranks are not stranded
+        order = np.lexsort((np.arange(n_units), -inp.unit_tokens, -inp.unit_samples))
+    target = inp.sample_target(dp)
+    free = np.full(dp, target if target is not None else 0, dtype=np.int64)
     room = np.full((dp, m), cap, dtype=np.int64)
     bins: Bins = [[[] for _ in range(m)] for _ in range(dp)]
     for u in order.tolist():
@@ -66,6 +71,8 @@ def _units_best_fit(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
         members = members[np.lexsort((members, -inp.aligned[members]))]
         placed = False
         for r in np.lexsort((np.arange(dp), -room.sum(axis=1))).tolist():
+            if target is not None and free[r] < inp.unit_samples[u]:
+                continue
             trial = room[r].copy()
             slots = []
             for i in members.tolist():
@@ -83,6 +90,7 @@ def _units_best_fit(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
                 slots.append((k, i))
             if len(slots) == members.size:
                 room[r] = trial
+                free[r] -= inp.unit_samples[u]
                 for k, i in slots:
                     bins[r][k].append(i)
                 placed = True
@@ -125,6 +133,8 @@ def _exact(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
     rank_of_unit: dict = {}
     assign = [(-1, -1)] * n
     nodes = [0]
+    target = inp.sample_target(dp)
+    rank_samples = [0] * dp
 
     def empty_slots() -> int:
         return sum(1 for r in range(dp) for k in range(m) if count[r][k] == 0)
@@ -142,6 +152,8 @@ def _exact(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
         ranks = [rank_of_unit[u]] if u in rank_of_unit else range(dp)
         tried_empty_rank = False
         for r in ranks:
+            if target is not None and u not in rank_of_unit and rank_samples[r] + inp.unit_samples[u] > target:
+                continue
             rank_empty = all(c == 0 for c in count[r])
             if rank_empty and u not in rank_of_unit:
                 if tried_empty_rank:
@@ -161,10 +173,12 @@ def _exact(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
                 fresh = u not in rank_of_unit
                 if fresh:
                     rank_of_unit[u] = r
+                    rank_samples[r] += int(inp.unit_samples[u])
                 if rec(pos + 1):
                     return True
                 if fresh:
                     del rank_of_unit[u]
+                    rank_samples[r] -= int(inp.unit_samples[u])
                 assign[i] = (-1, -1)
                 load[r][k] -= size[i]
                 count[r][k] -= 1

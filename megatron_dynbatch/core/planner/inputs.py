@@ -110,10 +110,13 @@ def _short(v: Any) -> Any:
     return v
 
 
-def check_budget(max_tokens_per_gpu, par: ParallelConfig, fp8_alignment):
+def check_budget(max_tokens_per_gpu, par: ParallelConfig, fp8_alignment, sequence_pad_multiple=None,
+                 microbatch_pad_multiple=None):
+    """``(cap, alignment, effective cap)`` for a budget and layout (padding conventions included), or a
+    ``DynBatchConfigError`` when the budget cannot hold one aligned sequence."""
     budget = as_int(max_tokens_per_gpu, "--max-tokens-per-gpu", minimum=1, maximum=MAX_TOKENS,
                     fix="pass the per-GPU token budget, e.g. --max-tokens-per-gpu 16384")
-    align = Alignment.for_layout(par, fp8_alignment)
+    align = Alignment.for_layout(par, fp8_alignment, sequence_pad_multiple, microbatch_pad_multiple)
     cap = budget * par.cp
     cap_eff = align.effective_cap(cap)
     if cap_eff < align.seq_multiple:
@@ -139,73 +142,30 @@ def balance_mode(balance_by: Optional[str], balance_by_flops: bool, has_model: b
     return balance_by
 
 
-def steps_and_units(n: int, group_ids, samples_per_step, dp: int):
-    """Split sample indices into optimizer steps and each step into units (groups or single samples)."""
-    if group_ids is not None:
-        gids = check_group_ids(group_ids, n)
-    if samples_per_step is None:
-        bounds = [(0, n)]
-    else:
-        samples_per_step = as_int(samples_per_step, "samples_per_step", minimum=1,
-                                  fix="pass the number of samples per optimizer step, or None")
-        if n % samples_per_step:
-            raise DynBatchConfigError(
-                "samples_per_step", samples_per_step, f"does not divide the global batch of {n} samples",
-                f"use a divisor of {n} or a global batch that is a multiple of {samples_per_step}")
-        bounds = [(s, s + samples_per_step) for s in range(0, n, samples_per_step)]
-    out = []
-    for step_index, (lo, hi) in enumerate(bounds):
-        idx = np.arange(lo, hi, dtype=np.int64)
-        if group_ids is None:
-            units = None  # one unit per sample
-        else:
-            order: dict = {}
-            for local, gid in enumerate(gids[lo:hi]):
-                order.setdefault(gid, []).append(local)
-            units = [np.asarray(v, dtype=np.int64) for v in order.values()]
-        if (hi - lo if units is None else len(units)) < dp:
-            n_units = hi - lo if units is None else len(units)
-            what = "groups" if group_ids is not None else "samples"
-            raise DynBatchConfigError(
-                "len(lengths)" if group_ids is None else "group_ids", f"{n_units} {what}",
-                f"optimizer step {step_index} has fewer {what} than dp={dp} ranks, so some rank would get an "
-                f"empty micro-batch", f"give every step at least {dp} {what} (larger batch or smaller dp)")
-        out.append((idx, units))
-    if group_ids is not None and samples_per_step is not None:
-        step_of: dict = {}
-        for s, (lo, hi) in enumerate(bounds):
-            for gid in gids[lo:hi]:
-                if step_of.setdefault(gid, s) != s:
-                    raise DynBatchConfigError(
-                        "group_ids", gid, f"group spans optimizer steps {step_of[gid]} and {s}",
-                        "make samples_per_step a multiple of the group size and keep each group's samples adjacent")
-    return out
-
-
-def check_group_ids(group_ids: Any, n: int) -> list:
+def check_group_ids(group_ids: Any, n: int, field: str = "group_ids") -> list:
     """One hashable, non-``None`` id per sample -- a scalar (int, str, ...) or a tuple of them; NumPy scalars
     become Python scalars, so ``np.int64(3)`` and ``3`` are one group. Anything else (``None``, NaN, lists,
     dicts, nested arrays) is a ``DynBatchConfigError`` naming the entry."""
     fix = "pass one id per sample (an int or str, e.g. the prompt index), as a list or 1-D array"
     if isinstance(group_ids, (str, bytes, Mapping, set, frozenset)) or _ndim(group_ids) == 0 \
             and not isinstance(group_ids, (list, tuple)):
-        raise DynBatchConfigError("group_ids", _short(group_ids), "must be a sequence of group ids", fix)
+        raise DynBatchConfigError(field, _short(group_ids), "must be a sequence of group ids", fix)
     if isinstance(group_ids, np.ndarray) and group_ids.ndim != 1:
-        raise DynBatchConfigError("group_ids", f"array of shape {group_ids.shape}", "must be one-dimensional", fix)
+        raise DynBatchConfigError(field, f"array of shape {group_ids.shape}", "must be one-dimensional", fix)
     gids = list(group_ids)
     if len(gids) != n:
-        raise DynBatchConfigError("group_ids", f"{len(gids)} ids", f"needs one id per sample ({n})",
-                                  "pass group_ids with the same length as lengths")
+        raise DynBatchConfigError(field, f"{len(gids)} ids", f"needs one id per sample ({n})",
+                                  f"pass {field} with the same length as lengths")
     for i, g in enumerate(gids):
         if isinstance(g, np.generic):
             g = gids[i] = g.item()
         if g is None or (isinstance(g, float) and g != g) or \
                 (not isinstance(g, (str, bytes, tuple)) and not _is_scalar(g)):
-            raise DynBatchConfigError(f"group_ids[{i}]", _short(g), "is not a group id", fix)
+            raise DynBatchConfigError(f"{field}[{i}]", _short(g), "is not a group id", fix)
         try:
             hash(g)
         except TypeError:
-            raise DynBatchConfigError(f"group_ids[{i}]", _short(g), "is not hashable", fix) from None
+            raise DynBatchConfigError(f"{field}[{i}]", _short(g), "is not hashable", fix) from None
     return gids
 
 
@@ -242,14 +202,17 @@ def sample_flops(coeffs: Any, aligned: np.ndarray, sq: np.ndarray) -> np.ndarray
 
 
 def oversize_mask(lens: np.ndarray, aligned: np.ndarray, cap_eff: int, align: Alignment, par: ParallelConfig,
-                  max_tokens_per_gpu: int, oversize: str) -> np.ndarray:
-    """Samples whose aligned slot exceeds the budget; raises (``"error"``) or warns (``"alone"``)."""
+                  max_tokens_per_gpu: int, oversize: str, label=None) -> np.ndarray:
+    """Items whose aligned slot exceeds the budget; raises (``"error"``) or warns (``"alone"``). ``label(i)``
+    names item ``i`` in the message (default ``"sample i"``)."""
     over = aligned > cap_eff
     if over.any():
         first = int(np.flatnonzero(over)[0])
-        where = (f"sample {first} has {int(lens[first])} tokens ({int(aligned[first])} after alignment to "
+        name = f"sample {first}" if label is None else label(first)
+        where = (f"{name} has {int(lens[first])} tokens ({int(aligned[first])} after alignment to "
                  f"{align.seq_multiple}) but a micro-batch may hold {cap_eff} (max_tokens_per_gpu="
-                 f"{max_tokens_per_gpu} x cp={par.cp}, less alignment); {int(over.sum())} sample(s) are over")
+                 f"{max_tokens_per_gpu} x cp={par.cp}, less alignment); {int(over.sum())} "
+                 f"{'sample(s)' if label is None else 'micro-batch group(s)'} are over")
         if oversize == "error":
             need = align.budget_for(int(aligned[over].max()), par.cp)
             raise OversizeSampleError(

@@ -17,6 +17,11 @@ index), so every rank computes the identical result:
    micro-batch of their own, which nothing else joins.
 
 Any phase may return ``None``: the caller then tries a larger ``M``.
+
+With ``equal_samples_per_rank`` (``StepInput.equal_samples``) every rank must end with exactly ``n / dp`` samples:
+phase 1 only offers a unit to ranks with that many free sample slots, and phase 2 only swaps units holding the
+same number of samples (a move would change two ranks' counts). An *item* is what a micro-batch holds: a sample,
+or all samples of one ``microbatch_group_ids`` group merged into one (``StepInput.samples`` counts them).
 """
 
 from __future__ import annotations
@@ -36,25 +41,35 @@ class StepInput:
     aligned: np.ndarray      # int64, per-sequence padded slot length (counts against the cap)
     weight: np.ndarray       # float64, balancing weight (FLOPs, tokens or modelled seconds)
     oversize: np.ndarray     # bool, slot longer than the cap (placed alone)
-    units: Optional[List[np.ndarray]]  # sample indices of each unit (a group); None: one unit per sample
+    units: Optional[List[np.ndarray]]  # item indices of each unit (a group); None: one unit per item
     cap: int                 # effective cap on the sum of slot lengths of one micro-batch
+    samples: Optional[np.ndarray] = None  # samples merged into each item (None: one each)
+    equal_samples: bool = False           # every rank gets exactly (samples of the step) / dp samples
 
     def __post_init__(self) -> None:
         n_units = self.aligned.size if self.units is None else len(self.units)
         # An over-budget sample occupies a whole micro-batch: charge it ``cap`` tokens of the rank capacity.
         charged = np.where(self.oversize, self.cap, self.aligned)
         self.singletons = self.units is None
-        if self.singletons:  # one unit per sample (no groups): unit u is sample u
+        item_samples = np.ones(self.aligned.size, dtype=np.int64) if self.samples is None \
+            else np.asarray(self.samples, dtype=np.int64)
+        if self.singletons:  # one unit per item (no groups): unit u is item u
             self.unit_weight = self.weight.astype(np.float64)
             self.unit_tokens = charged.astype(np.int64)
             self.unit_count = np.ones(n_units, dtype=np.int64)
-            return
-        unit_of = np.empty(self.aligned.size, dtype=np.int64)
-        for u, members in enumerate(self.units):
-            unit_of[members] = u
-        self.unit_weight = np.bincount(unit_of, weights=self.weight, minlength=n_units)
-        self.unit_tokens = np.bincount(unit_of, weights=charged, minlength=n_units).round().astype(np.int64)
-        self.unit_count = np.bincount(unit_of, minlength=n_units).astype(np.int64)
+            self.unit_samples = item_samples
+        else:
+            unit_of = np.empty(self.aligned.size, dtype=np.int64)
+            for u, members in enumerate(self.units):
+                unit_of[members] = u
+            self.unit_weight = np.bincount(unit_of, weights=self.weight, minlength=n_units)
+            self.unit_tokens = np.bincount(unit_of, weights=charged, minlength=n_units).round().astype(np.int64)
+            self.unit_count = np.bincount(unit_of, minlength=n_units).astype(np.int64)
+            self.unit_samples = np.bincount(unit_of, weights=item_samples, minlength=n_units).round().astype(np.int64)
+
+    def sample_target(self, dp: int) -> Optional[int]:
+        """Samples every rank must hold under ``equal_samples`` (the caller checked divisibility), else None."""
+        return int(self.unit_samples.sum()) // dp if self.equal_samples else None
 
     def members(self, units: Sequence[int]) -> np.ndarray:
         """Sample indices of these units."""
@@ -73,6 +88,8 @@ def _desc_order(primary: np.ndarray, secondary: np.ndarray) -> np.ndarray:
 
 def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
     """Phase 1: units per rank, or ``None`` if some unit fits no rank's ``m * cap`` token capacity."""
+    if inp.equal_samples:
+        return _assign_equal(inp, dp, m)
     capacity = m * inp.cap
     order_arr = _desc_order(inp.unit_weight, inp.unit_tokens)
     # Plain Python lists in the hot loop: indexing NumPy scalars one at a time is several times slower.
@@ -107,6 +124,79 @@ def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
     if not _fill_counts(inp, ranks, m, capacity):
         return None
     return ranks
+
+
+def _assign_equal(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
+    """Phase 1 under ``equal_samples``: every rank takes exactly ``T = samples / dp`` samples.
+
+    First LPT as in :func:`assign_ranks`, offering each unit (heaviest first) only to ranks with room for its
+    samples and tokens; with units of unequal sample counts that can strand slots, so a second pass places
+    units by decreasing sample count into the rank with the fewest free slots that takes them (best fit on
+    slots, lightest load on ties). ``None`` when both fail or a rank ends with fewer than ``m`` items."""
+    target = inp.sample_target(dp)
+    capacity = m * inp.cap
+    ranks = _lpt_equal(inp, dp, target, capacity)
+    if ranks is not None and min(int(inp.unit_count[r].sum()) if r else 0 for r in ranks) >= m:
+        return ranks
+    n_units = inp.unit_weight.size
+    by_samples = np.lexsort((np.arange(n_units), -inp.unit_weight, -inp.unit_samples))
+    for order, slots_first in ((by_samples, True),):
+        ranks = [[] for _ in range(dp)]
+        used = np.zeros(dp, dtype=np.int64)
+        free = np.full(dp, target, dtype=np.int64)
+        load = np.zeros(dp)
+        items = np.zeros(dp, dtype=np.int64)
+        ok = True
+        for u in order.tolist():
+            s_u, t_u = int(inp.unit_samples[u]), int(inp.unit_tokens[u])
+            fits = np.flatnonzero((free >= s_u) & (used + t_u <= capacity))
+            if not fits.size:
+                ok = False
+                break
+            if slots_first:
+                r = int(fits[np.lexsort((fits, load[fits], free[fits]))[0]])
+            else:
+                r = int(fits[np.lexsort((fits, load[fits]))[0]])
+            ranks[r].append(u)
+            used[r] += t_u
+            free[r] -= s_u
+            load[r] += inp.unit_weight[u]
+            items[r] += inp.unit_count[u]
+        if ok and not free.any() and (items >= m).all():
+            return ranks
+    return None
+
+
+def _lpt_equal(inp: StepInput, dp: int, target: int, capacity: int) -> Optional[List[List[int]]]:
+    """LPT (heaviest unit to the least-loaded rank) among ranks with room for the unit's samples and tokens;
+    a rank whose sample slots are all taken leaves the heap. ``None`` if some unit finds no rank."""
+    order = _desc_order(inp.unit_weight, inp.unit_tokens).tolist()
+    free = [target] * dp
+    used = [0] * dp
+    ranks: List[List[int]] = [[] for _ in range(dp)]
+    heap = [(0.0, r) for r in range(dp)]
+    samples, tokens, weight = inp.unit_samples.tolist(), inp.unit_tokens.tolist(), inp.unit_weight.tolist()
+    pop, push = heapq.heappop, heapq.heappush
+    for u in order:
+        s_u, t_u = samples[u], tokens[u]
+        skipped = []
+        placed = False
+        while heap:
+            load, r = pop(heap)
+            if free[r] >= s_u and used[r] + t_u <= capacity:
+                ranks[r].append(u)
+                free[r] -= s_u
+                used[r] += t_u
+                if free[r]:
+                    push(heap, (load + weight[u], r))
+                placed = True
+                break
+            skipped.append((load, r))
+        for item in skipped:
+            push(heap, item)
+        if not placed:
+            return None
+    return ranks if not any(free) else None
 
 
 def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) -> bool:
@@ -154,6 +244,7 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     if dp < 2:
         return
     w, tok, cnt_u = inp.unit_weight, inp.unit_tokens, inp.unit_count
+    smp = inp.unit_samples if inp.equal_samples else None  # swaps keep sample counts; no moves
     capacity = m * inp.cap
     loads = np.array([w[r].sum() if r else 0.0 for r in ranks])
     used = np.array([tok[r].sum() if r else 0 for r in ranks], dtype=np.int64)
@@ -171,18 +262,20 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
             b = int(b)
             if b == a:
                 continue
-            if _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m):
+            if _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp):
                 moved = True
                 break
         if not moved:
             cost = len(ranks[a]) * len(w)  # candidate pairs the vectorised search builds
-            if cost > global_left or not _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m):
+            if cost > global_left or not _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m,
+                                                         smp):
                 return
             global_left -= cost
 
 
-def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m) -> bool:
-    """Best single move or swap between rank ``a`` and any other rank (vectorised over all units)."""
+def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None) -> bool:
+    """Best single move or swap between rank ``a`` and any other rank (vectorised over all units); with ``smp``
+    (samples per unit, under equal_samples) only swaps of units with equal sample counts."""
     ua = np.asarray(ranks[a], dtype=np.int64)
     others = [(b, u) for b, units in enumerate(ranks) if b != a for u in units]
     if not ua.size:
@@ -193,7 +286,7 @@ def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m) -> b
     bs = np.array([b for b in range(len(ranks)) if b != a], dtype=np.int64)
     new_max = np.maximum(la - w[ua][:, None], loads[bs][None, :] + w[ua][:, None])
     ok = ((used[bs][None, :] + tok[ua][:, None] <= capacity) & (cnt[a] - cnt_u[ua] >= m)[:, None]
-          & (w[ua][:, None] > 0))
+          & (w[ua][:, None] > 0) & (smp is None))
     new_max = np.where(ok, new_max, np.inf)
     if new_max.size:
         i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
@@ -210,6 +303,8 @@ def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m) -> b
               & (used[a] - tok[ua][:, None] + tok[yu][None, :] <= capacity)
               & (cnt[a] - cnt_u[ua][:, None] + cnt_u[yu][None, :] >= m)
               & (cnt[yb][None, :] - cnt_u[yu][None, :] + cnt_u[ua][:, None] >= m))
+        if smp is not None:
+            ok &= smp[ua][:, None] == smp[yu][None, :]
         new_max = np.where(ok, new_max, np.inf)
         i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
         if new_max[i, j] < best[0]:
@@ -238,7 +333,7 @@ def _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u) -> None:
     cnt[b] += delta_c
 
 
-def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m) -> bool:
+def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None) -> bool:
     gap = loads[a] - loads[b]
     if gap <= 0:
         return False
@@ -247,7 +342,7 @@ def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m) -> 
     best_dev, best = np.inf, None
     # Move one unit a -> b: the new pair maximum is max(La - x, Lb + x); best x is gap / 2.
     wa = w[ua]
-    ok = (wa > 0) & (wa < gap) & (used[b] + tok[ua] <= capacity) & (cnt[a] - cnt_u[ua] >= m)
+    ok = (wa > 0) & (wa < gap) & (used[b] + tok[ua] <= capacity) & (cnt[a] - cnt_u[ua] >= m) & (smp is None)
     if ok.any():
         dev = np.where(ok, np.abs(wa - gap / 2), np.inf)
         i = int(np.argmin(dev))
@@ -266,6 +361,8 @@ def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m) -> 
                   & (used[a] - tok[ua] + tok[cand_b] <= capacity)
                   & (cnt[a] - cnt_u[ua] + cnt_u[cand_b] >= m)
                   & (cnt[b] - cnt_u[cand_b] + cnt_u[ua] >= m))
+            if smp is not None:
+                ok &= smp[ua] == smp[cand_b]
             if ok.any():
                 dev = np.where(ok, np.abs(delta - gap / 2), np.inf)
                 i = int(np.argmin(dev))
@@ -458,3 +555,27 @@ def plan_for_count(inp: StepInput, dp: int, m: int, refine_rounds: int) -> Optio
             return None
         out.append(bins)
     return out
+
+
+def split_bins(bins: List[List[int]], target: int, aligned: np.ndarray) -> bool:
+    """In place: grow ``bins`` to ``target`` micro-batches by splitting the one with the most slot tokens among
+    those holding several items into two token-balanced halves (largest item first, each to the lighter half).
+    A half is a subset of its micro-batch, so no split breaks the cap. ``False`` if fewer than ``target`` items."""
+    if sum(len(b) for b in bins) < target:
+        return False
+    heap = [(-int(aligned[b].sum()), j) for j, b in enumerate(bins) if len(b) > 1]
+    heapq.heapify(heap)
+    while len(bins) < target:
+        _, j = heapq.heappop(heap)
+        halves: List[List[int]] = [[], []]
+        sums = [0, 0]
+        for i in sorted(bins[j], key=lambda x: (-int(aligned[x]), x)):
+            h = 0 if sums[0] <= sums[1] else 1
+            halves[h].append(i)
+            sums[h] += int(aligned[i])
+        bins[j] = halves[0]
+        bins.append(halves[1])
+        for k in (j, len(bins) - 1):
+            if len(bins[k]) > 1:
+                heapq.heappush(heap, (-int(aligned[bins[k]].sum()), k))
+    return True

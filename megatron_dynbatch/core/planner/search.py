@@ -30,8 +30,8 @@ from ..parallel import ParallelConfig
 from .bounds import min_bins
 from .fallback import feasible_packing
 from .ordering import order_and_time, polish_pipeline
-from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins
-from .vpp import is_valid_microbatch_count, next_valid_microbatch_count, previous_valid_microbatch_count
+from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins, split_bins
+from .counts import CountRule
 
 Result = Tuple[list, float, float]  # (ordered bins, step time, imbalance)
 
@@ -51,10 +51,14 @@ class _Counts:
     """Packs and scores counts for one step; remembers every count it tried."""
 
     def __init__(self, inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, rounds: int,
-                 align: Alignment) -> None:
+                 align: Alignment, rule: Optional[CountRule] = None) -> None:
         self.inp, self.par, self.cm, self.sq, self.rounds, self.align = inp, par, cm, sq, rounds, align
-        self.pipeline_polish = par.pp > 1 and cm.ep_group == 1 and inp.singletons
-        self.lockstep = cm.ep_group > 1 and inp.singletons
+        self.rule = rule or CountRule(par)
+        # Moving single samples between ranks (polish) or dealing global bins would change a rank's sample
+        # count, which equal_samples_per_rank fixes: both only run on free singletons.
+        free = inp.singletons and not inp.equal_samples
+        self.pipeline_polish = par.pp > 1 and cm.ep_group == 1 and free
+        self.lockstep = cm.ep_group > 1 and free
         self.cache: Dict[Tuple[int, int], Optional[Result]] = {}
         self._bfd_bins: Optional[int] = None
         self._global: Dict[int, Optional[list]] = {}
@@ -64,7 +68,7 @@ class _Counts:
         """Without groups: ``dp * m`` bins packed over the whole step and dealt by size tier
         (:func:`.packer.plan_global_bins`), once per count; ``None`` with groups, or where best fit already
         says ``dp * m`` bins cannot hold the step (a failing pass over every sample is the expensive case)."""
-        if not self.inp.singletons:
+        if not self.inp.singletons or self.inp.equal_samples:
             return None
         if m not in self._global:
             bfd = self.bfd_count()
@@ -74,12 +78,12 @@ class _Counts:
 
     def bfd_count(self) -> Optional[int]:
         """Without groups: the first count at which best fit surely packs the step (``None`` with groups)."""
-        if not self.inp.singletons:
+        if not self.inp.singletons or self.inp.equal_samples:
             return None
         if self._bfd_bins is None:
             inp = self.inp
             self._bfd_bins = best_fit_bin_count(inp.aligned[~inp.oversize], inp.cap) + int(inp.oversize.sum())
-        return next_valid_microbatch_count(-(-self._bfd_bins // self.par.dp), self.par)
+        return self.rule.next(-(-self._bfd_bins // self.par.dp))
 
     def evaluate(self, m: int, polish_evals: int = POLISH_EVALS) -> Optional[Result]:
         key = (m, polish_evals)
@@ -143,35 +147,32 @@ def _largest_group_bins(inp: StepInput) -> int:
     return best
 
 
-def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, lens: np.ndarray, forced: Optional[int],
-              rounds: int, align: Alignment, max_tokens_per_gpu: int):
-    """``(bins, lower-bound count)`` for one optimizer step (``bins[r][j]``: local sample indices)."""
+def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, forced: Optional[int],
+              rounds: int, align: Alignment, max_tokens_per_gpu: int, rule: Optional[CountRule] = None):
+    """``(bins, lower-bound count)`` for one optimizer step (``bins[r][j]``: local item indices; ``sq``: each
+    item's sum of squared real lengths)."""
     dp = par.dp
+    n = inp.aligned.size
     lb_m = lower_bound_count(inp, dp)
     m_max = _max_count(inp, dp)
-    counts = _Counts(inp, par, cm, lens.astype(np.float64) ** 2, rounds, align)
+    counts = _Counts(inp, par, cm, sq, rounds, align, rule)
 
     if forced is not None:
         if forced > m_max:
             raise DynBatchConfigError("num_microbatches", forced,
-                                      f"needs {forced} samples on every rank but the step has only {len(lens)} "
+                                      f"needs {forced} samples on every rank but the step has only {n} "
                                       f"samples for dp={dp}", f"use at most {m_max}")
         best = counts.evaluate(forced)
         if best is None:
-            raise _forced_count_error(counts, forced, lb_m, m_max, max_tokens_per_gpu)
+            bins = _split_to_count(counts, forced, lb_m, m_max)
+            if bins is None:
+                raise _forced_count_error(counts, forced, lb_m, m_max, max_tokens_per_gpu)
+            best = order_and_time(bins, inp.aligned, counts.sq, cm, align)
         return best[0], lb_m
 
-    m = next_valid_microbatch_count(lb_m, par)
-    if m > m_max:
-        group_bins = _largest_group_bins(inp)
-        why = (f" (the largest group of group_ids alone needs {group_bins} micro-batches, all on one rank)"
-               if group_bins > 1 and group_bins >= lb_m else "")
-        raise _too_few_samples(par, len(lens), m, m_max, max_tokens_per_gpu, why=why)
-    chosen = _first_feasible(counts, m, m_max)
-    if chosen is None:
-        raise _too_few_samples(par, len(lens), m, m_max, max_tokens_per_gpu, packed=False)
+    chosen = _first_count(counts, lb_m, m_max, max_tokens_per_gpu)
     best = counts.evaluate(chosen)
-    for cand in _candidate_counts(chosen, m_max, par, cm, inp, best):
+    for cand in _candidate_counts(chosen, m_max, par, cm, inp, best, counts.rule):
         res = counts.evaluate(cand)
         if res is not None and res[1] < best[1] * (1 - 1e-9):
             best, chosen = res, cand
@@ -182,12 +183,37 @@ def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, lens: np.ndarr
     return best[0], lb_m
 
 
+def first_feasible_count(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, rounds: int,
+                         align: Alignment, max_tokens_per_gpu: int, rule: Optional[CountRule] = None) -> int:
+    """The first valid count at which the step packs (the local mode's per-rank count, :mod:`.local`); raises
+    like :func:`plan_step` when none does."""
+    counts = _Counts(inp, par, cm, sq, rounds, align, rule)
+    return _first_count(counts, lower_bound_count(inp, par.dp), _max_count(inp, par.dp), max_tokens_per_gpu)
+
+
+def _first_count(counts: _Counts, lb_m: int, m_max: int, max_tokens_per_gpu: int) -> int:
+    par, inp = counts.par, counts.inp
+    n = inp.aligned.size
+    m = counts.rule.next(lb_m)
+    if m > m_max:
+        group_bins = _largest_group_bins(inp)
+        why = (f" (the largest group of group_ids alone needs {group_bins} micro-batches, all on one rank)"
+               if group_bins > 1 and group_bins >= lb_m else "")
+        if not counts.rule.is_default:
+            why += f" ({counts.rule.describe()})"
+        raise _too_few_samples(par, n, m, m_max, max_tokens_per_gpu, why=why)
+    chosen = _first_feasible(counts, m, m_max)
+    if chosen is None:
+        raise _too_few_samples(par, n, m, m_max, max_tokens_per_gpu, packed=False)
+    return chosen
+
+
 def _first_feasible(counts: _Counts, lo: int, hi_limit: int) -> Optional[int]:
     """The first valid count in ``[lo, hi_limit]`` that packs, in O(log) packings: a count known to pack
     (best fit's, without groups) or one found by galloping up from ``lo``, then bisection down to the first one
     (``P(x)``: the first valid count ``>= x`` packs). Bisection stops within :data:`COUNT_RTOL` of the first
     count: one micro-batch more in thousands changes the step time by one per-micro-batch overhead."""
-    par = counts.par
+    rule = counts.rule
     if counts.feasible(lo):
         return lo
     bad, good = lo, None
@@ -196,15 +222,15 @@ def _first_feasible(counts: _Counts, lo: int, hi_limit: int) -> Optional[int]:
         good = known
     step = 1
     while good is None:
-        cand = next_valid_microbatch_count(bad + step, par)
+        cand = rule.next(bad + step)
         if cand > hi_limit:
-            cand = previous_valid_microbatch_count(hi_limit, par)
+            cand = rule.previous(hi_limit)
             if cand is None or cand <= bad:
                 return None
         if counts.feasible(cand):
             good = cand
         else:
-            if cand == previous_valid_microbatch_count(hi_limit, par):
+            if cand == rule.previous(hi_limit):
                 return None
             bad, step = cand, step * 2
     # Bisect on x with P(x) = "the first valid count >= x packs": P(bad) is false, P(good) is true, and
@@ -212,12 +238,32 @@ def _first_feasible(counts: _Counts, lo: int, hi_limit: int) -> Optional[int]:
     lo_x, hi_x = bad, good
     while hi_x - lo_x > max(1, int(good * COUNT_RTOL)):
         mid = (lo_x + hi_x) // 2
-        cand = next_valid_microbatch_count(mid, par)
+        cand = rule.next(mid)
         if counts.feasible(cand):
             hi_x, good = mid, cand
         else:
             lo_x = mid
     return good
+
+
+def _split_to_count(counts: _Counts, forced: int, lb_m: int, m_max: int) -> Optional[list]:
+    """A packing of exactly ``forced`` micro-batches per rank from the first count that packs below it, by
+    splitting micro-batches in two (``None`` if no count up to ``forced`` packs, or a rank has too few items).
+
+    Splitting never breaks the cap, so a count above one that packs is feasible as long as every rank has
+    enough items: this is what makes "the largest of the ranks' feasible counts" a count every rank can use
+    (local mode, :mod:`.local`), and a forced count is never refused for want of a packing heuristic."""
+    start = counts.rule.next(max(lb_m, 1))
+    if start > forced:
+        return None
+    first = _first_feasible(counts, start, forced)
+    if first is None:
+        return None
+    bins = _copy_bins(counts.evaluate(first)[0])
+    for rank in bins:
+        if not split_bins(rank, forced, counts.inp.aligned):
+            return None
+    return bins
 
 
 def _max_count(inp: StepInput, dp: int) -> int:
@@ -251,7 +297,7 @@ def _forced_count_error(counts: _Counts, forced: int, lb_m: int, m_max: int, bud
                f"no packing uses fewer)")
     else:
         why = f"no packing into {forced} micro-batches of at most {cap} tokens per rank was found"
-    start = next_valid_microbatch_count(max(forced + 1, lb_m), par)
+    start = counts.rule.next(max(forced + 1, lb_m))
     better = _first_feasible(counts, start, m_max) if start <= m_max else None
     if better is not None:
         fix = f"use num_microbatches >= {better} (or None to let the planner choose), or raise --max-tokens-per-gpu"
@@ -260,7 +306,8 @@ def _forced_count_error(counts: _Counts, forced: int, lb_m: int, m_max: int, bud
     return DynBatchConfigError("num_microbatches", forced, why, fix)
 
 
-def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, inp: StepInput, best) -> List[int]:
+def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, inp: StepInput, best,
+                      rule: CountRule) -> List[int]:
     """Extra counts worth scoring after the first feasible ``m``."""
     out: List[int] = []
     if par.pp > 1 and cm.overhead_s > 0:
@@ -272,7 +319,7 @@ def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, in
             # Each scored count is a full packing: large steps score fewer (the analytic optimum ``hi`` always).
             num = min(5, hi - m, max(2, CANDIDATE_SAMPLES // max(1, inp.aligned.size)))
             raw = np.unique(np.geomspace(m + 1, hi, num=num).round().astype(int))
-            out = sorted({next_valid_microbatch_count(int(c), par) for c in raw})
+            out = sorted({rule.next(int(c)) for c in raw})
     elif best[2] > 1.002:
-        out = [next_valid_microbatch_count(m + 1, par)]
-    return [c for c in out if m < c <= m_max and is_valid_microbatch_count(c, par)]
+        out = [rule.next(m + 1)]
+    return [c for c in out if m < c <= m_max and rule.is_valid(c)]
