@@ -26,6 +26,7 @@ from .core.model_spec import ModelSpec
 from .core.parallel import ParallelConfig
 from .core.planner import Plan, local_microbatch_counts, plan_global_batch, plan_local_batch, score_assignment
 from .core.run_config import RunConfig
+from .core.startup import check_max_seq_len_fits
 from ._legacy import install_legacy_module_aliases
 
 __version__ = "0.1.0"
@@ -56,6 +57,7 @@ __all__ = [
     "RunConfig",
     "__version__",
     "calculate_fwd_flops",
+    "check_max_seq_len_fits",
     "estimate_max_tokens_per_gpu",
     "fit_cost_model",
     "flops_coefficients",

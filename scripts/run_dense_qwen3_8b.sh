@@ -8,7 +8,8 @@
 #   DRY_RUN=1 bash scripts/run_dense_qwen3_8b.sh      # print the command instead of running it
 #
 # Environment knobs: GPUS_PER_NODE (8), MAX_TOKENS_PER_GPU (16384), LOG_PROBS_MAX_TOKENS_PER_GPU (32768),
-# GLOBAL_BATCH_SIZE (256 samples per optimizer step), TRAIN_ITERS (100), SEQ_LENGTH (32768: the longest sample),
+# GLOBAL_BATCH_SIZE (256 samples per optimizer step), TRAIN_ITERS (100), SEQ_LENGTH (the longest sample; default
+# MAX_TOKENS_PER_GPU, since it must fit the budget: checked at start-up),
 # DATA_PATH (JSONL of token ids; unset = synthetic data), LOAD / SAVE (checkpoint dirs), MASTER_PORT (29500).
 # PYTHON (default: the active venv, else the project's .venv, else python3; see scripts/_env.sh) runs
 # torchrun as `$PYTHON -m torch.distributed.run`; TORCHRUN=... replaces that launcher.
@@ -30,7 +31,7 @@ MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-16384}
 LOG_PROBS_MAX_TOKENS_PER_GPU=${LOG_PROBS_MAX_TOKENS_PER_GPU:-32768}
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-256}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
-SEQ_LENGTH=${SEQ_LENGTH:-32768}
+SEQ_LENGTH=${SEQ_LENGTH:-$MAX_TOKENS_PER_GPU}  # the longest sample; must fit the budget (checked at start-up)
 ATTN_BACKEND=${ATTN_BACKEND:-flash}
 
 case "$ATTN_BACKEND" in

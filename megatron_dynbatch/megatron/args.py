@@ -21,7 +21,15 @@ flag                                        meaning
 ``--dynbatch-group-reduce {token,sample}``  how ``group_mean`` reduces inside a group
 ``--dynbatch-samples-per-step N``           split a global batch into optimizer steps of N samples
 ``--dynbatch-cost-model FILE``              calibrated cost model (JSON) used by the planner
+``--dynbatch-max-seq-length N``             the longest sample the run can produce (default ``--seq-length``);
+                                            checked against both budgets at start-up
 ==========================================  ===========================================================
+
+Start-up check: with ``--use-dynamic-batch-size``, the longest sample the run can produce
+(``--dynbatch-max-seq-length``, else Megatron's ``--seq-length``) must fit one micro-batch of
+``--max-tokens-per-gpu`` and of ``--log-probs-max-tokens-per-gpu`` (padding included), so a budget too small fails
+before step 1 rather than when the first long sample arrives; with ``--dynbatch-oversize alone`` it warns instead
+(:func:`megatron_dynbatch.core.startup.check_max_seq_len_fits`).
 """
 
 from __future__ import annotations
@@ -72,6 +80,9 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
                         "token means (sample).")
     g.add_argument("--dynbatch-samples-per-step", type=int, default=None,
                    help="Split each global batch into optimizer steps of exactly this many samples.")
+    g.add_argument("--dynbatch-max-seq-length", type=int, default=None, metavar="N",
+                   help="The longest sample this run can produce (default: --seq-length); checked at start-up "
+                        "against --max-tokens-per-gpu and --log-probs-max-tokens-per-gpu.")
     g.add_argument("--dynbatch-cost-model", type=str, default=None, metavar="FILE",
                    help="Calibrated cost-model file (JSON: linear_s_per_token, attention_s_per_sq_token, overhead_s) "
                         "that the planner uses to choose counts and, with --balance-by-flops, to balance time.")
@@ -177,7 +188,8 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
                                   "add --max-tokens-per-gpu N (e.g. the longest sample you train on, or more)")
     for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
                        ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu"),
-                       ("--dynbatch-samples-per-step", "dynbatch_samples_per_step")):
+                       ("--dynbatch-samples-per-step", "dynbatch_samples_per_step"),
+                       ("--dynbatch-max-seq-length", "dynbatch_max_seq_length")):
         v = getattr(args, name, None)
         if v is not None and (not is_int(v) or v < 1):
             raise DynBatchConfigError(flag, v, "must be a positive integer", f"pass {flag} N with N >= 1")
@@ -209,6 +221,7 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
         if align.effective_cap(budget * par.cp) < align.seq_multiple:
             raise DynBatchConfigError(flag, budget, f"the budget cannot hold one aligned sequence ({why})",
                                       f"use {flag} >= {need}")
+    _check_max_seq_length(args, par, resolved)
 
     experts = _get(args, "num_experts", _get(args, "num_moe_experts"))
     dispatcher = _get(args, "moe_token_dispatcher_type", "allgather")
@@ -220,6 +233,22 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
             f"micro-batches of different lengths under {where}",
             "use --moe-token-dispatcher-type alltoall")
     return args
+
+
+def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, int]) -> None:
+    """The start-up check of the module docstring (nothing to check when neither length is set)."""
+    from ..core.startup import check_max_seq_len_fits
+
+    explicit = getattr(args, "dynbatch_max_seq_length", None)
+    length = explicit if explicit is not None else getattr(args, "seq_length", None)
+    if length is None:
+        return
+    field = "--dynbatch-max-seq-length" if explicit is not None else "--seq-length"
+    for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
+                       ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu")):
+        check_max_seq_len_fits(int(length), max_tokens_per_gpu=int(getattr(args, name)), parallel=par,
+                               fp8_alignment=fp8, oversize=getattr(args, "dynbatch_oversize", None) or "error",
+                               length_field=field, budget_field=flag)
 
 
 def plan_kwargs_from_args(args: Any, *, forward_only: bool = False, world_size: Optional[int] = None) -> Dict[str, Any]:

@@ -1,0 +1,59 @@
+"""Start-up check: the longest sample a run can produce fits one micro-batch of its budget.
+
+A budget too small for the configured maximum sequence length otherwise fails only when such a sample first
+appears -- possibly at step 500, hours in. Every launch path calls :func:`check_max_seq_len_fits` before step 1:
+``megatron/args.py`` (``--seq-length`` / ``--dynbatch-max-seq-length`` against ``--max-tokens-per-gpu`` and
+``--log-probs-max-tokens-per-gpu``, hence the Megatron-LM hook, which validates through it) and the trainer
+drop-ins of ``integrations/`` wherever their configuration names a maximum length.
+
+The check counts the same padding the planner does (CP zig-zag, TP sequence parallel, FP8 tile, a trainer's
+own multiples), so it passes exactly when a sample of that length would be planned within the cap. Under the
+``"error"`` policy a miss raises :class:`OversizeSampleError`; under ``"alone"`` (the trainer placed such a
+sample alone, e.g. slime) it warns once with :class:`OversizeSampleWarning`, since the run then accepts
+over-budget micro-batches by choice. Pure Python.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Union
+
+from .checks import MAX_TOKENS, as_int
+from .errors import OversizeSampleError, OversizeSampleWarning
+from .parallel import ParallelConfig
+
+__all__ = ["check_max_seq_len_fits"]
+
+
+def check_max_seq_len_fits(max_seq_len: int, *, max_tokens_per_gpu: int, parallel: Any = None,
+                           fp8_alignment: Union[None, str, int] = None, sequence_pad_multiple: Optional[int] = None,
+                           microbatch_pad_multiple: Optional[int] = None, oversize: str = "error",
+                           length_field: str = "max_seq_len", budget_field: str = "--max-tokens-per-gpu") -> bool:
+    """``True`` if a sample of ``max_seq_len`` tokens fits one micro-batch of ``max_tokens_per_gpu`` (x cp,
+    padding included); else raise (``oversize="error"``) or warn and return ``False`` (``"alone"``).
+
+    ``length_field`` / ``budget_field`` name the settings in the message (e.g. ``--seq-length`` and
+    ``--max-tokens-per-gpu``, or verl's ``max_token_len``)."""
+    from .planner.inputs import check_budget, check_oversize_policy
+
+    par = ParallelConfig.from_any(parallel)
+    length = as_int(max_seq_len, length_field, minimum=1, maximum=MAX_TOKENS,
+                    fix="pass the longest sample the run can produce (prompt + response)")
+    check_oversize_policy(oversize)
+    _, align, cap_eff = check_budget(max_tokens_per_gpu, par, fp8_alignment, sequence_pad_multiple,
+                                     microbatch_pad_multiple)
+    slot = int(align.seq_len(length))
+    if slot <= cap_eff:
+        return True
+    need = align.budget_for(slot, par.cp)
+    where = (f"{length_field}={length} takes {slot} tokens after alignment (per-sequence multiple "
+             f"{align.seq_multiple}, micro-batch multiple {align.total_multiple}), but a micro-batch of "
+             f"{budget_field}={int(max_tokens_per_gpu)} x cp={par.cp} holds {cap_eff}")
+    if oversize == "error":
+        raise OversizeSampleError(
+            budget_field, int(max_tokens_per_gpu), f"{where}: a sample that long would stop training mid-run",
+            f"raise {budget_field} to at least {need}, lower {length_field} to what the run really produces, or "
+            f"accept over-budget micro-batches run alone (oversize='alone', --dynbatch-oversize alone)")
+    warnings.warn(f"{where}; such samples will run alone in micro-batches over the budget (oversize='alone')",
+                  OversizeSampleWarning, stacklevel=2)
+    return False
