@@ -15,7 +15,9 @@ Family (``BASELINES``; :func:`get_baseline` is the factory):
 * ``slime_flops`` -- slime ``--use-dynamic-batch-size --balance-by-flops``;
 * ``slime_legacy`` -- slime's scheme before it moved scheduling to the rollout side (DP split first);
 * ``verl`` -- verl ``balance_batch`` + ``use_dynamic_bsz`` (``rearrange_micro_batches``);
-* ``nemo_rl`` -- NeMo-RL sequence packing with the modified first-fit-decreasing packer.
+* ``nemo_rl`` -- NeMo-RL sequence packing with the modified first-fit-decreasing packer;
+* ``roll`` -- ROLL dynamic batching (padded ``[b, s]`` micro-batches; in ``EXTRA_BASELINES``, outside the
+  default table, compared by ``megatron-dynbatch bench --dropins``).
 
 The code is ours, written from the public documentation, help texts and observable behaviour of those
 projects (cited per function); no code was copied. Every baseline is deterministic: ties break on indices.
@@ -271,6 +273,71 @@ def nemo_rl(lengths: np.ndarray, ctx: BaselineContext) -> MicroBatches:
     return [bins[r::par.dp] for r in range(par.dp)]
 
 
+#: ROLL's default ``sequence_length_round_in_train``
+ROLL_SEQUENCE_ROUND = 64
+
+
+def roll_layout(lengths: np.ndarray, ctx: BaselineContext, sequence_round: int = ROLL_SEQUENCE_ROUND):
+    """ROLL ``use_dynamic_batching_in_train`` (``dynamic_batching_shard``): ``(micro_batches, padded lengths)``.
+
+    1. samples sorted by length (ascending) are strided over ranks: rank ``r`` takes positions ``r, r+dp, ...``
+       (every shard holds ``n / dp`` samples);
+    2. one list of ``[start, end)`` ranges is shared by all shards: a micro-batch grows row by row while
+       ``rows x padded length`` fits ``max_tokens_per_microbatch`` (here ``cap``), the padded length being the
+       longest sample of those rows on any shard, rounded up to ``sequence_round`` (at least one round);
+    3. with ``pp > 1`` and VPP the count is rounded up to a multiple of ``pp`` by halving the micro-batches
+       with the most padded tokens.
+
+    Micro-batches are padded ``[b, s]`` (shared ``s`` per index): score with the padded lengths returned.
+    ROLL asserts when a rounded sample is over the budget, a shard is uneven, or too few micro-batches can be
+    split; those raise :class:`BaselineInfeasible`.
+    """
+    par, cap, dp = ctx.parallel, ctx.cap, ctx.parallel.dp
+    if lengths.size % dp:
+        raise BaselineInfeasible(f"ROLL: {lengths.size} samples do not split into {dp} equal shards")
+    order = np.lexsort((np.arange(lengths.size), lengths))
+    shards = [order[r::dp] for r in range(dp)]
+    rows = shards[0].size
+    row_len = np.maximum(-(-np.max([lengths[sh] for sh in shards], axis=0) // sequence_round) * sequence_round,
+                         sequence_round)
+    if int(row_len.max()) > cap:
+        raise BaselineInfeasible(f"ROLL: a padded sequence of {int(row_len.max())} tokens exceeds {cap}")
+    bounds = [0]
+    longest = sequence_round
+    for j in range(rows):
+        longest_next = max(longest, int(row_len[j]))
+        if (j - bounds[-1] + 1) * longest_next <= cap:
+            longest = longest_next
+        else:
+            bounds.append(j)
+            longest = int(row_len[j])
+    bounds.append(rows)
+    ranges = [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    if par.pp > 1 and par.vpp > 1:
+        target = -(-len(ranges) // par.pp) * par.pp
+        if target > rows:
+            raise BaselineInfeasible(f"ROLL: {target} micro-batches for shards of {rows} samples")
+        # each of the largest splittable micro-batches (by padded tokens) is halved once
+        split = sorted((k for k, (a, b) in enumerate(ranges) if b - a > 1),
+                       key=lambda k: -(ranges[k][1] - ranges[k][0]) * int(row_len[ranges[k][1] - 1]))
+        if len(split) < target - len(ranges):
+            raise BaselineInfeasible("ROLL: not enough micro-batches to split")
+        halves = []
+        for k in split[:target - len(ranges)]:
+            a, b = ranges[k]
+            halves += [(a, a + (b - a) // 2), (a + (b - a) // 2, b)]
+        gone = set(split[:target - len(ranges)])
+        ranges = sorted([r for k, r in enumerate(ranges) if k not in gone] + halves)
+    mbs = [[sh[a:b].tolist() for a, b in ranges] for sh in shards]
+    return mbs, [int(row_len[b - 1]) for _, b in ranges]
+
+
+def roll(lengths: np.ndarray, ctx: BaselineContext) -> MicroBatches:
+    """ROLL ``use_dynamic_batching_in_train`` (see :func:`roll_layout`, which also returns the padded lengths
+    its micro-batches are cut to)."""
+    return roll_layout(lengths, ctx)[0]
+
+
 # ============================================================================================ registry
 @dataclass(frozen=True)
 class Baseline:
@@ -315,10 +382,17 @@ BASELINES: Dict[str, Baseline] = {
 }
 
 
+#: Baselines outside the default benchmark table (compared in ``megatron-dynbatch bench --dropins``).
+EXTRA_BASELINES: Dict[str, Baseline] = {
+    "roll": Baseline("roll", roll, pad_to_longest=True,
+                     provenance="ROLL use_dynamic_batching_in_train (roll/utils/dynamic_batching.py behaviour)"),
+}
+
+
 def get_baseline(name: str) -> Baseline:
     """The baseline called ``name`` (see ``BASELINES``)."""
     try:
-        return BASELINES[name]
+        return BASELINES[name] if name in BASELINES else EXTRA_BASELINES[name]
     except KeyError:
         raise DynBatchConfigError("baseline", name, "unknown baseline", f"use one of {sorted(BASELINES)}") from None
 
@@ -377,7 +451,7 @@ def structural_problems(plan: Any, num_samples: int) -> List[str]:
 
 
 __all__ = [
-    "BASELINES", "Baseline", "BaselineContext", "BaselineInfeasible", "BaselineRun", "MicroBatches",
+    "BASELINES", "Baseline", "BaselineContext", "EXTRA_BASELINES", "roll", "roll_layout", "BaselineInfeasible", "BaselineRun", "MicroBatches",
     "adjust_bin_count", "first_fit", "fixed_padded", "get_baseline", "karmarkar_karp",
     "modified_first_fit_decreasing", "nemo_rl", "run_baseline", "slime", "slime_flops", "slime_legacy",
     "split_largest_bins", "structural_problems", "verl",

@@ -1,5 +1,6 @@
 """Partitioning primitives the baselines share (pure Python + NumPy; deterministic, ties break on indices):
-:func:`karmarkar_karp` (k-way largest differencing), :func:`first_fit`, :func:`split_largest_bins`,
+:func:`karmarkar_karp` (k-way largest differencing; it lives in :mod:`megatron_dynbatch.core.partitioning`
+because the verl and slime drop-ins use it too), :func:`first_fit`, :func:`split_largest_bins`,
 :func:`modified_first_fit_decreasing` and :func:`adjust_bin_count`. Each re-implements, from public descriptions,
 a step of a peer's batching so that the benchmark can model that peer (:mod:`.baselines`)."""
 
@@ -11,85 +12,14 @@ from typing import List, Sequence
 
 import numpy as np
 
-from ..core.errors import DynBatchConfigError
+from ..core.partitioning import karmarkar_karp
+
+__all__ = ["BaselineInfeasible", "adjust_bin_count", "first_fit", "karmarkar_karp", "modified_first_fit_decreasing",
+           "split_largest_bins"]
 
 
 class BaselineInfeasible(RuntimeError):
     """The modelled system would refuse this batch (assertion, crash or Megatron error); the message says why."""
-
-
-# ============================================================================================ context
-def karmarkar_karp(weights: Sequence[float], k: int, equal_size: bool = False) -> List[List[int]]:
-    """k-way largest differencing method (Karmarkar & Karp 1982; k-way form as described on Wikipedia's
-    "Largest differencing method" page, which verl's and slime's ``get_seqlen_balanced_partitions`` cite).
-
-    Every item starts as a *state* of ``k`` sets (the item alone, the rest empty); the two states with the
-    largest spread (max set sum - min set sum) are merged repeatedly, pairing the heaviest set of one with the
-    lightest of the other, until one state remains. With ``equal_size`` the initial states are ``k``
-    consecutive items of the ascending order, one per set, so every final set holds ``n / k`` items (when ``k``
-    does not divide ``n``, zero-weight placeholders make up the difference and are dropped, so sizes differ by
-    at most one).
-
-    Implementation: a set is a singly linked list over the items (head/tail arrays), so merging two states is
-    ``O(k log k)`` vectorised work regardless of how many items they hold; a heap orders states by
-    ``(-spread, -largest sum, creation id)``, which makes the result deterministic. Returns ``k`` lists of item
-    indices (each ascending), heaviest set first; sets may be empty only when ``n < k``.
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    n = w.size
-    if k < 1:
-        raise DynBatchConfigError("k", k, "must be >= 1", "ask for at least one partition")
-    if k == 1:
-        return [list(range(n))]
-    nxt = np.full(n + k, -1, dtype=np.int64)  # linked lists; indices >= n are zero-weight placeholders
-    heap: list = []
-    counter = 0
-
-    def push(sums: np.ndarray, heads: np.ndarray, tails: np.ndarray) -> None:
-        nonlocal counter
-        order = np.lexsort((np.arange(k), -sums))  # heaviest first, ties by position
-        sums, heads, tails = sums[order], heads[order], tails[order]
-        heapq.heappush(heap, (-(sums[0] - sums[-1]), -sums[0], counter, sums, heads, tails))
-        counter += 1
-
-    order = np.lexsort((np.arange(n), w))  # ascending weight, ties by index
-    if equal_size:
-        pad = (-n) % k
-        items = np.concatenate([np.arange(n, n + pad, dtype=np.int64), order])  # placeholders weigh 0: first
-        for start in range(0, items.size, k):
-            chunk = items[start:start + k]
-            sums = np.array([w[i] if i < n else 0.0 for i in chunk])
-            push(sums, chunk.copy(), chunk.copy())
-    else:
-        for i in order:
-            sums = np.zeros(k)
-            sums[0] = w[i]
-            heads = np.full(k, -1, dtype=np.int64)
-            heads[0] = i
-            push(sums, heads, heads.copy())
-    while len(heap) > 1:
-        a = heapq.heappop(heap)
-        b = heapq.heappop(heap)
-        sa, ha, ta = a[3], a[4], a[5]
-        sb, hb, tb = b[3][::-1], b[4][::-1], b[5][::-1]  # heaviest of a meets lightest of b
-        both = (ha >= 0) & (hb >= 0)
-        nxt[ta[both]] = hb[both]
-        heads = np.where(ha >= 0, ha, hb)
-        tails = np.where(tb >= 0, tb, ta)
-        push(sa + sb, heads, tails)
-    if not heap:
-        return [[] for _ in range(k)]
-    _, _, _, _, heads, _ = heap[0]
-    out: List[List[int]] = []
-    for h in heads:
-        members = []
-        i = int(h)
-        while i >= 0:
-            if i < n:
-                members.append(i)
-            i = int(nxt[i])
-        out.append(sorted(members))
-    return out
 
 
 def first_fit(sizes: Sequence[int], cap: int) -> List[List[int]]:

@@ -222,5 +222,5 @@ def oversize_mask(lens: np.ndarray, aligned: np.ndarray, cap_eff: int, align: Al
                 f"alone for megatron-dynbatch plan)",
             )
         warnings.warn(f"oversize='alone': {where}; each runs alone in its own micro-batch over the budget",
-                      OversizeSampleWarning, stacklevel=3)
+                      OversizeSampleWarning, stacklevel=4)  # the caller of plan_global_batch
     return over

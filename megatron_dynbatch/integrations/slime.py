@@ -1,0 +1,99 @@
+"""Drop-in for slime's ``slime.utils.dp_schedule.build_dp_schedule``: change one import in slime's
+``slime/ray/rollout.py``::
+
+    from megatron_dynbatch.integrations.slime import build_dp_schedule   # was: from slime.utils.dp_schedule ...
+
+Same signature, same four results (see :mod:`megatron_dynbatch.core.dropin.slime` for the contract and what
+changes). Read from slime's ``args`` (its Megatron args): ``use_dynamic_batch_size``, ``max_tokens_per_gpu``,
+``micro_batch_size``, ``balance_data``, ``data_pad_size_multiplier`` (default 128), the model shape (FLOPs
+balance; tokens when the args carry no model), ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+``sequence_parallel``, and optionally ``dynbatch_oversize`` (``"alone"`` -- slime's policy -- by default).
+From ``train_parallel_config``: ``dp_size``, ``cp_size``, ``vpp_size``, ``microbatch_group_size_per_vp_stage``.
+
+Start-up check: on the first call for an ``args`` object, the longest sample slime can produce
+(``rollout_max_prompt_len + rollout_max_response_len``, else ``seq_length``) is checked against the budget
+(padding included): an error under ``dynbatch_oversize="error"``, a warning under slime's ``"alone"``.
+:func:`check_budget` runs the same check explicitly (e.g. at actor init). Pure Python: nothing is imported
+from slime or torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+from ..core.dropin.slime import slime_parallel, slime_schedule
+from ..core.errors import DynBatchConfigError
+
+__all__ = ["build_dp_schedule", "check_budget", "model_from_args"]
+
+_CHECKED: set = set()
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def model_from_args(args: Any) -> Any:
+    """The ``ModelSpec`` of slime's Megatron args, or ``None`` when they do not describe a model."""
+    from ..core.model_spec import ModelSpec
+
+    try:
+        return ModelSpec.from_megatron(args)
+    except (DynBatchConfigError, TypeError, ValueError):
+        return None
+
+
+def _parallel(args: Any, train_parallel_config: dict):
+    try:
+        dp = train_parallel_config["dp_size"]
+        cp = train_parallel_config.get("cp_size", 1)
+        vpp = train_parallel_config.get("vpp_size", 1)
+        n = train_parallel_config.get("microbatch_group_size_per_vp_stage")
+    except (TypeError, KeyError, AttributeError):
+        raise DynBatchConfigError("train_parallel_config", train_parallel_config, "needs dp_size (and cp_size, "
+                                  "vpp_size, microbatch_group_size_per_vp_stage)",
+                                  "pass slime's train_parallel_config dict") from None
+    pp = _get(args, "pipeline_model_parallel_size")
+    return slime_parallel(dp, cp, vpp, n, tp=int(_get(args, "tensor_model_parallel_size", 1)),
+                          pp=int(pp) if pp is not None and int(pp) > 1 else None,
+                          sequence_parallel=bool(_get(args, "sequence_parallel", False)),
+                          ep=int(_get(args, "expert_model_parallel_size", 1)))
+
+
+def check_budget(args: Any, train_parallel_config: dict) -> Optional[bool]:
+    """The start-up check of the module docstring; ``None`` when neither a budget nor a length is configured."""
+    if not _get(args, "use_dynamic_batch_size", False) or _get(args, "max_tokens_per_gpu") is None:
+        return None
+    prompt, response = _get(args, "rollout_max_prompt_len"), _get(args, "rollout_max_response_len")
+    longest = prompt + response if prompt is not None and response is not None else _get(args, "seq_length")
+    if longest is None:
+        return None
+    from ..core.startup import check_max_seq_len_fits
+
+    par = _parallel(args, train_parallel_config)
+    mult = _get(args, "data_pad_size_multiplier", 128)
+    return check_max_seq_len_fits(int(longest), max_tokens_per_gpu=int(args.max_tokens_per_gpu), parallel=par,
+                                  microbatch_pad_multiple=par.tp * int(mult),
+                                  oversize=_get(args, "dynbatch_oversize", "alone"),
+                                  length_field="rollout_max_prompt_len + rollout_max_response_len"
+                                  if prompt is not None and response is not None else "seq_length",
+                                  budget_field="--max-tokens-per-gpu")
+
+
+def build_dp_schedule(args: Any, train_parallel_config: dict, total_lengths: List[int], *, global_batch_size: int,
+                      rollout_indices: List[int]) -> Tuple[List[List[int]], List[List[List[int]]], List[int], List[int]]:
+    """slime's ``build_dp_schedule`` on megatron-dynbatch's planner: ``(partitions, micro_batch_indices,
+    num_microbatches, global_batch_sizes)`` (see the module docstring)."""
+    if id(args) not in _CHECKED:
+        check_budget(args, train_parallel_config)
+        _CHECKED.add(id(args))
+    dynamic = bool(_get(args, "use_dynamic_batch_size", False))
+    schedule = slime_schedule(
+        total_lengths, rollout_indices=rollout_indices, global_batch_size=global_batch_size,
+        parallel=_parallel(args, train_parallel_config),
+        max_tokens_per_gpu=_get(args, "max_tokens_per_gpu"), use_dynamic_batch_size=dynamic,
+        micro_batch_size=_get(args, "micro_batch_size"), balance_data=bool(_get(args, "balance_data", False)),
+        model=model_from_args(args), data_pad_size_multiplier=_get(args, "data_pad_size_multiplier", 128),
+        oversize=_get(args, "dynbatch_oversize", "alone"))
+    return schedule.as_tuple()

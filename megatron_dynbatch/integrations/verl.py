@@ -1,0 +1,280 @@
+"""Drop-in for ``verl.utils.seqlen_balancing`` (verl's Megatron backend): change the import ::
+
+    from megatron_dynbatch.integrations.verl import (calculate_workload, get_seqlen_balanced_partitions,
+                                                     log_seqlen_unbalance, rearrange_micro_batches,
+                                                     restore_dynamic_batch)
+    # was: from verl.utils.seqlen_balancing import ...
+
+and, for the DP-level balance, one assignment in the trainer module::
+
+    RayPPOTrainer._balance_batch = megatron_dynbatch.integrations.verl.trainer_balance_batch
+
+Same signatures, same return structures; the contracts kept and what changes are in
+:mod:`megatron_dynbatch.core.dropin.verl`. In short: ``rearrange_micro_batches`` / ``prepare_dynamic_batch``
+never return a micro-batch over ``max_token_len`` (verl's per-sequence padding ``tp*cp*2`` included), agree on
+the count with the same single all-reduce (MAX) over ``dp_group``, keep ``min_num_micro_batch``,
+``num_batches_divided_by`` and ``force_group_size``; ``balance_batch`` gives every rank the same number of
+samples, balanced by time.
+
+Extra keyword-only arguments (optional): ``model`` (a ``ModelSpec``/dict/preset: balance its FLOPs at kernel
+efficiency; default verl's workload ``24576*L + L**2``), ``cost_model``, ``tp_size`` / ``cp_size`` / ``pp_size``
+(default: Megatron's ``parallel_state`` when it is initialised, else 1), ``sequence_pad_multiple`` (default
+verl's convention for that layout).
+
+Oversize: verl asserts ``max_token_len`` >= the padded sequence width; so does this module (a
+``DynBatchConfigError`` naming ``max_token_len``), on the first batch -- before the first step's compute -- and
+:func:`check_budget` runs the same check from the config at start-up. Data types: TensorDict / DataProto as verl
+passes them (verl's own ``index_select_tensor_dict`` is used when verl is installed; plain dicts of tensors,
+lists and NumPy arrays work too); torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from itertools import chain
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..core.dropin import verl as core
+from ..core.errors import DynBatchConfigError, OversizeSampleError
+
+__all__ = [
+    "balance_batch", "calculate_workload", "ceildiv", "check_budget", "get_group_balanced_partitions",
+    "get_reverse_idx", "get_seqlen_balanced_partitions", "log_seqlen_unbalance", "prepare_dynamic_batch",
+    "rearrange_micro_batches", "restore_dynamic_batch", "roundup_divisible", "trainer_balance_batch",
+]
+
+
+# ----------------------------------------------------------------------------------------- verl's helpers
+def calculate_workload(seqlen_list: Any) -> Any:
+    """verl's workload estimate ``24576 * L + L**2`` (tensor in, tensor out; lists and arrays too)."""
+    if isinstance(seqlen_list, (list, tuple)):
+        seqlen_list = np.asarray(seqlen_list, dtype=np.int64)
+    return int(core.VERL_WORKLOAD_LINEAR) * seqlen_list + seqlen_list ** 2
+
+
+def ceildiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def roundup_divisible(a: int, b: int) -> int:
+    return ((a + b - 1) // b) * b
+
+
+def get_reverse_idx(idx_map: Sequence[int]) -> List[int]:
+    """The inverse permutation: ``out[idx_map[i]] = i``."""
+    out = list(idx_map)
+    for i, idx in enumerate(idx_map):
+        out[idx] = i
+    return out
+
+
+def get_seqlen_balanced_partitions(seqlen_list: Sequence[float], k_partitions: int, equal_size: bool):
+    """verl's function (Karmarkar-Karp; partitions sorted, none empty)."""
+    return core.seqlen_balanced_partitions(seqlen_list, k_partitions, equal_size)
+
+
+def get_group_balanced_partitions(seqlen_list: Sequence[int], uid_list: Sequence[Any], k_partitions: int,
+                                  *, model: Any = None) -> List[List[int]]:
+    """verl's function: consecutive samples with one uid stay together; equal group counts per partition."""
+    return core.group_balanced_partitions(seqlen_list, uid_list, k_partitions, model=model)
+
+
+def log_seqlen_unbalance(seqlen_list: Sequence[int], partitions: List[List[int]], prefix: str) -> Dict[str, Any]:
+    """verl's balance metrics: per-partition token sums before (consecutive equal chunks) and after."""
+    seqlens = [int(x) for x in seqlen_list]
+    k = len(partitions)
+    size = max(1, len(seqlens) // k)
+    before = [sum(seqlens[o:o + size]) for o in range(0, len(seqlens), size)]
+    after = [sum(seqlens[i] for i in p) for p in partitions]
+    return {f"{prefix}/min": min(before), f"{prefix}/max": max(before),
+            f"{prefix}/minmax_diff": max(before) - min(before), f"{prefix}/balanced_min": min(after),
+            f"{prefix}/balanced_max": max(after), f"{prefix}/mean": sum(before) / k}
+
+
+# ----------------------------------------------------------------------------------------- layout
+def _layout(tp_size: Optional[int], cp_size: Optional[int], pp_size: Optional[int]) -> Tuple[int, int, int]:
+    """tp / cp / pp: explicit values, else Megatron's parallel_state if it is initialised (never imported here:
+    if it was not imported it cannot be initialised), else 1."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    live = ps is not None and ps.model_parallel_is_initialized()
+
+    def pick(value: Optional[int], getter: str) -> int:
+        if value is not None:
+            return int(value)
+        return int(getattr(ps, getter)()) if live else 1
+
+    return (pick(tp_size, "get_tensor_model_parallel_world_size"), pick(cp_size, "get_context_parallel_world_size"),
+            pick(pp_size, "get_pipeline_model_parallel_world_size"))
+
+
+def check_budget(max_token_len: int, max_seq_len: int, *, tp_size: Optional[int] = None,
+                 cp_size: Optional[int] = None, sequence_pad_multiple: Optional[int] = None) -> bool:
+    """Start-up check: a sequence of ``max_seq_len`` (verl: ``max_prompt_length + max_response_length``) fits
+    ``max_token_len`` (``ppo_max_token_len_per_gpu * cp``) with verl's padding; raises otherwise."""
+    from ..core.startup import check_max_seq_len_fits
+
+    tp, cp, _ = _layout(tp_size, cp_size, 1)
+    pad = core.verl_sequence_pad_multiple(tp, cp) if sequence_pad_multiple is None else sequence_pad_multiple
+    return check_max_seq_len_fits(max_seq_len, max_tokens_per_gpu=max(1, int(max_token_len) // cp),
+                                  parallel={"tp": tp, "cp": cp}, sequence_pad_multiple=pad,
+                                  length_field="max_seq_len", budget_field="max_token_len")
+
+
+# ----------------------------------------------------------------------------------------- data types
+def _seq_lengths(batch: Any) -> Tuple[List[int], int]:
+    """Per-sample lengths and the padded width (verl: nested ``input_ids`` or ``attention_mask`` sums)."""
+    input_ids = batch["input_ids"] if _has(batch, "input_ids") else None
+    if input_ids is not None and getattr(input_ids, "is_nested", False):
+        lens = [int(x) for x in input_ids.offsets().diff().tolist()]
+        return lens, max(lens) if lens else 0
+    mask = batch["attention_mask"]
+    width = int(mask.shape[-1])
+    return [int(x) for x in mask.reshape(mask.shape[0], -1).sum(-1).tolist()], width
+
+
+def _has(batch: Any, key: str) -> bool:
+    try:
+        return key in batch.keys()
+    except AttributeError:
+        return False
+
+
+def _select_value(value: Any, idx: List[int]) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if getattr(value, "is_nested", False):
+            parts = value.unbind()
+            return torch.nested.as_nested_tensor([parts[i] for i in idx], layout=torch.jagged)
+        return value[torch.as_tensor(idx, dtype=torch.long, device=value.device)]
+    if isinstance(value, np.ndarray):
+        return value[idx]
+    if isinstance(value, (list, tuple)):
+        return type(value)(value[i] for i in idx)
+    return value  # a scalar / non-tensor entry shared by the whole batch
+
+
+def _index_select(batch: Any, idx: List[int]) -> Any:
+    """verl's ``tu.index_select_tensor_dict`` when verl is installed; else per-key selection for mappings, and
+    ``batch[index_tensor]`` for other TensorDict-like objects."""
+    try:
+        from verl.utils import tensordict_utils as tu  # type: ignore
+    except ImportError:
+        tu = None
+    if tu is not None:
+        return tu.index_select_tensor_dict(batch, idx)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _select_value(v, idx) for k, v in batch.items()}) if type(batch) is not dict \
+            else {k: _select_value(v, idx) for k, v in batch.items()}
+    import torch
+
+    return batch[torch.as_tensor(idx, dtype=torch.long)]
+
+
+# ----------------------------------------------------------------------------------------- micro-batches
+def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None, num_batches_divided_by: Any = None,
+                            same_micro_num_in_dp: bool = True, min_num_micro_batch: Any = None,
+                            use_dynamic_bsz_balance: bool = True, force_group_size: int = 1, *, model: Any = None,
+                            cost_model: Any = None, tp_size: Optional[int] = None, cp_size: Optional[int] = None,
+                            pp_size: Optional[int] = None, sequence_pad_multiple: Optional[int] = None):
+    """verl's ``rearrange_micro_batches``: ``(micro_batches, micro_bsz_idx)`` -- this rank's micro-batches and,
+    for each, the sorted indices into ``batch``. The count is the first at which this rank packs under the cap
+    (with ``min_num_micro_batch``), the MAX over ``dp_group`` when ``same_micro_num_in_dp`` (one all-reduce),
+    a multiple of ``num_batches_divided_by``."""
+    lens, width = _seq_lengths(batch)
+    if int(max_token_len) < width:
+        raise OversizeSampleError("max_token_len", int(max_token_len),
+                                  f"is smaller than the sequence length {width} (verl asserts max_token_len >= "
+                                  "the padded width)", f"raise ppo_max_token_len_per_gpu so that max_token_len >= "
+                                  f"{width}, or lower max_prompt_length + max_response_length")
+    tp, cp, pp = _layout(tp_size, cp_size, pp_size)
+    layout = dict(tp=tp, cp=cp, pp=pp, model=model, cost_model=cost_model, force_group_size=force_group_size,
+                  num_batches_divided_by=num_batches_divided_by, sequence_pad_multiple=sequence_pad_multiple)
+    count = core.local_count(lens, max_token_len, min_num_micro_batch=min_num_micro_batch, **layout)
+    if same_micro_num_in_dp and dp_group is not None:
+        from ..megatron.local import all_reduce_max
+
+        count = all_reduce_max([count], dp_group)[0]
+    parts = core.local_partitions(lens, max_token_len, count, use_dynamic_bsz_balance=use_dynamic_bsz_balance,
+                                  **layout)
+    return [_index_select(batch, p) for p in parts], parts
+
+
+def prepare_dynamic_batch(data: Any, max_token_len: int, dp_group: Any = None, num_batches_divided_by: Any = None,
+                          same_micro_num_in_dp: bool = True, min_num_micro_batch: Any = None,
+                          use_dynamic_bsz_balance: bool = True, **extras: Any):
+    """verl's ``prepare_dynamic_batch``: a ``DataProto`` in, ``(list of DataProto, index lists)`` out (same class
+    as ``data``; non-tensor fields selected, ``meta_info`` copied)."""
+    batches, idx_list = rearrange_micro_batches(
+        data.batch, max_token_len=max_token_len, dp_group=dp_group, num_batches_divided_by=num_batches_divided_by,
+        same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
+        use_dynamic_bsz_balance=use_dynamic_bsz_balance, **extras)
+    out = []
+    for part, idx in zip(batches, idx_list):
+        tensors = dict(part)
+        non_tensors = {k: _select_value(v, idx) for k, v in data.non_tensor_batch.items()}
+        out.append(type(data).from_dict(tensors, non_tensors, meta_info=copy.deepcopy(data.meta_info)))
+    return out, idx_list
+
+
+def restore_dynamic_batch(data: Any, batch_idx_list: List[List[int]]) -> Any:
+    """verl's ``restore_dynamic_batch``: rows of the concatenated micro-batch outputs back in batch order."""
+    import torch
+
+    indices = list(chain.from_iterable(batch_idx_list))
+    if len(indices) != data.shape[0] or sorted(indices) != list(range(len(indices))):
+        raise DynBatchConfigError("batch_idx_list", f"{len(indices)} indices",
+                                  f"must be a permutation of the {data.shape[0]} rows",
+                                  "pass the index lists prepare_dynamic_batch / rearrange_micro_batches returned")
+    revert = torch.tensor(get_reverse_idx(indices), dtype=torch.long)
+    if getattr(data, "is_nested", False):
+        rows = data.unbind()
+        return torch.nested.as_nested_tensor([rows[i] for i in revert.tolist()], layout=torch.jagged)
+    return data[revert.to(data.device)]
+
+
+# ----------------------------------------------------------------------------------------- DP balance
+def balance_batch(batch: Any, dp_size: int, metrics: Optional[dict] = None, logging_prefix: str = "global_seqlen",
+                  keep_minibatch: bool = False, minibatch_size: Optional[int] = None, *,
+                  use_prefix_grouper: bool = False, uid_key: str = "uid", max_token_len: Optional[int] = None,
+                  model: Any = None, cost_model: Any = None, tp_size: Optional[int] = None,
+                  cp_size: Optional[int] = None, pp_size: Optional[int] = None) -> List[List[int]]:
+    """verl's ``_balance_batch`` as a function: reorder ``batch`` (a DataProto) in place so that its ``dp_size``
+    equal chunks are balanced rank shares with equal sample counts (per mini-batch of ``minibatch_size`` with
+    ``keep_minibatch``; uid groups kept together with ``use_prefix_grouper``). Adds verl's balance metrics to
+    ``metrics``; returns the partitions (global indices per rank)."""
+    import torch
+
+    mask = batch.batch["attention_mask"]
+    lens = [int(x) for x in mask.reshape(mask.shape[0], -1).sum(-1).tolist()]
+    uids = None
+    if use_prefix_grouper and uid_key in getattr(batch, "non_tensor_batch", {}):
+        uids = list(batch.non_tensor_batch[uid_key])
+    tp, cp, pp = _layout(tp_size, cp_size, pp_size)
+    parts = core.balance_partitions(lens, dp_size, minibatch_size=minibatch_size if keep_minibatch else None,
+                                    uids=uids, max_token_len=max_token_len, tp=tp, cp=cp, pp=pp, model=model,
+                                    cost_model=cost_model)
+    batch.reorder(torch.tensor([i for p in parts for i in p]))
+    if metrics is not None:
+        metrics.update(log_seqlen_unbalance(lens, parts, logging_prefix))
+    return parts
+
+
+def trainer_balance_batch(self: Any, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
+                          keep_minibatch: bool = False) -> None:
+    """``RayPPOTrainer._balance_batch`` replacement (assign it to the class): reads the DP size, mini-batch size,
+    token budget and context-parallel size from the trainer the way verl does, then :func:`balance_batch`."""
+    dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
+    actor = self.config.actor_rollout_ref.actor
+    minibatch = actor.get("ppo_mini_batch_size") if keep_minibatch else None
+    cp = None
+    megatron_cfg = actor.get("megatron") if hasattr(actor, "get") else None
+    if megatron_cfg is not None and hasattr(megatron_cfg, "get"):
+        cp = megatron_cfg.get("context_parallel_size")
+    per_gpu = actor.get("ppo_max_token_len_per_gpu") if actor.get("use_dynamic_bsz", False) else None
+    balance_batch(batch, dp_size, metrics, logging_prefix, keep_minibatch, minibatch,
+                  use_prefix_grouper=bool(getattr(self, "use_prefix_grouper", False)),
+                  max_token_len=None if per_gpu is None else int(per_gpu) * int(cp or 1), cp_size=cp or 1)

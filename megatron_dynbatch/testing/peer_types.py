@@ -1,0 +1,92 @@
+"""Stand-ins for the RL trainers' data types, for tests and the CPU examples of the drop-ins (verl, slime, ROLL and
+NeMo-RL are not installable here). Written from their public interfaces -- only what the drop-ins touch:
+
+* :class:`DataProto`: ``batch`` (a mapping of tensors with a leading batch dimension, standing in for a
+  ``TensorDict``), ``non_tensor_batch`` (NumPy object arrays), ``meta_info``; ``from_dict``,
+  ``from_single_dict``, ``slice``, ``reorder`` (in place), ``len`` -- verl's and ROLL's DataProto agree on these;
+* :func:`grpo_batch`: a right-padded ``[b, s]`` batch (``input_ids``, ``attention_mask``) with a ``uid`` per
+  prompt group, like the rollouts both trainers hand to their batching;
+* :func:`slime_args`: a namespace with the fields slime's ``build_dp_schedule`` reads.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+
+
+class DataProto:
+    """A minimal verl/ROLL ``DataProto``."""
+
+    def __init__(self, batch: Optional[Dict[str, Any]] = None, non_tensor_batch: Optional[Dict[str, Any]] = None,
+                 meta_info: Optional[Dict[str, Any]] = None) -> None:
+        self.batch = dict(batch or {})
+        self.non_tensor_batch = dict(non_tensor_batch or {})
+        self.meta_info = dict(meta_info or {})
+
+    @classmethod
+    def from_dict(cls, tensors: Dict[str, Any], non_tensors: Optional[Dict[str, Any]] = None,
+                  meta_info: Optional[Dict[str, Any]] = None) -> "DataProto":
+        return cls(tensors, {k: np.asarray(v, dtype=object) for k, v in (non_tensors or {}).items()}, meta_info)
+
+    @classmethod
+    def from_single_dict(cls, data: Dict[str, Any], meta_info: Optional[Dict[str, Any]] = None) -> "DataProto":
+        import torch
+
+        tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
+        others = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
+        return cls.from_dict(tensors, others, meta_info)
+
+    def __len__(self) -> int:
+        for v in self.batch.values():
+            return int(v.shape[0])
+        for v in self.non_tensor_batch.values():
+            return len(v)
+        return 0
+
+    def slice(self, start: Optional[int] = None, end: Optional[int] = None) -> "DataProto":
+        sl = slice(start, end)
+        return DataProto({k: v[sl] for k, v in self.batch.items()},
+                         {k: v[sl] for k, v in self.non_tensor_batch.items()}, copy.deepcopy(self.meta_info))
+
+    def reorder(self, indices: Any) -> None:
+        idx = np.asarray(indices.tolist() if hasattr(indices, "tolist") else indices, dtype=np.int64)
+        import torch
+
+        t = torch.as_tensor(idx)
+        self.batch = {k: v[t] for k, v in self.batch.items()}
+        self.non_tensor_batch = {k: v[idx] for k, v in self.non_tensor_batch.items()}
+
+
+def grpo_batch(lengths: Sequence[int], group_size: int = 1, width: Optional[int] = None, vocab: int = 1000,
+               seed: int = 0) -> DataProto:
+    """A right-padded batch of token ids (``input_ids``, ``attention_mask``, ``position_ids``) with one ``uid`` per
+    group of ``group_size`` consecutive samples and each sample's own index in ``sample_id``."""
+    import torch
+
+    lens = [int(x) for x in lengths]
+    width = int(width if width is not None else max(lens + [1]))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (len(lens), width), generator=g)
+    mask = torch.zeros(len(lens), width, dtype=torch.long)
+    for i, n in enumerate(lens):
+        mask[i, :n] = 1
+    ids = ids * mask
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(width).expand(len(lens), width)},
+        {"uid": [f"prompt-{i // group_size}" for i in range(len(lens))], "sample_id": list(range(len(lens)))})
+
+
+def slime_args(**overrides: Any) -> SimpleNamespace:
+    """slime's args for ``build_dp_schedule`` (dynamic batch size on; a small Megatron model)."""
+    base = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=4096, micro_batch_size=1, balance_data=True,
+                balance_by_flops=False, data_pad_size_multiplier=128, tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1, sequence_parallel=False, num_layers=2, hidden_size=64,
+                num_attention_heads=4, ffn_hidden_size=128, kv_channels=16, vocab_size=256, num_query_groups=4,
+                group_query_attention=False, swiglu=True, num_experts=None, rollout_max_prompt_len=None,
+                rollout_max_response_len=None, seq_length=None)
+    base.update(overrides)
+    return SimpleNamespace(**base)

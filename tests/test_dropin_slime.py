@@ -1,0 +1,192 @@
+"""slime drop-in: ``build_dp_schedule`` keeps slime's contract (``slime/utils/dp_schedule.py``: equal per-rank
+counts per step, micro-batch indices tiling each rank's partition, every kept sample once, rollouts kept in one
+step, trailing rollouts trimmed, oversize samples alone, VPP alignment, the static path) and adds ours: the cap
+holds with slime's own padding counted, the per-rank count follows Megatron's exact VPP rule."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from megatron_dynbatch import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
+from megatron_dynbatch.core.alignment import Alignment
+from megatron_dynbatch.core.parallel import ParallelConfig
+from megatron_dynbatch.core.planner.vpp import is_valid_microbatch_count
+from megatron_dynbatch.integrations.slime import build_dp_schedule, check_budget
+from megatron_dynbatch.testing.peer_types import slime_args
+
+
+def tpc(dp=1, cp=1, vpp=1, n=1):
+    return {"dp_size": dp, "cp_size": cp, "vpp_size": vpp, "microbatch_group_size_per_vp_stage": n}
+
+
+def check_contract(result, *, dp, kept, lengths, cap=None, align=None, oversize=()):
+    """slime's documented invariants, plus the cap counted with slime's padding (``align``)."""
+    partitions, mbi, nmb, gbs = result
+    seen = set()
+    for r in range(dp):
+        assert len(mbi[r]) == sum(nmb)  # same count on every rank, every step
+        flat = [i for mb in mbi[r] for i in mb]
+        assert flat == list(range(len(partitions[r])))  # the ranges tile the rank's partition
+        assert seen.isdisjoint(partitions[r])
+        seen.update(partitions[r])
+        for mb in mbi[r]:
+            assert mb  # no empty micro-batch
+            if cap is None:
+                continue
+            samples = [partitions[r][i] for i in mb]
+            tokens = align.padded_total(sum(int(align.seq_len(lengths[s])) for s in samples))
+            if tokens > cap:
+                assert len(samples) == 1 and samples[0] in oversize, (samples, tokens, cap)
+    assert seen == set(kept)
+
+
+def test_dynamic_uniform_and_cap():
+    lengths = [5] * 8
+    args = slime_args(max_tokens_per_gpu=10, data_pad_size_multiplier=1)
+    res = build_dp_schedule(args, tpc(dp=2), lengths, global_batch_size=8, rollout_indices=list(range(8)))
+    assert res[3] == [8]
+    check_contract(res, dp=2, kept=range(8), lengths=lengths, cap=10, align=Alignment())
+
+
+def test_oversized_sample_lands_alone_with_a_warning():
+    lengths = [15, 3, 3, 3, 3, 3, 3, 3]
+    args = slime_args(max_tokens_per_gpu=10, data_pad_size_multiplier=1)
+    with pytest.warns(OversizeSampleWarning, match="sample 0"):
+        res = build_dp_schedule(args, tpc(dp=2), lengths, global_batch_size=8, rollout_indices=list(range(8)))
+    check_contract(res, dp=2, kept=range(8), lengths=lengths, cap=10, align=Alignment(), oversize={0})
+    where = [mb for r in range(2) for mb in res[1][r] if 0 in [res[0][r][i] for i in mb]]
+    assert len(where) == 1 and len(where[0]) == 1
+
+
+def test_oversize_error_when_asked():
+    args = slime_args(max_tokens_per_gpu=10, data_pad_size_multiplier=1, dynbatch_oversize="error")
+    with pytest.raises(OversizeSampleError):
+        build_dp_schedule(args, tpc(dp=2), [15, 3, 3, 3], global_batch_size=4, rollout_indices=list(range(4)))
+
+
+def test_vpp_count_is_a_multiple_of_the_group_size_without_pp():
+    """slime's config has no pp: the count is a multiple of microbatch_group_size_per_vp_stage (slime's rule,
+    and Megatron's for any pp <= N)."""
+    lengths = [4] * 32
+    args = slime_args(max_tokens_per_gpu=8, data_pad_size_multiplier=1, pipeline_model_parallel_size=None)
+    res = build_dp_schedule(args, tpc(dp=2, vpp=2, n=2), lengths, global_batch_size=16,
+                            rollout_indices=list(range(32)))
+    assert all(n % 2 == 0 for n in res[2])
+    check_contract(res, dp=2, kept=range(32), lengths=lengths, cap=8, align=Alignment())
+
+
+def test_vpp_uses_megatron_exact_rule_when_pp_is_known():
+    # pp=2, N=3: Megatron accepts M >= 3 with M % 3 in {0, 2}: 5 is valid, slime would round up to 6
+    lengths = [100] * 10
+    args = slime_args(max_tokens_per_gpu=200, data_pad_size_multiplier=1, pipeline_model_parallel_size=2)
+    res = build_dp_schedule(args, tpc(dp=1, vpp=2, n=3), lengths, global_batch_size=10,
+                            rollout_indices=list(range(10)))
+    par = ParallelConfig(pp=2, vpp=2, microbatch_group_size_per_vp_stage=3)
+    assert all(is_valid_microbatch_count(m, par) for m in res[2])
+    assert res[2] == [5]
+
+
+def test_multi_sample_rollouts_stay_in_one_step_and_trailing_ones_are_trimmed():
+    rollout_indices = [0, 0, 1, 2, 2, 3, 4, 4]  # 5 rollouts, gbs=2: two steps, rollout 4 dropped
+    lengths = [3] * 8
+    args = slime_args(max_tokens_per_gpu=12, data_pad_size_multiplier=1)
+    res = build_dp_schedule(args, tpc(dp=1), lengths, global_batch_size=2, rollout_indices=rollout_indices)
+    assert res[3] == [2, 2]
+    check_contract(res, dp=1, kept=range(6), lengths=lengths, cap=12, align=Alignment())
+    cursor = 0
+    steps = []
+    for n in res[2]:
+        steps.append(sorted(res[0][0][i] for mb in res[1][0][cursor:cursor + n] for i in mb))
+        cursor += n
+    assert steps == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_rejects_fewer_rollouts_than_the_global_batch():
+    args = slime_args(max_tokens_per_gpu=12, data_pad_size_multiplier=1)
+    with pytest.raises(DynBatchConfigError, match="num_rollouts < global_batch_size"):
+        build_dp_schedule(args, tpc(dp=1), [3] * 6, global_batch_size=4, rollout_indices=[0, 0, 1, 1, 2, 2])
+
+
+def test_slime_padding_counts_against_the_cap():
+    """slime pads each CP rank's share to tp * data_pad_size_multiplier: with tp=2 and 128, a micro-batch of
+    1000 real tokens occupies 1024 -- first-fit on real tokens would put 4 x 250 in a budget of 1000."""
+    lengths = [250] * 16
+    args = slime_args(max_tokens_per_gpu=1000, tensor_model_parallel_size=2)
+    res = build_dp_schedule(args, tpc(dp=2), lengths, global_batch_size=16, rollout_indices=list(range(16)))
+    align = Alignment.for_layout(ParallelConfig(tp=2), None, None, 256)
+    check_contract(res, dp=2, kept=range(16), lengths=lengths, cap=1000, align=align)
+    assert max(len(mb) for r in res[1] for mb in r) == 3
+
+
+def test_static_path_is_slime_s():
+    args = slime_args(use_dynamic_batch_size=False, micro_batch_size=2, balance_data=False)
+    res = build_dp_schedule(args, tpc(dp=4), [10] * 16, global_batch_size=16, rollout_indices=list(range(16)))
+    assert res[2] == [2] and res[3] == [16]
+    assert res[0][0] == [0, 1, 8, 9]  # chunks dealt round-robin
+    check_contract(res, dp=4, kept=range(16), lengths=[10] * 16)
+    args = slime_args(use_dynamic_batch_size=False, micro_batch_size=2, balance_data=True)
+    res = build_dp_schedule(args, tpc(dp=2), list(range(1, 9)) * 2, global_batch_size=8,
+                            rollout_indices=list(range(16)))
+    assert res[2] == [2, 2]
+    check_contract(res, dp=2, kept=range(16), lengths=list(range(1, 9)) * 2)
+    with pytest.raises(DynBatchConfigError, match="multiple of"):
+        build_dp_schedule(args, tpc(dp=4), [10] * 12, global_batch_size=12, rollout_indices=list(range(12)))
+
+
+def test_startup_check_reads_slime_lengths():
+    args = slime_args(max_tokens_per_gpu=4096, data_pad_size_multiplier=1, rollout_max_prompt_len=1024,
+                      rollout_max_response_len=4096)
+    with pytest.warns(OversizeSampleWarning, match="rollout_max_prompt_len"):
+        assert check_budget(args, tpc(dp=2)) is False
+    args.dynbatch_oversize = "error"
+    with pytest.raises(OversizeSampleError, match="at least 5120"):
+        check_budget(args, tpc(dp=2))
+    args.max_tokens_per_gpu = 8192
+    assert check_budget(args, tpc(dp=2)) is True
+    with pytest.raises(OversizeSampleError):  # the first schedule runs the check too
+        build_dp_schedule(slime_args(max_tokens_per_gpu=1024, data_pad_size_multiplier=1, seq_length=2048,
+                                     dynbatch_oversize="error"), tpc(dp=1), [100] * 4, global_batch_size=4,
+                          rollout_indices=list(range(4)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 6), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([(1, 1), (2, 2), (2, 3)]),
+       st.sampled_from([1, 2, 3]), st.integers(1, 5), st.integers(0, 2 ** 31 - 1), st.sampled_from([1, 8, 128]),
+       st.booleans())
+def test_contract_and_cap_on_random_rollouts(dp, cp, tp, vpp_n, per_rollout, steps, seed, pad_mult, with_model):
+    vpp, n = vpp_n
+    rng = np.random.default_rng(seed)
+    gbs = dp * int(rng.integers(1, 4))
+    n_rollouts = gbs * steps + int(rng.integers(0, gbs))  # a partial trailing step
+    rids = np.repeat(np.arange(n_rollouts), rng.integers(1, per_rollout + 1, n_rollouts)).tolist()
+    rng.shuffle(rids)  # samples of a rollout need not be adjacent
+    budget = int(rng.choice([512, 2048, 8192]))
+    lengths = rng.integers(1, int(budget * cp * 1.2), len(rids)).tolist()
+    args = slime_args(max_tokens_per_gpu=budget, data_pad_size_multiplier=pad_mult, tensor_model_parallel_size=tp,
+                      pipeline_model_parallel_size=None)
+    if not with_model:
+        args.num_layers = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        try:
+            res = build_dp_schedule(args, tpc(dp, cp, vpp, n), lengths, global_batch_size=gbs, rollout_indices=rids)
+        except DynBatchConfigError as err:
+            assert "without leaving one empty" in str(err) or "smaller than one aligned" in str(err), str(err)
+            event("explained error")
+            return
+    event("planned")
+    order = list(dict.fromkeys(rids))
+    kept_rollouts = set(order[:steps * gbs])
+    kept = [i for i, r in enumerate(rids) if r in kept_rollouts]
+    align = Alignment.for_layout(ParallelConfig(tp=tp, cp=cp), None, None, tp * pad_mult)
+    slot = align.seq_len(np.asarray(lengths))
+    over = {i for i in kept if slot[i] > align.effective_cap(budget * cp)}
+    check_contract(res, dp=dp, kept=kept, lengths=lengths, cap=budget * cp, align=align, oversize=over)
+    assert len(res[2]) == steps and res[3] == [gbs] * steps
+    if vpp > 1:
+        assert all(m % n == 0 for m in res[2])
