@@ -126,6 +126,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench.runner import ALGORITHMS, iter_algorithms, run_bench
     from .bench.workloads import WORKLOADS, select_workloads
 
+    if args.dropins:
+        return _cmd_bench_dropins(args)
     if args.list:
         for w in WORKLOADS.values():
             print(f"{w.name:<26} {'' if w.default else '(not in default run) '}{w.description}")
@@ -161,6 +163,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if bad or broken:
         print(f"{PROG}: error: the planner produced {bad} over-budget micro-batch(es) and {len(broken)} failed or "
               f"malformed plan(s); this is a bug", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_bench_dropins(args: argparse.Namespace) -> int:
+    """``bench --dropins``: each RL trainer's own batching against its megatron-dynbatch drop-in."""
+    from .bench.dropins import dropins_json, format_dropins, run_dropins
+    from .bench.workloads import select_workloads
+
+    rows, meta = run_dropins(select_workloads(args.workloads), seeds=args.seeds)
+    meta["command"] = "megatron-dynbatch " + " ".join(args.argv)
+    text = dropins_json(rows, meta)
+    if args.output:
+        Path(args.output).write_text(text + "\n", encoding="utf-8")
+    print(text if args.json else format_dropins(rows))
+    over = sum(r.cap_violations for r in rows if r.algorithm.startswith("drop-in"))
+    if over:
+        print(f"{PROG}: error: a drop-in produced {over} over-budget micro-batch(es); this is a bug", file=sys.stderr)
         return 1
     return 0
 
@@ -451,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speed-repeats", type=_positive_int, default=3,
                    help="timed runs per planning-speed case (median reported; default 3)")
     b.add_argument("--list", action="store_true", help="list the workloads and algorithms and exit")
+    b.add_argument("--dropins", action="store_true",
+                   help="compare each RL trainer's own batching (slime, verl, NeMo-RL, ROLL) with its drop-in "
+                        "(megatron_dynbatch.integrations) instead: modelled step time and cap violations")
     prog = b.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
                       help="always show the progress bar (default: only when stderr is a terminal)")
