@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+from ..core.checks import as_int
 from ..core.dropin.roll import roll_shard
 from ..core.errors import OversizeSampleError
 
@@ -39,12 +40,15 @@ def dynamic_batching_shard(origin_batch: Any, dp_size: int, max_tokens_per_micro
     """ROLL's ``dynamic_batching_shard`` with this project's guarantees (see the module docstring)."""
     import torch
 
+    max_tokens_per_microbatch = as_int(max_tokens_per_microbatch, "max_tokens_per_microbatch", minimum=1,
+                                       fix="pass max_tokens_per_microbatch_in_train")
+    rnd = as_int(sequence_length_round, "sequence_length_round", minimum=1,
+                 fix="pass sequence_length_round_in_train (e.g. 64)")
     mask = origin_batch.batch["attention_mask"]
     batch_size = int(mask.shape[0])
     width = int(mask.shape[-1])
-    rnd = int(sequence_length_round)
-    padded_width = max(-(-width // rnd) * rnd, rnd) if rnd > 0 else width
-    if rnd > 0 and padded_width > int(max_tokens_per_microbatch):
+    padded_width = max(-(-width // rnd) * rnd, rnd)
+    if padded_width > max_tokens_per_microbatch:
         raise OversizeSampleError(
             "max_tokens_per_microbatch", int(max_tokens_per_microbatch),
             f"the configured sequence length {width} ({padded_width} rounded to {rnd}) does not fit one micro-batch",
@@ -63,7 +67,7 @@ def dynamic_batching_shard(origin_batch: Any, dp_size: int, max_tokens_per_micro
     batch.meta_info["micro_batch_lengths"] = list(lengths)
     batch.meta_info["num_micro_batchs"] = len(indices)
 
-    padded_tokens = sum((b - a) * s for (a, b), s in zip(indices, lengths)) * int(dp_size)
+    padded_tokens = sum((b - a) * s for (a, b), s in zip(indices, lengths)) * len(shard.order) // shard.shard_size
     origin_tokens = batch_size * width
     prefix = f"dynamic_batching/{log_prefix}" if log_prefix else "dynamic_batching"
     metrics = {

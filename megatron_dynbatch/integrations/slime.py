@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
 
+from ..core.checks import as_bool, as_int
 from ..core.dropin.slime import slime_parallel, slime_schedule
 from ..core.errors import DynBatchConfigError
 
@@ -55,10 +56,14 @@ def _parallel(args: Any, train_parallel_config: dict):
                                   "vpp_size, microbatch_group_size_per_vp_stage)",
                                   "pass slime's train_parallel_config dict") from None
     pp = _get(args, "pipeline_model_parallel_size")
-    return slime_parallel(dp, cp, vpp, n, tp=int(_get(args, "tensor_model_parallel_size", 1)),
-                          pp=int(pp) if pp is not None and int(pp) > 1 else None,
-                          sequence_parallel=bool(_get(args, "sequence_parallel", False)),
-                          ep=int(_get(args, "expert_model_parallel_size", 1)))
+    pp = None if pp is None else as_int(pp, "--pipeline-model-parallel-size", minimum=1)
+    return slime_parallel(dp, cp, vpp, n,
+                          tp=as_int(_get(args, "tensor_model_parallel_size", 1), "--tensor-model-parallel-size",
+                                    minimum=1),
+                          pp=pp if pp is not None and pp > 1 else None,
+                          sequence_parallel=as_bool(_get(args, "sequence_parallel", False), "--sequence-parallel"),
+                          ep=as_int(_get(args, "expert_model_parallel_size", 1), "--expert-model-parallel-size",
+                                    minimum=1))
 
 
 def check_budget(args: Any, train_parallel_config: dict) -> Optional[bool]:
@@ -66,18 +71,22 @@ def check_budget(args: Any, train_parallel_config: dict) -> Optional[bool]:
     if not _get(args, "use_dynamic_batch_size", False) or _get(args, "max_tokens_per_gpu") is None:
         return None
     prompt, response = _get(args, "rollout_max_prompt_len"), _get(args, "rollout_max_response_len")
-    longest = prompt + response if prompt is not None and response is not None else _get(args, "seq_length")
+    both = prompt is not None and response is not None
+    if both:
+        prompt = as_int(prompt, "--rollout-max-prompt-len", minimum=0)
+        response = as_int(response, "--rollout-max-response-len", minimum=0)
+    longest = prompt + response if both else _get(args, "seq_length")
     if longest is None:
         return None
     from ..core.startup import check_max_seq_len_fits
 
     par = _parallel(args, train_parallel_config)
-    mult = _get(args, "data_pad_size_multiplier", 128)
-    return check_max_seq_len_fits(int(longest), max_tokens_per_gpu=int(args.max_tokens_per_gpu), parallel=par,
-                                  microbatch_pad_multiple=par.tp * int(mult),
+    mult = as_int(_get(args, "data_pad_size_multiplier", 128), "--data-pad-size-multiplier", minimum=1)
+    return check_max_seq_len_fits(longest, max_tokens_per_gpu=args.max_tokens_per_gpu, parallel=par,
+                                  microbatch_pad_multiple=par.tp * mult,
                                   oversize=_get(args, "dynbatch_oversize", "alone"),
-                                  length_field="rollout_max_prompt_len + rollout_max_response_len"
-                                  if prompt is not None and response is not None else "seq_length",
+                                  length_field="rollout_max_prompt_len + rollout_max_response_len" if both
+                                  else "seq_length",
                                   budget_field="--max-tokens-per-gpu")
 
 
@@ -88,12 +97,12 @@ def build_dp_schedule(args: Any, train_parallel_config: dict, total_lengths: Lis
     if id(args) not in _CHECKED:
         check_budget(args, train_parallel_config)
         _CHECKED.add(id(args))
-    dynamic = bool(_get(args, "use_dynamic_batch_size", False))
+    dynamic = as_bool(_get(args, "use_dynamic_batch_size", False), "--use-dynamic-batch-size")
     schedule = slime_schedule(
         total_lengths, rollout_indices=rollout_indices, global_batch_size=global_batch_size,
         parallel=_parallel(args, train_parallel_config),
         max_tokens_per_gpu=_get(args, "max_tokens_per_gpu"), use_dynamic_batch_size=dynamic,
-        micro_batch_size=_get(args, "micro_batch_size"), balance_data=bool(_get(args, "balance_data", False)),
+        micro_batch_size=_get(args, "micro_batch_size"), balance_data=_get(args, "balance_data", False),
         model=model_from_args(args), data_pad_size_multiplier=_get(args, "data_pad_size_multiplier", 128),
         oversize=_get(args, "dynbatch_oversize", "alone"))
     return schedule.as_tuple()

@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..core.checks import as_int
 from ..core.dropin import verl as core
 from ..core.errors import DynBatchConfigError, OversizeSampleError
 
@@ -101,13 +102,14 @@ def _layout(tp_size: Optional[int], cp_size: Optional[int], pp_size: Optional[in
     ps = sys.modules.get("megatron.core.parallel_state")
     live = ps is not None and ps.model_parallel_is_initialized()
 
-    def pick(value: Optional[int], getter: str) -> int:
+    def pick(value: Optional[int], getter: str, field: str) -> int:
         if value is not None:
-            return int(value)
+            return as_int(value, field, minimum=1, fix="pass the parallel size, or None to read parallel_state")
         return int(getattr(ps, getter)()) if live else 1
 
-    return (pick(tp_size, "get_tensor_model_parallel_world_size"), pick(cp_size, "get_context_parallel_world_size"),
-            pick(pp_size, "get_pipeline_model_parallel_world_size"))
+    return (pick(tp_size, "get_tensor_model_parallel_world_size", "tp_size"),
+            pick(cp_size, "get_context_parallel_world_size", "cp_size"),
+            pick(pp_size, "get_pipeline_model_parallel_world_size", "pp_size"))
 
 
 def check_budget(max_token_len: int, max_seq_len: int, *, tp_size: Optional[int] = None,
@@ -184,8 +186,10 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None
     for each, the sorted indices into ``batch``. The count is the first at which this rank packs under the cap
     (with ``min_num_micro_batch``), the MAX over ``dp_group`` when ``same_micro_num_in_dp`` (one all-reduce),
     a multiple of ``num_batches_divided_by``."""
+    max_token_len = as_int(max_token_len, "max_token_len", minimum=1,
+                           fix="pass the token budget of one micro-batch (ppo_max_token_len_per_gpu * cp)")
     lens, width = _seq_lengths(batch)
-    if int(max_token_len) < width:
+    if max_token_len < width:
         raise OversizeSampleError("max_token_len", int(max_token_len),
                                   f"is smaller than the sequence length {width} (verl asserts max_token_len >= "
                                   "the padded width)", f"raise ppo_max_token_len_per_gpu so that max_token_len >= "

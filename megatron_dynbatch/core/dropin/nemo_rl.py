@@ -78,10 +78,8 @@ class DynBatchSequencePacker:
 
     def pack(self, sequence_lengths: Sequence[int]) -> List[List[int]]:
         """Bins of indices into ``sequence_lengths`` (interleaved by rank; see the module docstring)."""
-        if not isinstance(sequence_lengths, np.ndarray) and not list(sequence_lengths):
-            return []
-        if isinstance(sequence_lengths, np.ndarray) and sequence_lengths.size == 0:
-            return []
+        if isinstance(sequence_lengths, (list, tuple, range, np.ndarray)) and len(sequence_lengths) == 0:
+            return []  # NeMo-RL: no sequences, no bins
         lens = check_lengths(sequence_lengths)
         if int(lens.max()) > self.bin_capacity:
             i = int(np.argmax(lens))

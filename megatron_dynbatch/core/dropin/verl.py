@@ -41,7 +41,7 @@ from ..errors import DynBatchConfigError, OversizeSampleWarning
 from ..parallel import ParallelConfig
 from ..partitioning import karmarkar_karp
 from ..planner import local_microbatch_counts, plan_global_batch, plan_local_batch
-from ..planner.inputs import check_lengths
+from ..planner.inputs import check_group_ids, check_lengths
 
 __all__ = ["VERL_WORKLOAD_LINEAR", "balance_partitions", "group_balanced_partitions", "local_count",
            "local_partitions", "seqlen_balanced_partitions", "verl_cost_model", "verl_sequence_pad_multiple",
@@ -72,13 +72,11 @@ def verl_sequence_pad_multiple(tp: int = 1, cp: int = 1) -> int:
 
 def seqlen_balanced_partitions(seqlen_list: Sequence[float], k_partitions: int, equal_size: bool) -> List[List[int]]:
     """verl's ``get_seqlen_balanced_partitions`` (Karmarkar-Karp): ``k`` sorted, non-empty partitions."""
-    values = np.asarray(list(seqlen_list), dtype=np.float64)
+    values = _values(seqlen_list)
     k = as_int(k_partitions, "k_partitions", minimum=1)
     if values.size < k:
         raise DynBatchConfigError("k_partitions", k, f"more partitions than items ({values.size})",
                                   "use at most as many partitions as items")
-    if not np.isfinite(values).all():
-        raise DynBatchConfigError("seqlen_list", "non-finite value", "values must be finite", "pass lengths")
     equal = as_bool(equal_size, "equal_size")
     if equal and values.size % k:
         raise DynBatchConfigError("equal_size", True, f"{values.size} items do not split into {k} equal parts",
@@ -86,15 +84,26 @@ def seqlen_balanced_partitions(seqlen_list: Sequence[float], k_partitions: int, 
     return [sorted(p) for p in karmarkar_karp(values, k, equal_size=equal)]
 
 
+def _values(seqlen_list: Any) -> np.ndarray:
+    """Finite real numbers (lengths or workloads), one per item, as float64."""
+    fix = "pass one finite number per item (lengths or workloads)"
+    if not isinstance(seqlen_list, (list, tuple, range, np.ndarray)) or np.ndim(seqlen_list) != 1:
+        raise DynBatchConfigError("seqlen_list", type(seqlen_list).__name__, "must be a 1-D sequence of numbers", fix)
+    out = []
+    for i, v in enumerate(list(seqlen_list)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(float(v)):
+            raise DynBatchConfigError(f"seqlen_list[{i}]", v, "is not a finite number", fix)
+        out.append(float(v))
+    return np.asarray(out, dtype=np.float64)
+
+
 def group_balanced_partitions(seqlen_list: Sequence[int], uid_list: Sequence[Any], k_partitions: int,
                               model: Any = None) -> List[List[int]]:
     """verl's ``get_group_balanced_partitions``: runs of equal consecutive uids stay together; groups are dealt
     to ``k`` partitions with equal group counts, balanced by verl's workload (or the model's time)."""
     lens = check_lengths(seqlen_list)
-    uids = list(uid_list)
-    if len(uids) != lens.size:
-        raise DynBatchConfigError("uid_list", f"{len(uids)} uids", f"needs one uid per sample ({lens.size})",
-                                  "pass uid_list with the same length as seqlen_list")
+    uids = check_group_ids(uid_list, lens.size, field="uid_list")
     groups: List[List[int]] = []
     for i, u in enumerate(uids):
         if i and u == uids[i - 1]:

@@ -1,0 +1,169 @@
+"""Hostile input for the drop-ins and the new planner entry points: every argument, in turn, drawn from the
+catalogue of awkward values of ``test_fuzz.py``. Each call must give a valid result or raise a
+``DynBatchConfigError`` (a ``ValueError``) naming the field and a fix -- never another exception type, never a
+hang."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_dynbatch import DynBatchConfigError, check_max_seq_len_fits, local_microbatch_counts, plan_local_batch
+from megatron_dynbatch.core.dropin.nemo_rl import get_packer
+from megatron_dynbatch.core.dropin.roll import roll_shard
+from megatron_dynbatch.core.dropin.verl import (balance_partitions, group_balanced_partitions, local_count,
+                                                local_partitions, seqlen_balanced_partitions)
+from megatron_dynbatch.integrations.slime import build_dp_schedule
+from megatron_dynbatch.testing.peer_types import slime_args
+from test_fuzz import HOSTILE_SCALARS
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _ok_or_explained(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return fn()
+        except DynBatchConfigError as exc:
+            assert "Fix:" in str(exc) and exc.field, str(exc)
+            return None
+
+
+def _value(data, valid):
+    return data.draw(st.one_of(valid, valid, st.sampled_from(HOSTILE_SCALARS)))
+
+
+@SETTINGS
+@given(st.data(), st.sampled_from(["max_tokens_per_gpu", "micro_batch_size", "data_pad_size_multiplier",
+                                   "tensor_model_parallel_size", "pipeline_model_parallel_size", "dynbatch_oversize",
+                                   "use_dynamic_batch_size", "balance_data", "hidden_size", "dp_size", "cp_size",
+                                   "vpp_size", "microbatch_group_size_per_vp_stage", "global_batch_size",
+                                   "rollout_indices", "total_lengths"]))
+def test_slime_build_dp_schedule_hostile(data, field):
+    args = slime_args(max_tokens_per_gpu=2048, data_pad_size_multiplier=8)
+    config = {"dp_size": 2, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
+    lengths, rids, gbs = list(range(100, 1700, 100)), list(range(16)), 8
+    hostile = data.draw(st.sampled_from(HOSTILE_SCALARS))
+    if field in config:
+        config[field] = hostile
+    elif field == "global_batch_size":
+        gbs = hostile
+    elif field == "rollout_indices":
+        rids = data.draw(st.sampled_from([hostile, [hostile] * 16, rids[:3], [None] * 16]))
+    elif field == "total_lengths":
+        lengths = data.draw(st.sampled_from([hostile, [hostile] * 16, lengths[:3], [-1] * 16]))
+    else:
+        setattr(args, field, hostile)
+    res = _ok_or_explained(lambda: build_dp_schedule(args, config, lengths, global_batch_size=gbs,
+                                                     rollout_indices=rids))
+    if res is not None:
+        partitions, mbi, nmb, _ = res
+        assert len({len(m) for m in mbi}) == 1 and all(len(m) == sum(nmb) for m in mbi)
+
+
+@SETTINGS
+@given(st.data())
+def test_verl_functions_hostile(data):
+    lengths = data.draw(st.one_of(st.lists(st.integers(1, 300), min_size=1, max_size=20),
+                                  st.sampled_from(HOSTILE_SCALARS)))
+    max_token_len = _value(data, st.integers(1, 2000))
+    kw = dict(num_batches_divided_by=_value(data, st.sampled_from([None, 2])),
+              force_group_size=_value(data, st.sampled_from([None, 1, 2])),
+              tp=_value(data, st.sampled_from([1, 2])), cp=_value(data, st.sampled_from([1, 2])))
+    _ok_or_explained(lambda: local_count(lengths, max_token_len, min_num_micro_batch=_value(
+        data, st.sampled_from([None, 2])), **kw))
+    _ok_or_explained(lambda: local_partitions(lengths, max_token_len, _value(data, st.integers(1, 6)),
+                                              use_dynamic_bsz_balance=_value(data, st.booleans()), **kw))
+    _ok_or_explained(lambda: seqlen_balanced_partitions(lengths if isinstance(lengths, list) else [1, 2],
+                                                        _value(data, st.integers(1, 4)), _value(data, st.booleans())))
+    _ok_or_explained(lambda: group_balanced_partitions(lengths, _value(data, st.just([0] * 20)),
+                                                       _value(data, st.integers(1, 3))))
+    _ok_or_explained(lambda: balance_partitions(lengths, _value(data, st.integers(1, 4)),
+                                                minibatch_size=_value(data, st.sampled_from([None, 4])),
+                                                max_token_len=_value(data, st.sampled_from([None, 600]))))
+
+
+@SETTINGS
+@given(st.data())
+def test_nemo_rl_packer_hostile(data):
+    def build():
+        return get_packer(_value(data, st.sampled_from(["modified_first_fit_decreasing", "concatenative"])),
+                          _value(data, st.integers(1, 5000)), _value(data, st.booleans()),
+                          _value(data, st.sampled_from([None, 0, 2])), _value(data, st.sampled_from([None, 1, 2])))
+
+    packer = _ok_or_explained(build)
+    if packer is None:
+        return
+    lengths = data.draw(st.one_of(st.lists(st.integers(0, 3000), max_size=20), st.sampled_from(HOSTILE_SCALARS),
+                                  st.lists(st.sampled_from(HOSTILE_SCALARS), min_size=1, max_size=3)))
+    bins = _ok_or_explained(lambda: packer.pack(lengths))
+    if bins:
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+
+
+@SETTINGS
+@given(st.data())
+def test_roll_shard_hostile(data):
+    lengths = data.draw(st.one_of(st.lists(st.integers(0, 900), min_size=1, max_size=24),
+                                  st.sampled_from(HOSTILE_SCALARS)))
+    res = _ok_or_explained(lambda: roll_shard(lengths, _value(data, st.integers(1, 4)),
+                                              _value(data, st.integers(64, 4096)), _value(data, st.integers(1, 128)),
+                                              _value(data, st.integers(1, 4)),
+                                              _value(data, st.sampled_from([None, 1, 2])),
+                                              _value(data, st.sampled_from([None, 4, 5]))))
+    if res is not None:
+        assert sorted(res.order) == list(range(len(lengths)))
+
+
+@SETTINGS
+@given(st.data())
+def test_local_mode_and_startup_check_hostile(data):
+    lengths = data.draw(st.one_of(st.lists(st.integers(0, 900), min_size=1, max_size=24),
+                                  st.sampled_from(HOSTILE_SCALARS)))
+    kw = dict(max_tokens_per_gpu=_value(data, st.integers(1, 2048)), balance_by_flops=False,
+              min_num_microbatches=_value(data, st.sampled_from([None, 2])),
+              num_microbatches_multiple=_value(data, st.sampled_from([None, 2])))
+    counts = _ok_or_explained(lambda: local_microbatch_counts(lengths, **kw))
+    target = data.draw(st.one_of(st.just(counts), st.sampled_from(HOSTILE_SCALARS), st.just([1, 2, 3])))
+    plan = _ok_or_explained(lambda: plan_local_batch(lengths, num_microbatches=target, **kw))
+    if plan is not None:
+        assert plan.dp == 1
+    _ok_or_explained(lambda: check_max_seq_len_fits(_value(data, st.integers(1, 9000)),
+                                                    max_tokens_per_gpu=_value(data, st.integers(1, 9000)),
+                                                    parallel=_value(data, st.just({"cp": 2})),
+                                                    oversize=_value(data, st.sampled_from(["error", "alone"])),
+                                                    sequence_pad_multiple=_value(data, st.sampled_from([None, 8]))))
+
+
+def test_local_mode_refuses_a_count_it_computes():
+    with pytest.raises(DynBatchConfigError, match="num_microbatches"):
+        local_microbatch_counts([10, 20], max_tokens_per_gpu=100, num_microbatches=2)
+    with pytest.raises(DynBatchConfigError, match="agreed"):
+        plan_local_batch([10, 20], num_microbatches=None, max_tokens_per_gpu=100)
+    assert np.array_equal(plan_local_batch([10, 20], num_microbatches=np.array([2]), max_tokens_per_gpu=100,
+                                           balance_by_flops=False).microbatches_per_step, [2])
+
+
+@SETTINGS
+@given(st.data())
+def test_verl_and_roll_integrations_hostile(data):
+    pytest.importorskip("torch")
+    from megatron_dynbatch.integrations import roll, verl
+    from megatron_dynbatch.testing.peer_types import grpo_batch
+
+    lengths = data.draw(st.lists(st.integers(0, 200), min_size=1, max_size=12))
+    batch = grpo_batch(lengths, width=200)
+    _ok_or_explained(lambda: verl.rearrange_micro_batches(
+        batch.batch, _value(data, st.integers(1, 1000)), num_batches_divided_by=_value(data, st.just(None)),
+        min_num_micro_batch=_value(data, st.sampled_from([None, 2])),
+        force_group_size=_value(data, st.sampled_from([1, 2])), tp_size=_value(data, st.just(1)),
+        cp_size=_value(data, st.sampled_from([1, 2]))))
+    _ok_or_explained(lambda: roll.dynamic_batching_shard(
+        grpo_batch(lengths, width=200), _value(data, st.integers(1, 3)), _value(data, st.integers(64, 2048)),
+        _value(data, st.sampled_from([16, 64])), _value(data, st.sampled_from([1, 2])),
+        _value(data, st.sampled_from([None, 2]))))
