@@ -27,7 +27,8 @@ from ..core.errors import DynBatchConfigError
 
 __all__ = ["build_dp_schedule", "check_budget", "model_from_args"]
 
-_CHECKED: set = set()
+#: attribute set on slime's args once the start-up check ran
+_CHECKED = "_dynbatch_budget_checked"
 
 
 def _get(args: Any, name: str, default: Any = None) -> Any:
@@ -94,9 +95,12 @@ def build_dp_schedule(args: Any, train_parallel_config: dict, total_lengths: Lis
                       rollout_indices: List[int]) -> Tuple[List[List[int]], List[List[List[int]]], List[int], List[int]]:
     """slime's ``build_dp_schedule`` on megatron-dynbatch's planner: ``(partitions, micro_batch_indices,
     num_microbatches, global_batch_sizes)`` (see the module docstring)."""
-    if id(args) not in _CHECKED:
+    if not getattr(args, _CHECKED, False):  # once per args object (slime keeps one for the whole run)
         check_budget(args, train_parallel_config)
-        _CHECKED.add(id(args))
+        try:
+            setattr(args, _CHECKED, True)
+        except AttributeError:  # a frozen args object: check on every call (cheap)
+            pass
     dynamic = as_bool(_get(args, "use_dynamic_batch_size", False), "--use-dynamic-batch-size")
     schedule = slime_schedule(
         total_lengths, rollout_indices=rollout_indices, global_batch_size=global_batch_size,
