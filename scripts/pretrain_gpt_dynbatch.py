@@ -20,8 +20,11 @@ launch script of your own, these are the lines::
              forward_step, args_defaults={'tokenizer_type': 'GPT2BPETokenizer', 'dataloader_type': 'external'},
              extra_args_provider=add_dynamic_batch_args)
 
-Without Megatron-LM (``megatron.training`` is not part of the megatron-core wheel) the script still answers
-``--help`` and explains what to install.
+Without ``--use-dynamic-batch-size`` the same command runs plain Megatron batching on the same samples
+(fixed ``--micro-batch-size`` micro-batches padded to ``--seq-length``, Megatron-LM's own ``forward_step``):
+the A/B baseline. On a machine without CUDA the CPU shims of ``megatron_dynbatch.testing.megatron_cpu`` are
+installed (tests and smoke runs only). Without Megatron-LM (``megatron.training`` is not part of the
+megatron-core wheel) the script still answers ``--help`` and explains what to install.
 """
 
 from __future__ import annotations
@@ -68,14 +71,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if wants_help:
         print(megatron_lm.help_text(description=DESCRIPTION) + "\nMegatron-LM's flags follow.\n", flush=True)
     sys.argv = [sys.argv[0]] + argv
-    megatron_lm.install()
+    import torch
+
+    if not torch.cuda.is_available():  # CPU smoke/test runs only: the documented shims
+        from megatron_dynbatch.testing import megatron_cpu
+
+        megatron_cpu.install_megatron_lm_cpu_shims()
+        gpt_builder = megatron_cpu.thd_gpt_builder(gpt_builder)
+    model = partial(model_provider, gpt_builder)
+    if "--use-dynamic-batch-size" in argv:
+        megatron_lm.install()
+        datasets, forward_step = megatron_lm.global_batch_datasets_provider, _unused_forward_step
+        model = megatron_lm.checked_model_provider(model)
+    else:  # the A/B baseline: the same data in plain fixed micro-batches, Megatron-LM's own forward step
+        from pretrain_gpt import forward_step
+
+        datasets = megatron_lm.plain_batches_datasets_provider
     pretrain(
-        megatron_lm.global_batch_datasets_provider,
-        megatron_lm.checked_model_provider(partial(model_provider, gpt_builder)),
+        datasets,
+        model,
         ModelType.encoder_or_decoder,
-        _unused_forward_step,
+        forward_step,
         extra_args_provider=megatron_lm.add_dynamic_batch_args,
-        args_defaults={"dataloader_type": "external"},
+        args_defaults={"dataloader_type": "external", "eval_interval": 1000},
     )
     return 0
 

@@ -76,6 +76,8 @@ __all__ = [
     "global_batch_datasets_provider",
     "JsonlGlobalBatches",
     "MockGlobalBatches",
+    "PlainMicroBatches",
+    "plain_batches_datasets_provider",
     "parse_sample",
     "to_torch_sample",
     "DynamicForwardBackward",
@@ -134,9 +136,14 @@ def add_data_source_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider`` for Megatron-LM: the dynamic-batching flags of
     :func:`megatron_dynbatch.megatron.args.add_dynamic_batch_args` plus the data-source flags. To keep another provider
-    (e.g. ModelOpt's), chain them: ``extra_args_provider=lambda p: add_dynamic_batch_args(add_modelopt_args(p))``."""
+    (e.g. ModelOpt's), chain them: ``extra_args_provider=lambda p: add_dynamic_batch_args(add_modelopt_args(p))``.
+    On a Megatron-LM whose parser has ``--sequence-packing-scheduler`` it also registers this planner there
+    (:func:`megatron_dynbatch.integrations.megatron_packing.register_packing_scheduler`)."""
     from ..megatron.args import add_dynamic_batch_args as add_core_args
+    from .megatron_packing import extend_scheduler_flag, register_packing_scheduler
 
+    if extend_scheduler_flag(parser):  # a Megatron-LM with --sequence-packing-scheduler: offer `dynbatch` there
+        register_packing_scheduler()
     return add_data_source_args(add_core_args(parser))
 
 
@@ -271,7 +278,8 @@ class JsonlGlobalBatches(Iterator[List[Dict[str, Any]]]):
 
 class MockGlobalBatches(Iterator[List[Dict[str, Any]]]):
     """Synthetic RL-like global batches: a short prompt (loss mask 0) and a long-tailed response (loss mask 1),
-    ``group_size`` responses per prompt id. Batch ``k`` depends only on ``(seed, k)``: identical on every rank."""
+    ``group_size`` responses per prompt id; each sample's tokens are an arithmetic progression modulo the
+    vocabulary (random start, stride 1-3), which a model can learn. Batch ``k`` depends only on ``(seed, k)``: identical on every rank."""
 
     def __init__(self, batch_size: int, *, vocab_size: int, max_length: int, seed: int = 1234,
                  group_size: int = 8, start_batch: int = 0, as_torch: bool = True) -> None:
@@ -287,7 +295,11 @@ class MockGlobalBatches(Iterator[List[Dict[str, Any]]]):
                                max(1, self.max_length - prompt)))
             n = prompt + resp
             mask = [0] * (prompt - 1) + [1] * resp + [0]  # label positions that predict response tokens
-            s = {"tokens": rng.integers(1, self.vocab_size, n).tolist(), "loss_mask": mask,
+            # a learnable sequence (arithmetic progression mod the vocabulary, random start and stride), so a
+            # smoke run shows the loss going down
+            start, stride = int(rng.integers(1, self.vocab_size)), int(rng.integers(1, 4))
+            tokens = ((start + stride * np.arange(n)) % (self.vocab_size - 1) + 1).tolist()
+            s = {"tokens": tokens, "loss_mask": mask,
                  "group_id": self.k * self.batch_size // self.group_size + i // self.group_size}
             out.append(to_torch_sample(s) if self.as_torch else s)
         self.k += 1
@@ -301,31 +313,111 @@ def global_batch_datasets_provider(train_val_test_num_samples: Any, vp_stage: Op
     args = _megatron_get_args()
     validate_megatron_lm_args(args)
     check_data_source_args(args)
-    if getattr(args, "dynbatch_mock_data", False):
-        train: Iterator[List[Dict[str, Any]]] = MockGlobalBatches(
-            args.global_batch_size, vocab_size=int(args.padded_vocab_size),
-            max_length=int(args.dynbatch_mock_max_length or args.seq_length), seed=int(args.seed),
-            start_batch=int(args.consumed_train_samples) // int(args.global_batch_size))
-    else:
-        train = JsonlGlobalBatches(args.dynbatch_train_data, args.global_batch_size,
-                                   start_sample=int(args.consumed_train_samples))
-    return train, None, None
+    return _global_batch_source(args), None, None
 
 
 global_batch_datasets_provider.is_distributed = True  # type: ignore[attr-defined]  # every rank builds it
 
 
+class PlainMicroBatches(Iterator[Dict[str, Any]]):
+    """The SAME global batches cut the way plain Megatron batching cuts them, for A/B runs without the hook.
+
+    Megatron's pretraining sampler gives DP rank ``r`` samples ``[k*mbs*dp + r*mbs, ... + mbs)`` of a global
+    batch as its micro-batch ``k``; each sample is padded to ``seq_length`` (labels and loss mask exactly as
+    :func:`~megatron_dynbatch.megatron.packing.pack_microbatch` makes them, loss mask 0 on padding). Yields
+    Megatron's micro-batch dicts (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each
+    ``[mbs, seq_length]``; ``attention_mask`` ``[mbs, 1, S, S]`` too when Megatron's
+    ``--create-attention-mask-in-dataloader`` asks for it), which Megatron-LM's own ``pretrain_gpt.forward_step``
+    consumes. With
+    ``--calculate-per-token-loss`` Megatron's loss is then the global token mean, the quantity the hook's
+    default ``token_mean`` computes from packed micro-batches."""
+
+    def __init__(self, global_batches: Iterator[List[Dict[str, Any]]], *, micro_batch_size: int, seq_length: int,
+                 dp_rank: int, dp_size: int, attention_mask: bool = False) -> None:
+        self.source, self.mbs, self.seq_length = global_batches, int(micro_batch_size), int(seq_length)
+        self.attention_mask = bool(attention_mask)
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
+        self._pending: List[Dict[str, Any]] = []
+
+    def __next__(self) -> Dict[str, Any]:
+        import torch
+
+        from ..core.errors import DynBatchConfigError
+        from ..megatron.packing import pack_microbatch
+
+        if not self._pending:
+            batch = next(self.source)
+            per_mb = self.mbs * self.dp_size
+            if len(batch) % per_mb:
+                raise DynBatchConfigError("--global-batch-size", len(batch),
+                                          f"is not a multiple of micro-batch size x DP = {per_mb}",
+                                          "pass a global batch size divisible by --micro-batch-size x DP")
+            self._pending = [batch[k + self.dp_rank * self.mbs: k + (self.dp_rank + 1) * self.mbs]
+                             for k in range(0, len(batch), per_mb)]
+        rows = []
+        for sample in self._pending.pop(0):
+            n = len(sample["tokens"])
+            if n > self.seq_length:
+                raise DynBatchConfigError("--seq-length", self.seq_length, f"a sample has {n} tokens",
+                                          "raise --seq-length to the longest sample for plain batching")
+            packed = pack_microbatch([sample])
+            pad = self.seq_length - n
+            rows.append({k: torch.nn.functional.pad(getattr(packed, k)[0, :n], (0, pad))
+                         for k in ("tokens", "labels", "loss_mask")})
+        out = {k: torch.stack([r[k] for r in rows]) for k in ("tokens", "labels", "loss_mask")}
+        out["position_ids"] = torch.arange(self.seq_length, dtype=torch.long).expand(len(rows), -1).contiguous()
+        if self.attention_mask:  # Megatron's dataset contract: [mbs, 1, S, S] bool, True = masked (the future)
+            future = torch.ones(self.seq_length, self.seq_length, dtype=torch.bool).triu(1)
+            out["attention_mask"] = future.expand(len(rows), 1, -1, -1).contiguous()
+        return out
+
+
+def _global_batch_source(args: Any) -> Iterator[List[Dict[str, Any]]]:
+    """The global-batch source the data flags select, positioned after ``args.consumed_train_samples``."""
+    if getattr(args, "dynbatch_mock_data", False):
+        return MockGlobalBatches(
+            args.global_batch_size, vocab_size=int(args.padded_vocab_size),
+            max_length=int(args.dynbatch_mock_max_length or args.seq_length), seed=int(args.seed),
+            start_batch=int(args.consumed_train_samples) // int(args.global_batch_size))
+    return JsonlGlobalBatches(args.dynbatch_train_data, args.global_batch_size,
+                              start_sample=int(args.consumed_train_samples))
+
+
+def plain_batches_datasets_provider(train_val_test_num_samples: Any, vp_stage: Optional[int] = None):
+    """Megatron datasets provider for the A/B run WITHOUT the hook: the same data flags, the same global batches,
+    cut into plain fixed micro-batches (:class:`PlainMicroBatches`) for Megatron-LM's own forward step."""
+    from megatron.core import parallel_state
+
+    args = _megatron_get_args()
+    check_data_source_args(args)
+    train = PlainMicroBatches(_global_batch_source(args), micro_batch_size=args.micro_batch_size,
+                              seq_length=args.seq_length, dp_rank=parallel_state.get_data_parallel_rank(),
+                              dp_size=parallel_state.get_data_parallel_world_size(),
+                              attention_mask=bool(getattr(args, "create_attention_mask_in_dataloader", False)))
+    return train, None, None
+
+
+plain_batches_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
+
+
 # ==================================================================================== the schedule hook
-def megatron_loss_dicts(loss: Optional[float], num_microbatches: int, device: Any = None) -> List[Dict[str, Any]]:
-    """What ``train_step`` reduces on the last pipeline stage: one ``{"lm loss": tensor([L])}`` per micro-batch.
-    Megatron averages one-element entries over micro-batches, so it logs exactly the step's loss ``L``
-    (already reduced over DP x CP by the dynamic schedule); ``[]`` off the last stage."""
+#: Extra per-step statistics the hook adds to Megatron's loss dicts (logged in its iteration line, TensorBoard
+#: and W&B as the mean over the log interval): real tokens of the global batch, and tokens incl. padding.
+STAT_KEYS = ("dynbatch tokens", "dynbatch padded tokens")
+
+
+def megatron_loss_dicts(loss: Optional[float], num_microbatches: int, device: Any = None,
+                        stats: Optional[Mapping[str, float]] = None) -> List[Dict[str, Any]]:
+    """What ``train_step`` reduces on the last pipeline stage: one ``{"lm loss": tensor([L]), **stats}`` per
+    micro-batch. Megatron averages one-element entries over micro-batches, so it logs exactly the step's loss
+    ``L`` (already reduced over DP x CP by the dynamic schedule) and each statistic; ``[]`` off the last stage."""
     if loss is None:
         return []
     import torch
 
-    value = torch.tensor([float(loss)], dtype=torch.float32, device=device)
-    return [{"lm loss": value} for _ in range(max(1, int(num_microbatches)))]
+    entries = {"lm loss": float(loss), **{k: float(v) for k, v in (stats or {}).items()}}
+    return [{k: torch.tensor([v], dtype=torch.float32, device=device) for k, v in entries.items()}
+            for _ in range(max(1, int(num_microbatches)))]
 
 
 #: Megatron schedule keywords the wrapper sets itself (everything else is passed through).
@@ -345,6 +437,8 @@ class DynamicForwardBackward:
         self.plan_kwargs = plan_kwargs
         self.device = device
         self.last_result: Any = None
+        self.last_lengths: List[int] = []
+        self.last_model: Any = None
 
     def __call__(self, *, data_iterator: Any, model: Any, forward_only: bool = False, **kwargs: Any) -> List[Dict[str, Any]]:
         from ..core.errors import DynBatchConfigError
@@ -372,7 +466,22 @@ class DynamicForwardBackward:
                           group_reduce=getattr(self.args, "dynbatch_group_reduce", "token") or "token",
                           **passthrough)
         self.last_result = result
-        return megatron_loss_dicts(result.loss, result.num_microbatches, device=self.device)
+        self.last_lengths = [int(len(smp["tokens"])) for smp in samples]
+        self.last_model = pk.get("model")
+        plan = getattr(getattr(result, "iterator", None), "plan", None)
+        stats = {STAT_KEYS[0]: float(sum(self.last_lengths))}
+        if plan is not None:
+            stats[STAT_KEYS[1]] = float(sum(sum(r) for r in plan.microbatch_tokens))
+        return megatron_loss_dicts(result.loss, result.num_microbatches, device=self.device, stats=stats)
+
+    def step_flops(self) -> Optional[float]:
+        """Training (forward + backward) FLOPs of the last global batch from its REAL sample lengths
+        (:func:`megatron_dynbatch.core.flops.calculate_fwd_flops` x 3), or None before the first step."""
+        if not getattr(self, "last_lengths", None) or self.last_model is None:
+            return None
+        from ..core.flops import FWD_BWD_FACTOR, calculate_fwd_flops
+
+        return float(calculate_fwd_flops(self.last_lengths, self.last_model) * FWD_BWD_FACTOR)
 
 
 def _default_plan_kwargs(args: Any) -> Dict[str, Any]:
@@ -405,17 +514,32 @@ def install(training_module: Any = None, *, get_args: Optional[Callable[[], Any]
         original = original._dynbatch_original  # already installed: wrap the real one again
     read_args = get_args or _megatron_get_args
 
+    state: Dict[str, Any] = {}
+
     def get_forward_backward_func(*a: Any, **k: Any) -> DynamicForwardBackward:
         args = read_args()
         if validate:
             validate_megatron_lm_args(args)
-        return DynamicForwardBackward(original(*a, **k), args, device=_current_device())
+        state["fb"] = DynamicForwardBackward(original(*a, **k), args, device=_current_device())
+        return state["fb"]
 
     get_forward_backward_func._dynbatch_original = original  # type: ignore[attr-defined]
     training_module.get_forward_backward_func = get_forward_backward_func
+    flops_original = getattr(training_module, "num_floating_point_operations", None)
+    flops_original = getattr(flops_original, "_dynbatch_original", flops_original)
+    if flops_original is not None:
+        def num_floating_point_operations(args: Any, batch_size: Any, *a: Any, **k: Any) -> Any:
+            fb = state.get("fb")
+            real = fb.step_flops() if fb is not None else None
+            return flops_original(args, batch_size, *a, **k) if real is None else real
+
+        num_floating_point_operations._dynbatch_original = flops_original  # type: ignore[attr-defined]
+        training_module.num_floating_point_operations = num_floating_point_operations
 
     def restore() -> None:
         training_module.get_forward_backward_func = original
+        if flops_original is not None:
+            training_module.num_floating_point_operations = flops_original
 
     return restore
 

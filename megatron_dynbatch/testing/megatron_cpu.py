@@ -94,13 +94,16 @@ def _is_cuda_device(device: Any) -> bool:
 class _CpuTorchProxy(types.ModuleType):
     """Stands in for ``torch`` inside one megatron module: tensor factories given a CUDA device get the CPU."""
 
-    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like")
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like",
+                  "rand", "randn", "full_like")
 
     def __init__(self, real: types.ModuleType) -> None:
         super().__init__("torch")
         self._real = real
 
     def __getattr__(self, name: str) -> Any:
+        if name == "cuda":
+            return _CpuCuda(self._real.cuda)
         value = getattr(self._real, name)
         if name in self._FACTORIES:
             @functools.wraps(value)
@@ -366,3 +369,179 @@ def wrap_ddp(config: Any, modules: Any) -> Any:
     config.no_sync_func = [d.no_sync for d in ddps] if len(ddps) > 1 else ddps[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return ddps if isinstance(modules, (list, tuple)) else ddps[0]
+
+
+# ------------------------------------------------------------------------------------ Megatron-LM on CPU
+class _CpuStream:
+    """A CUDA stream stand-in: the CPU runs everything in program order."""
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` as seen by one Megatron-LM module in a CPU-only process: ONE device, the CPU. Streams
+    are no-ops, memory counters read 0, RNG state is the CPU generator's; everything else is the real
+    ``torch.cuda``."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__("torch.cuda")
+        self._real = real
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    current_device = staticmethod(_cpu_current_device)
+    synchronize = staticmethod(_noop_synchronize)
+    Stream = _CpuStream
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
+    def set_stream(stream: Any) -> None:
+        return None
+
+    @staticmethod
+    def stream(stream: Any) -> Any:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict:
+        return {}
+
+    @staticmethod
+    def _zero(device: Any = None) -> int:
+        return 0
+
+    memory_allocated = max_memory_allocated = memory_reserved = max_memory_reserved = _zero
+    device_memory_used = _zero
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> Any:
+        return types.SimpleNamespace(name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=1)
+
+    @staticmethod
+    def get_device_capability(device: Any = None) -> tuple:
+        return (0, 0)
+
+    @staticmethod
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
+        torch.set_rng_state(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def install_megatron_lm_cpu_shims() -> None:
+    """DRAFT"""
+    install_cpu_shims()
+    import importlib
+
+    for name in _MEGATRON_LM_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "torch") and not isinstance(module.torch, _CpuTorchProxy):
+            module.torch = _CpuTorchProxy(torch)
+    import megatron.training.initialize as minit
+    import megatron.training.training as mtrain
+
+    if not getattr(minit.initialize_megatron, "_dynbatch_cpu", False):
+        orig = minit.initialize_megatron
+
+        @functools.wraps(orig)
+        def initialize_megatron(*a: Any, **k: Any) -> Any:
+            k["allow_no_cuda"] = True
+            return orig(*a, **k)
+
+        initialize_megatron._dynbatch_cpu = True  # type: ignore[attr-defined]
+        mtrain.initialize_megatron = initialize_megatron
+    from megatron.legacy import fused_kernels
+
+    fused_kernels.load = _no_fused_kernels
+    torch.nn.Module.cuda = _module_stays_on_cpu  # type: ignore[method-assign]
+    torch.Tensor.cuda = _tensor_stays_on_cpu  # type: ignore[method-assign]
+
+
+#: The layer (or block) spec :func:`thd_gpt_builder` hands to Megatron-LM's ``gpt_builder`` through ``--spec``.
+THD_SPEC: Any = None
+
+
+def thd_gpt_builder(builder: Any) -> Any:
+    """Wrap Megatron-LM's ``gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, ...)`` so
+    that it builds the LOCAL spec with :class:`~megatron_dynbatch.megatron.attention.ThdDotProductAttention`
+    (megatron-core's local attention refuses packed THD input; on GPU the Transformer Engine spec takes it).
+    The spec reaches ``gpt_builder`` through its own ``--spec MODULE NAME`` path (``args.spec`` is pointed at
+    :data:`THD_SPEC` for the call and restored after), so every other model argument is Megatron-LM's."""
+
+    @functools.wraps(builder)
+    def build(args: Any, pre_process: bool, post_process: bool, vp_stage: Optional[int] = None, config: Any = None,
+              **kwargs: Any) -> Any:
+        global THD_SPEC
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        from megatron_dynbatch.megatron.specs import get_thd_local_block_spec, get_thd_local_layer_spec
+
+        if config is None:
+            config = core_transformer_config_from_args(args)
+        if getattr(config, "sequence_parallel", False):
+            THD_SPEC = get_thd_local_block_spec(config, vp_stage=vp_stage)
+        else:
+            THD_SPEC = get_thd_local_layer_spec(normalization=getattr(config, "normalization", None))
+        saved = getattr(args, "spec", None)
+        args.spec = [__name__, "THD_SPEC"]
+        try:
+            return builder(args, pre_process, post_process, vp_stage=vp_stage, config=config, **kwargs)
+        finally:
+            args.spec = saved
+
+    return build
+
+
+def _no_fused_kernels(args: Any) -> None:
+    return None
+
+
+def _module_stays_on_cpu(self: Any, device: Any = None) -> Any:
+    return self
+
+
+def _tensor_stays_on_cpu(self: Any, device: Any = None, non_blocking: bool = False, **k: Any) -> Any:
+    return self
+
+
+_MEGATRON_LM_MODULES = (
+    "megatron.training.initialize",
+    "megatron.training.training",
+    "megatron.training.utils",
+    "megatron.training.checkpointing",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.utils",
+)

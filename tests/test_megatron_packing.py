@@ -1,0 +1,176 @@
+"""The planner as Megatron-LM's packing scheduler (``--sequence-packing-scheduler dynbatch``).
+
+Pure parts (grouping format, plan arguments, the flag) run everywhere; feature detection is checked against
+the installed megatron-core; the scheduler class is run on upstream's REAL ``DpBalancedScheduler`` when the
+installed megatron-core, or ``MEGATRON_LM_DIR``'s, has the extension point (Megatron-LM dev, Aug 2026)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import types
+import typing
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_dynbatch import DynBatchConfigError, plan_global_batch
+from megatron_dynbatch.integrations import megatron_lm as ml
+from megatron_dynbatch.integrations import megatron_packing as mp
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=60), dp=st.integers(1, 4), cp=st.sampled_from([1, 2]),
+       seed=st.integers(0, 10**6))
+def test_groups_place_every_sample_once_in_upstream_format(lengths, dp, cp, seed):
+    lengths = lengths * dp  # at least one sample per DP rank (the planner refuses fewer, with a clear error)
+    ids = list(np.random.default_rng(seed).permutation(1000)[:len(lengths)])
+    plan = plan_global_batch(lengths, parallel={"dp": dp, "cp": cp}, max_tokens_per_gpu=320, balance_by_flops=False)
+    groups = mp.sample_id_groups_from_plan(plan, ids, cp)
+    assert len(groups) == plan.num_microbatches and all(len(g) == dp * cp for g in groups)
+    for g in groups:
+        for d in range(dp):  # the CP ranks of one DP rank share its micro-batch
+            assert all(g[d * cp + c] == g[d * cp] for c in range(cp))
+    placed = [i for g in groups for d in range(dp) for i in g[d * cp]]
+    assert sorted(placed) == sorted(int(i) for i in ids)
+
+
+def test_groups_reject_bad_cp():
+    plan = plan_global_batch([5, 6], parallel={"dp": 1}, max_tokens_per_gpu=16, balance_by_flops=False)
+    with pytest.raises(DynBatchConfigError, match="cp_size"):
+        mp.sample_id_groups_from_plan(plan, [0, 1], 0)
+
+
+def test_plan_kwargs_from_scheduler_settings():
+    config = types.SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                   virtual_pipeline_model_parallel_size=2, sequence_parallel=True)
+    kw = mp.scheduler_plan_kwargs(max_seqlen_per_dp_cp_rank=4096, dp=4, cp=2, config=config,
+                                  microbatch_group_size_per_vp_stage=2)
+    par = kw["parallel"]
+    assert (par.dp, par.cp, par.tp, par.pp, par.vpp, par.sequence_parallel) == (4, 2, 2, 2, 2, True)
+    assert kw["max_tokens_per_gpu"] == 4096 and kw["balance_by_flops"] is False  # no vocabulary: tokens
+    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                              padded_vocab_size=128, seq_length=128, swiglu=True, dynbatch_oversize="alone")
+    kw = mp.scheduler_plan_kwargs(max_seqlen_per_dp_cp_rank=256, dp=2, cp=1, args=args)
+    assert kw["balance_by_flops"] is True and kw["model"].padded_vocab_size == 128 and kw["oversize"] == "alone"
+    for bad in (None, 0, -3, 1.5):
+        with pytest.raises(DynBatchConfigError, match="--max-seqlen-per-dp-cp-rank"):
+            mp.scheduler_plan_kwargs(max_seqlen_per_dp_cp_rank=bad, dp=1, cp=1)
+
+
+def test_flag_choices_are_extended_on_a_megatron_style_parser():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sequence-packing-scheduler", choices=("dp_balanced", "default_dynamic_cp"), default=None)
+    assert mp.extend_scheduler_flag(parser) and mp.extend_scheduler_flag(parser)  # idempotent
+    assert parser.parse_args(["--sequence-packing-scheduler", "dynbatch"]).sequence_packing_scheduler == "dynbatch"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sequence-packing-scheduler", "nope"])
+    assert not mp.extend_scheduler_flag(argparse.ArgumentParser())  # no such flag: nothing to do
+    # the Megatron-LM extra-args provider leaves a parser without the flag alone (no megatron import)
+    ml.add_dynamic_batch_args(argparse.ArgumentParser())
+
+
+def test_feature_detection_on_the_installed_megatron_core():
+    pytest.importorskip("megatron.core")
+    ok, why = mp.packing_scheduler_support()
+    from megatron.core.datasets import data_schedule
+
+    has_map = isinstance(getattr(data_schedule, "scheduler_map", None), dict)
+    string_keys = has_map and all(isinstance(k, str) for k in data_schedule.scheduler_map)
+    assert ok == bool(string_keys and hasattr(data_schedule, "DpBalancedScheduler"))
+    if not ok:
+        assert "install()" in why
+        assert mp.register_packing_scheduler() is False
+        with pytest.raises(DynBatchConfigError, match="--sequence-packing-scheduler"):
+            mp.register_packing_scheduler(strict=True)
+
+
+def test_scheduler_class_plans_on_a_stand_in_base():
+    """The override itself (upstream's base replaced by a minimal stand-in with its constructor)."""
+
+    class Base:
+        def __init__(self, max_seqlen_per_dp_cp_rank, cp_size, dp_size, microbatch_group_size_per_vp_stage,
+                     max_num_seqs=None):
+            self.max_seqlen_per_dp_cp_rank, self.cp_size, self.dp_size = max_seqlen_per_dp_cp_rank, cp_size, dp_size
+            self.microbatch_group_size_per_vp_stage = microbatch_group_size_per_vp_stage
+
+        def run(self, *a):
+            return "ran"
+
+        def get_groups_and_subsamples(self, sample_id_seqlens):
+            raise AssertionError("overridden")
+
+    cls = mp._scheduler_class(Base)
+    assert mp._scheduler_class(Base) is cls
+    sched = cls(100, 1, 2, None)
+    lengths = [90, 10, 40, 60, 30, 70, 20, 80]
+    groups = sched.get_groups_and_subsamples(list(enumerate(lengths)))
+    assert all(sum(lengths[i] for i in g[r]) <= 100 for g in groups for r in range(2))
+    assert sorted(i for g in groups for r in g for i in r) == list(range(8))
+    with pytest.raises(DynBatchConfigError, match="--calculate-per-token-loss"):
+        sched.run(None, 1, None, None, None, None, None, types.SimpleNamespace(calculate_per_token_loss=False))
+    assert sched.run(None, 1, None, None, None, None, None,
+                     types.SimpleNamespace(calculate_per_token_loss=True)) == "ran"
+    with pytest.raises(DynBatchConfigError, match="alone"):  # over the budget: the planner's clear error
+        sched.get_groups_and_subsamples([(0, 150), (1, 10)])
+
+
+_UPSTREAM = r"""
+import typing
+from megatron.core.datasets import data_schedule as ds
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron_dynbatch.integrations import megatron_packing as mp
+ok, why = mp.packing_scheduler_support()
+if not ok:
+    print("NO-EXTENSION-POINT", why); raise SystemExit(0)
+assert mp.register_packing_scheduler() and mp.register_packing_scheduler()
+cls = ds.scheduler_map["dynbatch"]
+assert issubclass(cls, ds.DpBalancedScheduler) and ds.scheduler_map["dp_balanced"] is ds.DpBalancedScheduler
+field = ModelParallelConfig.__dataclass_fields__["sequence_packing_scheduler"]
+lit = [a for a in typing.get_args(field.type) if typing.get_origin(a) is typing.Literal][0]
+assert "dynbatch" in typing.get_args(lit) and "dp_balanced" in typing.get_args(lit)
+sched = cls(128, 1, 2, None)
+lengths = [100, 20, 64, 64, 10, 120, 33, 5, 90, 17]
+groups = sched.get_groups_and_subsamples(list(enumerate(lengths)))
+counts = {len(g) for g in groups}
+assert counts == {2}, counts
+assert sorted(i for g in groups for r in g for i in r) == list(range(len(lengths)))
+assert all(sum(lengths[i] for i in g[r]) <= 128 for g in groups for r in range(2))
+up = ds.DpBalancedScheduler(128, 1, 2, None).get_groups_and_subsamples(list(enumerate(lengths)))
+print("OK", len(groups), len(up))
+"""
+
+
+def test_registered_on_upstreams_real_scheduler_map():
+    """Runs in a fresh interpreter on the installed megatron-core, or on MEGATRON_LM_DIR's when set (e.g. a
+    Megatron-LM dev checkout, whose megatron.core has the extension point)."""
+    pytest.importorskip("megatron.core")
+    env = dict(os.environ)
+    root = os.environ.get("MEGATRON_LM_DIR")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.getcwd(), env.get("PYTHONPATH")) if p)
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", _UPSTREAM], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    if "NO-EXTENSION-POINT" in res.stdout:
+        pytest.skip("no packing-scheduler extension point in this megatron-core (set MEGATRON_LM_DIR to a "
+                    f"Megatron-LM dev checkout to run this): {res.stdout.strip()}")
+    assert res.stdout.startswith("OK")
+
+
+def test_literal_extension_keeps_optional_literal():
+    import dataclasses
+
+    # real typing objects as field types (this file's annotations are strings: `from __future__ import annotations`)
+    Cfg = dataclasses.make_dataclass(
+        "Cfg", [("sequence_packing_scheduler", typing.Optional[typing.Literal["dp_balanced"]], None)])
+    Derived = dataclasses.make_dataclass("Derived", [("other", int, 0)], bases=(Cfg,))
+
+    for _ in range(2):  # idempotent
+        mp._allow_in_config_field("dynbatch", Cfg)
+    field = Derived.__dataclass_fields__["sequence_packing_scheduler"]  # the subclass shares the field
+    assert typing.get_args(typing.get_args(field.type)[0]) == ("dp_balanced", "dynbatch")
+    mp._allow_in_config_field("dynbatch", argparse.Namespace)  # not a dataclass: nothing to do
