@@ -163,6 +163,14 @@ def check_megatron_lm_args(args: Any) -> None:
     if (getattr(args, "eval_iters", 0) or 0) > 0:
         raise DynBatchConfigError("--eval-iters", args.eval_iters, "evaluation is not wired in this entry point",
                                   "pass --eval-iters 0")
+    from ..megatron.compat import upstream_cp_rerouting
+
+    rerouting = upstream_cp_rerouting(args)
+    if rerouting:
+        raise DynBatchConfigError(rerouting[0], True,
+                                  "upstream then reroutes samples between ranks itself, which contradicts the "
+                                  "plan every rank computes from the whole global batch",
+                                  f"drop {rerouting[0]} (use --context-parallel-size; see docs/dynamic_cp.md)")
     if getattr(args, "micro_batch_size", 1) not in (None, 1):
         raise DynBatchConfigError("--micro-batch-size", args.micro_batch_size,
                                   "micro-batches are planned by token budget; Megatron's count must be in samples",

@@ -12,8 +12,8 @@ is :func:`megatron_dynbatch.plan_global_batch` -- FLOPs balance across DP ranks,
 the budget ``--max-seqlen-per-dp-cp-rank`` x CP never exceeded, Megatron's VPP rule -- converted to upstream's
 format by :func:`sample_id_groups_from_plan`. Selecting it is upstream's own flag; no wrapper, no hook.
 
-Feature detection, never versions: :func:`packing_scheduler_support` looks for ``scheduler_map`` with string
-keys and ``DpBalancedScheduler.get_groups_and_subsamples``. megatron-core 0.15-0.19 and Megatron-LM main have
+Feature detection, never versions (:mod:`megatron_dynbatch.megatron.compat`): the probe looks for
+``scheduler_map`` with string keys and ``DpBalancedScheduler.get_groups_and_subsamples``. megatron-core 0.15-0.19 and Megatron-LM main have
 no such extension point (main carries the classes but an enum-keyed map and no flag); there
 :func:`register_packing_scheduler` returns ``False`` and the ``pretrain()`` hook
 (:mod:`megatron_dynbatch.integrations.megatron_lm`) is the way in.
@@ -104,29 +104,13 @@ def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, c
 
 
 # ------------------------------------------------------------------------------------ feature detection
-def _data_schedule() -> Any:
-    try:
-        from megatron.core.datasets import data_schedule
-    except Exception:  # noqa: BLE001 - absent, or not importable here: no extension point
-        return None
-    return data_schedule
-
-
 def packing_scheduler_support() -> Tuple[bool, str]:
     """``(True, "")`` when the installed megatron-core has upstream's string-keyed packing-scheduler map,
-    else ``(False, why)``."""
-    ds = _data_schedule()
-    if ds is None:
-        return False, "megatron.core.datasets.data_schedule is not importable"
-    smap = getattr(ds, "scheduler_map", None)
-    base = getattr(ds, "DpBalancedScheduler", None)
-    if not isinstance(smap, dict) or base is None or not hasattr(base, "get_groups_and_subsamples"):
-        return False, ("this megatron-core has no packing-scheduler map (data_schedule.scheduler_map + "
-                       "DpBalancedScheduler); use the pretrain() hook (install())")
-    if smap and not all(isinstance(k, str) for k in smap):
-        return False, ("this megatron-core's scheduler map is keyed by an enum and no flag selects it; use the "
-                       "pretrain() hook (install())")
-    return True, ""
+    else ``(False, why)`` (the probe lives in :func:`megatron_dynbatch.megatron.compat.packing_scheduler_point`)."""
+    from ..megatron.compat import packing_scheduler_point
+
+    module, why = packing_scheduler_point()
+    return module is not None, why
 
 
 def _scheduler_class(base: type) -> type:
@@ -214,12 +198,13 @@ def register_packing_scheduler(name: str = SCHEDULER_NAME, *, strict: bool = Fal
     provider :func:`megatron_dynbatch.integrations.megatron_lm.add_dynamic_batch_args` does it for you).
     Returns False when the installed megatron-core has no such extension point (``strict``: raise
     :class:`DynBatchConfigError` instead). Idempotent."""
-    ok, why = packing_scheduler_support()
-    if not ok:
+    from ..megatron.compat import packing_scheduler_point
+
+    ds, why = packing_scheduler_point()
+    if ds is None:
         if strict:
             raise DynBatchConfigError(_FLAG, name, why, "use megatron_dynbatch.integrations.megatron_lm.install()")
         return False
-    ds = _data_schedule()
     ds.scheduler_map[name] = _scheduler_class(ds.DpBalancedScheduler)
     _allow_in_config_field(name)
     return True

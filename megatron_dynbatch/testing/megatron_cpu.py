@@ -175,8 +175,11 @@ def install_cpu_shims() -> None:
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import utils as tutils
 
-    if not isinstance(schedules.torch, _CpuTorchProxy):
-        schedules.torch = _CpuTorchProxy(torch)
+    from megatron.core.distributed import param_and_grad_buffer
+
+    for module in (schedules, param_and_grad_buffer):  # literal "cuda" tensors; 0.19+: CUDA streams in grad sync
+        if not isinstance(module.torch, _CpuTorchProxy):
+            module.torch = _CpuTorchProxy(torch)
 
     tutils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
