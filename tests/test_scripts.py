@@ -494,3 +494,27 @@ def test_documented_megatron_lm_lines_drive_a_real_schedule(doc, megatron_world1
     assert len(state["losses"]) == 2 and len(state["losses"][-1]) == res.num_microbatches >= 1
     assert all(v == pytest.approx(res.loss) for v in state["losses"][-1])
     assert 3.0 < state["losses"][0][0] < 6.0  # ~ln(128) for an untrained model
+
+
+def test_install_counts_flops_from_the_real_lengths_of_the_last_batch():
+    """Megatron-LM's num_floating_point_operations(args, batch_size) assumes --seq-length per sample; after a
+    hooked step the patched one returns the step's FLOPs from its real lengths (fwd+bwd), and restore() undoes it."""
+    from megatron_dynbatch.core.flops import calculate_fwd_flops
+
+    def megatron_flops(args, batch_size):
+        return 1.0e9 * batch_size
+
+    module = types.SimpleNamespace(get_forward_backward_func=lambda: "real-schedule",
+                                   num_floating_point_operations=megatron_flops)
+    restore = ml.install(module, get_args=lambda: types.SimpleNamespace(), validate=False)
+    try:
+        assert module.num_floating_point_operations(None, 4) == 4.0e9  # before any step: Megatron's own
+        fb = module.get_forward_backward_func()
+        fb.last_lengths, fb.last_model = [10, 300, 7], "qwen3-0.6b"
+        want = 3 * calculate_fwd_flops([10, 300, 7], "qwen3-0.6b")
+        assert module.num_floating_point_operations(None, 3) == pytest.approx(want)
+        ml.install(module, get_args=lambda: types.SimpleNamespace(), validate=False)  # idempotent
+        assert module.num_floating_point_operations._dynbatch_original is megatron_flops
+    finally:
+        restore()
+    assert module.num_floating_point_operations is megatron_flops

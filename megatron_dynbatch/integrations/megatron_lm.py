@@ -28,8 +28,12 @@ Megatron's real schedule wrapped in :class:`DynamicForwardBackward`. The wrapper
 takes one global batch from the data iterator, plans it (:func:`megatron_dynbatch.megatron.args.plan_kwargs_from_args`:
 identical plan on every rank, no communication) and runs it through
 :func:`megatron_dynbatch.megatron.schedule.dynamic_forward_backward` with the plan's micro-batch count, THD packing and
-exact loss normalisation. Nothing else in Megatron is patched, so the optimizer step, gradient finalisation,
-checkpointing and logging are Megatron's own. The ``forward_step`` given to ``pretrain()`` is not called (the
+exact loss normalisation. One more attribute is replaced when present: ``num_floating_point_operations`` (the
+FLOPs behind Megatron's TFLOP/s and ``num_floating_point_operations_so_far``), which assumes ``--seq-length``
+tokens per sample; after a hooked step it returns the step's FLOPs from the real lengths. Nothing else in
+Megatron is patched, so the optimizer step, gradient finalisation, checkpointing and logging are Megatron's
+own. Besides ``lm loss`` the loss dicts carry ``dynbatch tokens`` / ``dynbatch padded tokens`` (real and
+padded tokens of the step), which Megatron logs next to the loss. The ``forward_step`` given to ``pretrain()`` is not called (the
 packed-THD forward step of :mod:`megatron_dynbatch.megatron.schedule` is).
 
 Data contract: with ``--dataloader-type external`` the datasets provider's train object IS the iterator; it must
@@ -40,6 +44,10 @@ must do the same and carry ``is_distributed = True`` (every rank builds it).
 
 Flags are validated (:func:`validate_megatron_lm_args`) by the datasets provider, by the hook when ``train()``
 fetches the schedule, and -- earliest, optional -- by a model provider wrapped in :func:`checked_model_provider`.
+
+Without ``--use-dynamic-batch-size`` the entry point runs the SAME data as plain fixed micro-batches
+(:func:`plain_batches_datasets_provider`, Megatron-LM's own ``forward_step``): an A/B baseline whose losses
+equal the hook's with ``--calculate-per-token-loss`` (``tests/test_megatron_lm_loop.py``).
 
 Caveats: Megatron's own ``get_num_microbatches()`` still drives bookkeeping that does not touch the data: with
 ``--micro-batch-size 1 --global-batch-size N`` its sample counter and learning-rate schedule count N samples
@@ -508,7 +516,8 @@ def install(training_module: Any = None, *, get_args: Optional[Callable[[], Any]
             validate: bool = True) -> Callable[[], None]:
     """Patch ``training_module.get_forward_backward_func`` (default ``megatron.training.training``, imported
     lazily; :class:`MegatronLMNotFoundError` if absent) so that the schedule Megatron's ``train()`` obtains is
-    wrapped in :class:`DynamicForwardBackward`. Call it before ``pretrain()``. With ``validate`` the flags are
+    wrapped in :class:`DynamicForwardBackward`, and (when the module has it) ``num_floating_point_operations``
+    so that FLOPs and TFLOP/s count the real lengths (:meth:`DynamicForwardBackward.step_flops`). Call it before ``pretrain()``. With ``validate`` the flags are
     checked (:func:`validate_megatron_lm_args`) each time the schedule is fetched. Idempotent; returns a
     function that restores the original."""
     if training_module is None:

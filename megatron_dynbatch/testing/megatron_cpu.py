@@ -1,4 +1,5 @@
-"""Run real megatron-core 0.16.x on CPU with gloo: the shims, distributed init, and a tiny GPT.
+"""Run real megatron-core (0.15-0.19) and Megatron-LM's ``pretrain()`` on CPU with gloo: the shims,
+distributed init, and a tiny GPT.
 
 This is the ONE place where the project patches megatron-core / torch for CPU runs. It is test and demo
 support only; the library never imports it. :func:`install_cpu_shims` is idempotent and changes nothing on a
@@ -13,8 +14,10 @@ Shims (each was found by running a ``GPTModel`` with the local layer spec throug
 2. ``torch.cuda.synchronize`` -> no-op. Pipeline p2p communication (and a few parallel_state helpers)
    synchronise the CUDA stream after sends/receives; gloo ops are already synchronous.
 3. ``megatron.core.pipeline_parallel.schedules`` creates ``total_num_tokens`` with a literal
-   ``device="cuda"``. The module's ``torch`` name is replaced by a thin proxy whose tensor factories map a
-   CUDA device to the CPU; every other attribute is the real ``torch``. No other module is affected.
+   ``device="cuda"``, and megatron-core 0.19's ``distributed/param_and_grad_buffer`` waits on
+   ``torch.cuda.current_stream()`` in the grad sync. Those modules' ``torch`` name is replaced by a thin proxy
+   whose tensor factories map a CUDA device to the CPU and whose ``torch.cuda`` has no-op streams
+   (:class:`_CpuCuda`); every other attribute is the real ``torch``. No other module is affected.
 4. ``get_default_causal_mask`` (``transformer/utils.py``, imported by name into ``fusions/fused_softmax``)
    builds the causal mask on ``"cuda"``; both names are rebound to a CPU version (cached per length).
 5. The CUDA RNG tracker (``tensor_parallel.random.CudaRNGStatesTracker``) stores and swaps CUDA generator
@@ -28,6 +31,8 @@ Shims (each was found by running a ``GPTModel`` with the local layer spec throug
    ``isinstance(x, <MagicMock>)`` (a TypeError); ``HAVE_TE`` is set back to ``False`` there, restoring MLA's
    non-TE path. (The alltoall MoE dispatcher still creates a ``torch.cuda.Stream``: MoE on CPU uses the
    allgather dispatcher with fixed lengths.)
+
+Megatron-LM's training loop needs a few more (8-11), in :func:`install_megatron_lm_cpu_shims`.
 
 Not shimmed (use the settings instead): fused kernels (``masked_softmax_fusion``, ``bias_*_fusion``,
 ``gradient_accumulation_fusion``, ``apply_rope_fusion`` -- all off in :func:`tiny_gpt_config`), DDP
@@ -460,7 +465,25 @@ class _CpuCuda(types.ModuleType):
 
 
 def install_megatron_lm_cpu_shims() -> None:
-    """DRAFT"""
+    """The extra shims Megatron-LM's ``pretrain()`` loop (``megatron.training``) needs on a CPU-only machine,
+    on top of :func:`install_cpu_shims`. Installed by ``scripts/pretrain_gpt_dynbatch.py`` only when CUDA is
+    unavailable. Each was found by running that script under torchrun (gloo, DP=2, TP=2, PP=2, save/load):
+
+    8. ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda=True``; ``pretrain()`` never passes it, so
+       the name ``megatron.training.training.initialize_megatron`` is wrapped to pass it.
+    9. ``megatron.legacy.fused_kernels.load`` looks for ``nvcc`` to build CUDA kernels: a no-op.
+    10. The modules in :data:`_MEGATRON_LM_MODULES` (start-up, the loop, its batch helpers, checkpointing, the
+        optimizer and grad-norm helpers, the rerun state machine) see a ``torch`` proxy whose tensor factories
+        map ``device="cuda"`` to the CPU and whose ``torch.cuda`` is :class:`_CpuCuda`: one device (the CPU;
+        ``device_count() == 1`` so that ``parallel_state`` is initialised), no-op streams and ``set_device``,
+        zero memory counters, a device without capabilities, CPU RNG state for checkpoints.
+    11. ``torch.nn.Module.cuda`` / ``torch.Tensor.cuda`` return the object unchanged (``get_model`` moves the
+        model with ``.cuda(current_device)``; the plain batch helper moves batches with ``.cuda()``).
+
+    Not shimmed, set on the command line instead: ``--transformer-impl local``, the ``--no-*-fusion`` flags,
+    ``--use-cpu-initialization``, ``--distributed-backend gloo``, ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (asserted for
+    TP), ``--ckpt-format torch`` (the ``torch_dist`` save hung on gloo in our runs). The local attention
+    refuses THD input: wrap Megatron-LM's ``gpt_builder`` in :func:`thd_gpt_builder`."""
     install_cpu_shims()
     import importlib
 
