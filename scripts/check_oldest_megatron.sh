@@ -7,13 +7,13 @@
 #   bash scripts/check_oldest_megatron.sh            # MEGATRON_CORE_OLDEST overrides the version
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPO_ROOT=$PWD
+source "$REPO_ROOT/scripts/_env.sh"   # the interpreter the new venv is made from (like every script here)
 
 OLDEST=${MEGATRON_CORE_OLDEST:-0.15.3}   # keep in step with `megatron-core>=0.15` in pyproject.toml
 VENV=${OLDEST_VENV:-.venv-mcore-oldest}
-PY=${PYTHON:-python3}
-
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv --system-site-packages "$VENV"
+  "$PYTHON" -m venv --system-site-packages "$VENV"
 fi
 VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --upgrade pip >/dev/null
