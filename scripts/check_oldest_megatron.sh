@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run `megatron-dynbatch demo --check` (tiny GPT, real megatron-core, 2 CPU ranks: loss, gradients vs the
 # unpacked reference) on the OLDEST megatron-core this package supports, in a venv of its own
-# (.venv-mcore-oldest), so that the lower bound in pyproject.toml stays true. CI runs it after the test suite,
+# (.venv-mcore-oldest), so that the lower bound in pyproject.toml stays true. CI runs it before the test suite,
 # which runs on the newest megatron-core pip offers. Fails loudly.
 #
 #   bash scripts/check_oldest_megatron.sh            # MEGATRON_CORE_OLDEST overrides the version
