@@ -43,6 +43,8 @@ import numpy as np
 
 from ..alignment import Alignment
 from ..cost_model import CostModel
+from ..checks import as_bool
+from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .inputs import BALANCE_MODES, OVERSIZE_POLICIES, check_budget, check_lengths, resolve_costs, sample_flops
 from .ordering import mb_sums
@@ -76,6 +78,7 @@ def plan_global_batch(
     rollouts_per_step: Optional[int] = None,
     sequence_pad_multiple: Optional[int] = None,
     microbatch_pad_multiple: Optional[int] = None,
+    dynamic_cp: bool = False,
 ) -> Plan:
     """Split a global batch over DP ranks and into micro-batches (see the module docstring).
 
@@ -116,7 +119,30 @@ def plan_global_batch(
             against the cap together with the layout's.
         microbatch_pad_multiple: a trainer's own padding multiple of each GPU's share of a micro-batch (slime:
             ``tp * data_pad_size_multiplier``), counted against the cap.
+        dynamic_cp: treat the ``dp * cp`` GPUs as one pool and choose each micro-batch's CP group (size and
+            GPUs) per slot: returns a :class:`~.dyncp_plan.DynamicCPPlan` (strategy in :mod:`.dyncp`,
+            ``docs/dynamic_cp.md``). Balances the cost model's seconds (``balance_by`` is not used); refuses
+            ``group_ids``.
     """
+    if as_bool(dynamic_cp, "dynamic_cp"):
+        from .dyncp import plan_dynamic_cp
+
+        knobs = {"equal_samples_per_rank": equal_samples_per_rank or None,
+                 "microbatch_group_ids": microbatch_group_ids, "min_num_microbatches": min_num_microbatches,
+                 "num_microbatches_multiple": num_microbatches_multiple, "rollout_ids": rollout_ids,
+                 "rollouts_per_step": rollouts_per_step, "sequence_pad_multiple": sequence_pad_multiple,
+                 "microbatch_pad_multiple": microbatch_pad_multiple}
+        given = [k for k, v in knobs.items() if v is not None]
+        if given:
+            raise DynBatchConfigError(
+                given[0], "given with dynamic_cp=True", "the trainer drop-in knobs describe DP ranks and their "
+                "micro-batches, and a dynamic-CP plan has neither (its micro-batches run on CP groups of the pool)",
+                f"drop {', '.join(given)}, or plan with dynamic_cp=False")
+
+        return plan_dynamic_cp(lengths, model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
+                               group_ids=group_ids, samples_per_step=samples_per_step, oversize=oversize,
+                               fp8_alignment=fp8_alignment, cost_model=cost_model,
+                               num_microbatches=num_microbatches, refine_rounds=refine_rounds)
     t_start = time.perf_counter()
     prep = prepare(lengths, model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
                    balance_by_flops=balance_by_flops, balance_by=balance_by, group_ids=group_ids,
@@ -205,6 +231,19 @@ def _assemble(prep: Prepared, micro_batches, per_step, lb_count: int, lb_time: f
     return plan
 
 
+def rank_times_of(mb_time: Sequence[Sequence[float]], per_step: Sequence[int], cm: CostModel) -> np.ndarray:
+    """Per-rank times of per-micro-batch times ``mb_time[r][j]``: optimizer steps one after another (EP groups
+    in lockstep inside each step); ranks with different micro-batch counts (baselines) are timed each alone."""
+    if len({len(r) for r in mb_time}) == 1:
+        rank_time = np.zeros(len(mb_time))
+        start = 0
+        for count in per_step:
+            rank_time += cm.step_time([t[start:start + count] for t in mb_time])
+            start += count
+        return rank_time
+    return np.array([cm.rank_time(t) for t in mb_time])
+
+
 def _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par: ParallelConfig, align: Alignment, cap: int,
                 cm: CostModel, *, balance_by_flops: bool, algorithm: str) -> Plan:
     """A ``Plan`` with per-micro-batch times and per-rank statistics from per-micro-batch token counts and sums
@@ -213,14 +252,7 @@ def _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par: Parallel
     each on its own."""
     mb_time = [cm.microbatch_time(np.asarray(t, dtype=np.float64), np.asarray(q, dtype=np.float64)).tolist()
                for t, q in zip(tokens, sqs)]
-    if len({len(r) for r in micro_batches}) == 1:
-        rank_time = np.zeros(par.dp)
-        start = 0
-        for count in per_step:
-            rank_time += cm.step_time([t[start:start + count] for t in mb_time])
-            start += count
-    else:
-        rank_time = np.array([cm.rank_time(t) for t in mb_time])
+    rank_time = rank_times_of(mb_time, per_step, cm)
     return Plan(
         micro_batches=micro_batches,
         microbatches_per_step=per_step,

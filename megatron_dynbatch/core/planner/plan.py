@@ -145,6 +145,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
+        if d.get("kind") == "dynamic_cp" and cls is Plan:  # a dynamic-CP plan (dyncp_plan.py)
+            from .dyncp_plan import DynamicCPPlan
+
+            return DynamicCPPlan.from_dict(d)
         return cls(
             micro_batches=[[list(map(int, mb)) for mb in rank] for rank in d["micro_batches"]],
             microbatches_per_step=list(d["microbatches_per_step"]),

@@ -1,0 +1,147 @@
+"""``DynamicCPPlan``: a :class:`~.plan.Plan` whose "ranks" are the GPUs of the dynamic-CP pool.
+
+Every statistic of :class:`~.plan.Plan` keeps its meaning with one substitution -- a rank is a pool GPU
+(``dp_rank * cp + cp_rank`` of one pipeline stage), not a DP replica:
+
+* ``micro_batches[i][j]``: the samples GPU ``i`` works on in slot ``j`` (execution order). A sample on a group
+  of ``g`` GPUs is listed on each of them -- each holds its zig-zag share;
+* ``groups[i][j] = (start, size)``: the CP group (a :class:`~.pool.PoolTree` node) GPU ``i`` belongs to in
+  slot ``j``; every member lists the same group and the same samples;
+* ``cap`` is the per-GPU budget ``max_tokens_per_gpu`` and ``microbatch_tokens[i][j]`` the tokens GPU ``i``
+  holds (the group's packed length over its size), so ``cap_violations`` still counts over-budget GPUs;
+* ``rank_time`` comes from the synchronised pool simulation (:mod:`.pool_sim`) with the CP communication
+  term, ``rank_tokens``/``rank_flops`` are per-GPU shares, ``padding_tokens`` and ``real_tokens`` are totals.
+
+``validate`` checks the pool invariants: equal slot counts, each slot's groups tile the pool with tree
+nodes, members agree, no group is empty, and every sample sits in exactly one (slot, group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..alignment import Alignment
+from ..parallel import ParallelConfig
+from .plan import Plan
+from .pool import pool_tree
+
+Group = Tuple[int, int]
+
+
+@dataclass
+class DynamicCPPlan(Plan):
+    """A dynamic context-parallel plan (module docstring); build it with ``plan_global_batch(...,
+    dynamic_cp=True)``."""
+
+    groups: List[List[Group]] = field(default_factory=list)
+    max_tokens_per_gpu: int = 0
+    fp8_tile: int = 1
+    #: the modelled step time of the fixed-CP plan of the same layout (NaN if it could not be planned)
+    fixed_cp_step_time: float = float("nan")
+    #: which candidate won: "fixed-cp" or "tree-<threshold>" (see dyncp.py)
+    candidate: str = ""
+
+    # ------------------------------------------------------------------ pool views
+    @property
+    def pool_size(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def num_samples(self) -> int:
+        return len({i for rank in self.micro_batches for mb in rank for i in mb})
+
+    def alignment_for(self, group_size: int) -> Alignment:
+        """Padding rules of a micro-batch on a group of ``group_size`` GPUs (``2 * group_size`` per sequence)."""
+        par = self.parallel
+        return Alignment.for_layout(ParallelConfig(tp=par.tp, cp=int(group_size),
+                                                   sequence_parallel=par.sequence_parallel), self.fp8_tile)
+
+    def slot_groups(self, slot: int) -> List[Tuple[int, int, List[int]]]:
+        """Slot ``slot``'s groups in pool order: ``(start, size, samples)``."""
+        out = []
+        i = 0
+        while i < self.pool_size:
+            start, size = self.groups[i][slot]
+            out.append((start, size, list(self.micro_batches[i][slot])))
+            i = start + size
+        return out
+
+    def group_sizes(self) -> Dict[int, int]:
+        """How many (slot, group) micro-batches use each group size."""
+        out: Dict[int, int] = {}
+        for j in range(self.num_microbatches):
+            for _, size, _ in self.slot_groups(j):
+                out[size] = out.get(size, 0) + 1
+        return dict(sorted(out.items()))
+
+    @property
+    def speedup_vs_fixed_cp(self) -> float:
+        """Modelled fixed-CP step time / this plan's (>= 1 by construction; NaN without a fixed-CP plan)."""
+        t = self.predicted_step_time
+        return self.fixed_cp_step_time / t if t > 0 else float("nan")
+
+    def summary(self) -> Dict[str, Any]:
+        d = super().summary()
+        d.update(dynamic_cp=True, pool_size=self.pool_size, group_sizes=self.group_sizes(),
+                 fixed_cp_step_time_s=self.fixed_cp_step_time, speedup_vs_fixed_cp=self.speedup_vs_fixed_cp,
+                 candidate=self.candidate)
+        return d
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> Dict[str, Any]:
+        d = super().to_dict()
+        d.update(kind="dynamic_cp", groups=[[list(g) for g in rank] for rank in self.groups],
+                 max_tokens_per_gpu=self.max_tokens_per_gpu, fp8_tile=self.fp8_tile,
+                 fixed_cp_step_time=self.fixed_cp_step_time, candidate=self.candidate)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "DynamicCPPlan":
+        base = Plan.from_dict({k: v for k, v in d.items() if k != "kind"})
+        kw = {f.name: getattr(base, f.name) for f in fields(Plan)}
+        fixed = d.get("fixed_cp_step_time")
+        return cls(**kw, groups=[[(int(g[0]), int(g[1])) for g in rank] for rank in d["groups"]],
+                   max_tokens_per_gpu=int(d["max_tokens_per_gpu"]), fp8_tile=int(d.get("fp8_tile", 1)),
+                   fixed_cp_step_time=float("nan") if fixed is None else float(fixed),
+                   candidate=str(d.get("candidate", "")))
+
+    # ------------------------------------------------------------------ invariants
+    def validate(self, num_samples: Optional[int] = None) -> None:
+        """Assert the pool invariants (module docstring); raises ``AssertionError`` naming the first problem."""
+        par = self.parallel
+        pool = par.dp * par.cp
+        if self.pool_size != pool:
+            raise AssertionError(f"the plan lists {self.pool_size} GPUs, the pool dp*cp has {pool}")
+        if len(self.groups) != pool:
+            raise AssertionError(f"groups lists {len(self.groups)} GPUs, the pool has {pool}")
+        tree = pool_tree(par.dp, par.cp)
+        m = self.num_microbatches
+        if sum(self.microbatches_per_step) != m:
+            raise AssertionError(f"microbatches_per_step {self.microbatches_per_step} does not sum to {m}")
+        for i in range(pool):
+            if len(self.micro_batches[i]) != m or len(self.groups[i]) != m:
+                raise AssertionError(f"GPU {i} has {len(self.micro_batches[i])} slots, GPU 0 has {m}")
+        seen: List[int] = []
+        for j in range(m):
+            i = 0
+            while i < pool:
+                start, size = self.groups[i][j]
+                if start != i or not tree.has_block(start, size):
+                    raise AssertionError(f"slot {j}: GPU {i} is in group {(start, size)}, not a pool-tree group "
+                                         f"starting there")
+                samples = list(self.micro_batches[i][j])
+                if not samples:
+                    raise AssertionError(f"slot {j}: group {(start, size)} is empty")
+                for k in range(start, start + size):
+                    if tuple(self.groups[k][j]) != (start, size) or list(self.micro_batches[k][j]) != samples:
+                        raise AssertionError(f"slot {j}: GPU {k} disagrees with its group {(start, size)}")
+                seen.extend(samples)
+                i = start + size
+        if len(seen) != len(set(seen)):
+            raise AssertionError("a sample is placed in two (slot, group) micro-batches")
+        if num_samples is not None and sorted(seen) != list(range(num_samples)):
+            raise AssertionError(f"plan places {len(set(seen))} of {num_samples} samples")
+
+
+__all__ = ["DynamicCPPlan"]

@@ -1,0 +1,92 @@
+"""Makespan of a dynamic-CP schedule: every GPU of the pool runs ``M`` micro-batch slots; in each slot the pool
+is cut into CP groups (consecutive GPUs) and the GPUs of one group run one micro-batch TOGETHER.
+
+Group synchronisation is simulated, not assumed away: a group's micro-batch starts when its LAST member is
+free (the CP collectives of every layer need all members), so a member that finished its previous slot early
+waits. Vectorised over the pool (``numpy.maximum.reduceat`` over each slot's group boundaries):
+
+* ``pp == 1``: slot after slot, ``start(group) = max(finish of its members)``, ``finish = start + time``;
+* ``pp > 1``: Megatron's 1F1B on every pool GPU (:func:`megatron_dynbatch.core.cost_model.simulate_1f1b`'s
+  dependency order, forward a third and backward two thirds of ``time / pp`` per stage; every stage holds the
+  same plan), each forward and backward operation of a slot synchronised over the slot's group on its stage;
+* ``vpp > 1``: the synchronised ``pp == 1`` chain of per-stage times plus the interleaved bubble
+  ``(pp - 1) / vpp * mean(stage time)`` of each GPU (an approximation; the interleaved schedule is not
+  simulated operation by operation);
+* expert parallelism (``ep > 1``): the ``ep`` DP ranks of an EP group (``ep * cp`` consecutive pool GPUs)
+  meet in every MoE layer, so each slot also starts at the EP block's latest member and lasts its longest
+  micro-batch.
+
+Returns each GPU's finish time; the step time is their maximum.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import numpy as np
+
+from ..cost_model import CostModel, _schedule_1f1b
+
+
+def slot_blocks(group_starts: Sequence[Sequence[int]], pool: int) -> List[np.ndarray]:
+    """Per slot, the (sorted, unique) first GPUs of its groups as an int array, from any per-GPU listing."""
+    out = []
+    for starts in group_starts:
+        s = np.unique(np.asarray(starts, dtype=np.int64))
+        if s.size == 0 or s[0] != 0 or s[-1] >= pool:
+            raise ValueError(f"slot groups {s.tolist()} do not cover a pool of {pool} GPUs")
+        out.append(s)
+    return out
+
+
+def _sizes(starts: np.ndarray, pool: int) -> np.ndarray:
+    return np.diff(np.append(starts, pool))
+
+
+def simulate_pool(times: np.ndarray, blocks: Sequence[np.ndarray], cm: CostModel, ep_width: int = 1) -> np.ndarray:
+    """Finish time of every pool GPU. ``times[j, i]``: seconds of GPU ``i``'s slot-``j`` micro-batch (the whole
+    pipeline depth, as :meth:`CostModel.group_microbatch_time` gives it); ``blocks[j]``: first GPUs of slot
+    ``j``'s groups; ``ep_width``: GPUs per expert-parallel block (1 = none)."""
+    t = np.asarray(times, dtype=np.float64)
+    if t.ndim != 2:
+        raise ValueError("times must be [slots, pool]")
+    m, pool = t.shape
+    if m == 0:
+        return np.zeros(pool)
+    sizes = [_sizes(b, pool) for b in blocks]
+    ep_starts = np.arange(0, pool, ep_width) if ep_width > 1 and pool % ep_width == 0 else None
+    ep_sizes = _sizes(ep_starts, pool) if ep_starts is not None else None
+
+    def sync(x: np.ndarray, j: int) -> np.ndarray:
+        x = np.repeat(np.maximum.reduceat(x, blocks[j]), sizes[j])
+        if ep_starts is not None:
+            x = np.repeat(np.maximum.reduceat(x, ep_starts), ep_sizes)
+        return x
+
+    def dur(x: np.ndarray) -> np.ndarray:
+        if ep_starts is None:
+            return x
+        return np.repeat(np.maximum.reduceat(x, ep_starts), ep_sizes)
+
+    if cm.pp == 1 or cm.vpp > 1:
+        stage = t if cm.pp == 1 else t / cm.pp
+        finish = np.zeros(pool)
+        for j in range(m):
+            finish = sync(finish, j) + dur(stage[j])
+        if cm.pp > 1:
+            finish = finish + (cm.pp - 1) / cm.vpp * stage.mean(axis=0)
+        return finish
+    stage = t / cm.pp
+    order = _schedule_1f1b(m, cm.pp)
+    end = np.zeros((len(order), pool))
+    zero = np.zeros(pool)
+    for k, (j, is_b, prev, dep) in enumerate(order):
+        start = end[prev] if prev >= 0 else zero
+        if dep >= 0:
+            start = np.maximum(start, end[dep])
+        d = dur(stage[j])
+        end[k] = sync(start, j) + (d - d / 3.0 if is_b else d / 3.0)
+    return end.max(axis=0)
+
+
+__all__ = ["simulate_pool", "slot_blocks"]
