@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from .baselines import BASELINES
+from .hybrid_cp import NAME as HYBRID_CP, PROVENANCE as HYBRID_PROVENANCE
 from .runner import DYNBATCH_VARIANTS, PRIMARY, BenchResult, Row
 
 #: The baseline "how much faster" is measured against: Megatron-LM's default fixed-size, padded micro-batches.
@@ -177,6 +178,8 @@ def _algorithm_help(name: str) -> str:
             ("" if args else ", its defaults")
     if name in BASELINES:
         return BASELINES[name].provenance or BASELINES[name].description
+    if name == HYBRID_CP:
+        return HYBRID_PROVENANCE
     return ""
 
 

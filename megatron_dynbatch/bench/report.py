@@ -128,12 +128,39 @@ def verdicts(result: BenchResult, variants: Sequence[str] = (PRIMARY,)) -> List[
     return lines
 
 
+def dyncp_verdicts(result: BenchResult, variant: str = "dynbatch-dyncp", fixed: str = PRIMARY,
+                   upstream: str = "megatron-hybrid-cp") -> List[str]:
+    """One line per dynamic-CP workload: the dynamic-CP plan's speed-up over the fixed-CP plan of the same
+    layout and over upstream's hybrid-CP scheduler (worst seed), and whether it is ahead of every algorithm."""
+    lines = []
+    for w in dict.fromkeys(r.workload for r in result.rows if r.algorithm == variant):
+        rows = result.rows_for(w)
+        mine = {r.seed: r for r in rows if r.algorithm == variant and r.ok}
+        if not mine:
+            lines.append(f"{w}: {variant} FAILED")
+            continue
+
+        def worst(name: str) -> str:
+            other = {r.seed: r for r in rows if r.algorithm == name and r.ok}
+            ratios = [other[s].step_time_s / mine[s].step_time_s for s in mine if s in other]
+            return f"{min(ratios):.3f}x" if ratios else "n/a"
+
+        behind = sorted({r.algorithm for r in rows if r.ok and r.algorithm != variant and r.seed in mine
+                         and r.step_time_s < mine[r.seed].step_time_s * (1 - 1e-9)})
+        viol = sum(r.cap_violations for r in mine.values())
+        lines.append(f"{w}: {variant} vs fixed CP ({fixed}) {worst(fixed)}, vs {upstream} {worst(upstream)} "
+                     f"(worst of {len(mine)} seed(s)); "
+                     + ("ahead of every algorithm" if not behind else "BEHIND " + ", ".join(behind))
+                     + f"; {viol} micro-batches over the budget")
+    return lines
+
+
 def format_report(result: BenchResult) -> str:
     """Headline, table, legend, verdicts, planning speed (what ``megatron-dynbatch bench`` prints)."""
     from .explain import headline, legend
 
     parts = [*headline(result), "", format_table(result), "", *legend(result, [c for c, _ in COLUMNS]), "",
-             *verdicts(result)]
+             *verdicts(result), *dyncp_verdicts(result)]
     speed = format_speed(result)
     if speed:
         parts += ["", speed]

@@ -24,6 +24,8 @@ import numpy as np
 
 from .adversarial import SHAPES as ADVERSARIAL_SHAPES, run_adversarial
 from .baselines import BASELINES, BaselineContext, run_baseline, structural_problems
+from .hybrid_cp import NAME as HYBRID_CP, plan_hybrid_cp
+from .partitioning import BaselineInfeasible
 from ..core.cost_model import CostModel
 from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
@@ -38,12 +40,19 @@ DYNBATCH_VARIANTS: Dict[str, Tuple[Dict[str, Any], bool]] = {
     "dynbatch": ({}, False),
     "dynbatch-flops": ({"balance_by": "flops"}, False),
     "dynbatch-groups": ({}, True),
+    "dynbatch-dyncp": ({"dynamic_cp": True}, False),
 }
 PRIMARY = "dynbatch"
-ALGORITHMS: Tuple[str, ...] = tuple(DYNBATCH_VARIANTS) + tuple(BASELINES)
+#: run only on dynamic-CP workloads (``Workload.dynamic_cp``): the dynamic-CP planner and upstream's scheduler
+DYNCP_ONLY = ("dynbatch-dyncp", HYBRID_CP)
+#: the row the lower bound comes from on dynamic-CP workloads (the pool bound holds for every plan)
+DYNCP_PRIMARY = "dynbatch-dyncp"
+ALGORITHMS: Tuple[str, ...] = tuple(DYNBATCH_VARIANTS) + tuple(BASELINES) + (HYBRID_CP,)
 
 #: Planning-speed targets (samples, dp) -> milliseconds.
 SPEED_CASES: Tuple[Tuple[int, int, float], ...] = ((4096, 64, 20.0), (65536, 1024, 1000.0))
+#: Dynamic-CP planning-speed target: (samples, dp, cp, milliseconds) -- 4,096 samples over a pool of 256 GPUs.
+DYNCP_SPEED_CASE: Tuple[int, int, int, float] = (4096, 32, 8, 100.0)
 
 
 @dataclass
@@ -193,15 +202,32 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
                  keep_plans: bool = False) -> Tuple[List[Row], Dict[Tuple[str, int, str], Any]]:
     """Plan and score one workload's batch of ``seed`` with every requested algorithm."""
     from ..core.planner import plan_global_batch
+    from ..core.planner.dyncp import score_with_cp_comm
 
     algos = list(algorithms) if algorithms else list(ALGORITHMS)
     batch = w.generate(seed)
     lengths = batch.lengths
     cm = CostModel.from_model(w.model, w.parallel)
+    dyncp = bool(getattr(w, "dynamic_cp", False))
     rows: List[Row] = []
     plans: Dict[Tuple[str, int, str], Any] = {}
     for name in algos:
-        if name in DYNBATCH_VARIANTS:
+        if name in DYNCP_ONLY and not dyncp:
+            continue
+        if name == HYBRID_CP:
+            t0 = time.perf_counter()
+            try:
+                plan = plan_hybrid_cp(lengths, w.parallel, w.max_tokens_per_gpu, cm)
+            except BaselineInfeasible as exc:
+                rows.append(Row(w.name, seed, name, "baseline", error=str(exc),
+                                planning_ms=1e3 * (time.perf_counter() - t0)))
+                continue
+            notes = ["pp>1 modelled: a 1F1B flush per round (upstream 0.16.1 is PP=1 only)"] if w.parallel.pp > 1 else []
+            counts = {len(r) for r in plan.micro_batches}
+            if len(counts) > 1:
+                notes.append(f"ragged micro-batch counts {min(counts)}..{max(counts)} (upstream runs one per sample)")
+            row = _row_from_plan(w, seed, name, "baseline", plan, plan.planning_time_s, notes)
+        elif name in DYNBATCH_VARIANTS:
             kwargs, needs_groups = DYNBATCH_VARIANTS[name]
             if needs_groups and (batch.group_ids is None or np.unique(batch.group_ids).size < w.parallel.dp):
                 continue  # no groups, or fewer groups than ranks: the constraint cannot be met
@@ -214,8 +240,15 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
                 rows.append(Row(w.name, seed, name, "dynbatch", error=str(exc),
                                 planning_ms=1e3 * (time.perf_counter() - t0)))
                 continue
-            row = _row_from_plan(w, seed, name, "dynbatch", plan, plan.planning_time_s,
-                                 structural_problems(plan, lengths.size))
+            problems = [] if name == "dynbatch-dyncp" else structural_problems(plan, lengths.size)
+            if name == "dynbatch-dyncp":
+                try:
+                    plan.validate(lengths.size)
+                except AssertionError as exc:
+                    problems = [f"invalid dynamic-CP plan: {exc}"]
+            elif dyncp:
+                plan = score_with_cp_comm(plan, model=w.model, cost_model=cm)
+            row = _row_from_plan(w, seed, name, "dynbatch", plan, plan.planning_time_s, problems)
             row.lower_bound_microbatches = plan.lower_bound_microbatches
             row.lower_bound_s = plan.lower_bound_step_time
         elif name in BASELINES:
@@ -225,7 +258,7 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
                 rows.append(Row(w.name, seed, name, "baseline", error=res.error,
                                 planning_ms=1e3 * res.planning_time_s))
                 continue
-            plan = res.plan
+            plan = score_with_cp_comm(res.plan, model=w.model, cost_model=cm) if dyncp else res.plan
             row = _row_from_plan(w, seed, name, "baseline", plan, res.planning_time_s, res.notes)
             row.lower_bound_microbatches = plan.lower_bound_microbatches
             row.lower_bound_s = plan.lower_bound_step_time
@@ -234,14 +267,14 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
         rows.append(row)
         if keep_plans:
             plans[(w.name, seed, name)] = plan
-    _relate(rows)
+    _relate(rows, DYNCP_PRIMARY if dyncp else PRIMARY)
     return rows, plans
 
 
-def _relate(rows: List[Row]) -> None:
+def _relate(rows: List[Row], primary_name: str = PRIMARY) -> None:
     """Fill the ratios: vs the planner's lower bound (shared by all rows of the batch) and vs the best
     baseline that ran (including baselines that broke the cap: the conservative comparison)."""
-    primary = [r for r in rows if r.algorithm == PRIMARY and r.ok]
+    primary = [r for r in rows if r.algorithm == primary_name and r.ok]
     lb = primary[0].lower_bound_s if primary else min((r.lower_bound_s for r in rows if r.ok), default=float("nan"))
     lb_m = primary[0].lower_bound_microbatches if primary else 0
     best = min((r.step_time_s for r in rows if r.family == "baseline" and r.ok), default=float("nan"))
@@ -283,6 +316,32 @@ def run_speed(cases: Sequence[Tuple[int, int, float]] = SPEED_CASES, repeats: in
     return out
 
 
+def run_speed_dyncp(case: Tuple[int, int, int, float] = DYNCP_SPEED_CASE, repeats: int = 3,
+                    model: str = "qwen3-8b", max_tokens_per_gpu: int = 8192) -> SpeedResult:
+    """CPU time of ``plan_global_batch(..., dynamic_cp=True)`` on GRPO lengths (16k max response, groups of 8)
+    over a pool of ``dp * cp`` GPUs (``tp=2``); one warm-up call, then the median of ``repeats``."""
+    from ..core.planner import plan_global_batch
+
+    samples, dp, cp, target = case
+    batch = grpo_lengths(np.random.default_rng(samples), prompts=samples // 8, group=8, max_response=16384,
+                         median_response=3000)
+    par = ParallelConfig(dp=dp, tp=2, cp=cp)
+    cm = CostModel.from_model(model, par)
+
+    def once() -> Any:
+        return plan_global_batch(batch.lengths, model=model, parallel=par, max_tokens_per_gpu=max_tokens_per_gpu,
+                                 cost_model=cm, dynamic_cp=True)
+
+    plan = once()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        once()
+        runs.append(1e3 * (time.process_time() - t0))
+    return SpeedResult(samples, dp * cp, runs, target, plan.num_microbatches,
+                       shape=f"dynamic CP dp{dp} x cp{cp}", clock="cpu")
+
+
 # ============================================================================================ everything
 def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optional[Sequence[str]] = None,
               speed: bool = True, speed_repeats: int = 3, progress: Optional[bool] = None,
@@ -302,6 +361,8 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
     tasks: List[Tuple[str, Any]] = [("workload", (w, s)) for w in workloads for s in range(seeds)]
     if speed:
         tasks += [("speed", case) for case in SPEED_CASES]
+        if any(getattr(w, "dynamic_cp", False) for w in workloads):
+            tasks.append(("speed-dyncp", DYNCP_SPEED_CASE))
         tasks += [("adversarial", (n, shape)) for n in adversarial_sizes for shape in ADVERSARIAL_SHAPES]
     show = sys.stderr.isatty() if progress is None else progress
     bar = _progress(len(tasks), show)
@@ -318,6 +379,9 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
             for wd in result.workloads:
                 if wd["name"] == w.name and "source" not in wd:
                     wd["source"] = w.generate(s).source
+        elif kind == "speed-dyncp":
+            bar.set_description("dynamic-CP planning speed")
+            result.speed.append(run_speed_dyncp(task, repeats=speed_repeats))
         elif kind == "adversarial":
             bar.set_description(f"adversarial {task[1].name} n={task[0]}")
             result.speed += run_adversarial([task[0]], repeats=1, shapes=[task[1]])
@@ -370,4 +434,4 @@ def iter_algorithms(spec: Optional[str]) -> Optional[List[str]]:
 
 
 __all__ = ["ALGORITHMS", "BenchResult", "DYNBATCH_VARIANTS", "Row", "SpeedResult", "run_bench",
-                          "run_speed", "run_workload", "iter_algorithms"]
+                          "run_speed", "run_speed_dyncp", "run_workload", "iter_algorithms"]

@@ -56,13 +56,19 @@ class Workload:
     max_tokens_per_gpu: int
     generator: Callable[[np.random.Generator], Batch] = field(repr=False, compare=False)
     default: bool = True  # part of the default benchmark run
+    #: a dynamic-CP workload: ``dynbatch-dyncp`` and ``megatron-hybrid-cp`` run, and every plan is scored with
+    #: the CP communication term (``score_with_cp_comm``)
+    dynamic_cp: bool = False
 
     def generate(self, seed: int = 0) -> Batch:
         return self.generator(np.random.default_rng(seed))
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "description": self.description, "model": self.model,
-                "parallel": self.parallel.to_dict(), "max_tokens_per_gpu": self.max_tokens_per_gpu}
+        d = {"name": self.name, "description": self.description, "model": self.model,
+             "parallel": self.parallel.to_dict(), "max_tokens_per_gpu": self.max_tokens_per_gpu}
+        if self.dynamic_cp:
+            d["dynamic_cp"] = True
+        return d
 
 
 # --------------------------------------------------------------------------------------- length sources
@@ -129,6 +135,23 @@ def document_sample(rng: np.random.Generator, count: int, max_len: Optional[int]
     return Batch(lengths=lengths.astype(np.int64), source=source)
 
 
+def documents_by_tokens(rng: np.random.Generator, tokens: int, max_len: int, multiple: int = 1) -> Batch:
+    """Documents drawn from :func:`document_lengths` (truncated to ``max_len``) until they hold ``tokens``
+    tokens (the last one cut to fit), then the last few dropped so the count is a multiple of ``multiple``: a
+    batch sized by what the ranks can hold, e.g. one micro-batch per rank."""
+    pool, source = document_lengths()
+    out: List[int] = []
+    total = 0
+    while total < tokens:
+        L = int(min(pool[int(rng.integers(0, pool.size))], max_len))
+        if total + L > tokens:
+            L = tokens - total
+        out.append(L)
+        total += L
+    keep = max(multiple, len(out) - len(out) % multiple)
+    return Batch(lengths=np.asarray(out[:keep], dtype=np.int64), source=f"{source}, <= {tokens} tokens")
+
+
 def sft_mix(rng: np.random.Generator, chats: int, docs: int, max_len: int) -> Batch:
     """Short chat samples (lognormal, median ~600) shuffled with long documents (the real distribution's
     documents above 4k tokens, truncated to ``max_len``)."""
@@ -191,6 +214,44 @@ def _builtin() -> List[Workload]:
             "SFT mix, Llama-3.1-8B: 1,792 short chats + 256 long documents (<= 32k), tp=2 cp=2 dp=8",
             "llama-3.1-8b", P(dp=8, tp=2, cp=2), 16384,
             lambda rng: sft_mix(rng, chats=1792, docs=256, max_len=32768),
+        ),
+        # ---- dynamic context parallelism (docs/dynamic_cp.md): long tails where one sequence dominates a rank
+        Workload(
+            "dyncp-longdoc-8b-1mb",
+            "long documents, ONE micro-batch per rank: Llama-3.1-8B, real document lengths (<= 32k) filling "
+            "85% of tp=2 dp=8 x 32k, pool of 8 GPUs",
+            "llama-3.1-8b", P(dp=8, tp=2), 32768,
+            lambda rng: documents_by_tokens(rng, int(0.85 * 8 * 32768), 32768, 8), dynamic_cp=True,
+        ),
+        Workload(
+            "dyncp-longdoc-8b-4mb",
+            "long documents, ~4 micro-batches per rank: Llama-3.1-8B, real document lengths (<= 32k), tp=2 dp=8 "
+            "x 32k, pool of 8 GPUs",
+            "llama-3.1-8b", P(dp=8, tp=2), 32768,
+            lambda rng: documents_by_tokens(rng, int(3.4 * 8 * 32768), 32768, 8), dynamic_cp=True,
+        ),
+        Workload(
+            "dyncp-longctx-70b-cp4-pp4",
+            "long-context SFT with PP: Llama-3.1-70B, 1,024 real documents truncated to 64k, tp=8 cp=4 pp=4 dp=4 "
+            "(pool of 16 GPUs per stage; the same batch as sft-longctx-70b-cp4-pp4)",
+            "llama-3.1-70b", P(dp=4, tp=8, cp=4, pp=4), 16384,
+            lambda rng: document_sample(rng, 1024, max_len=65536), dynamic_cp=True,
+        ),
+        Workload(
+            "dyncp-longcot-64k-8b",
+            "long-CoT RL at 32k-64k: Qwen3-8B GRPO, 16 prompts x 8, responses up to 64k (median 20k, ~8% "
+            "truncated), tp=2 cp=4 dp=4 (pool of 16), 20k per GPU",
+            "qwen3-8b", P(dp=4, tp=2, cp=4), 20480,
+            lambda rng: grpo_lengths(rng, prompts=16, group=8, max_response=65536, median_response=20000,
+                                     sigma=0.6), dynamic_cp=True,
+        ),
+        Workload(
+            "dyncp-longcot-64k-32b-pp4",
+            "long-CoT RL at 32k-64k with PP: Qwen3-32B GRPO, 8 prompts x 8, responses up to 64k, tp=4 cp=2 pp=4 "
+            "dp=4 (pool of 8 per stage), 40k per GPU",
+            "qwen3-32b", P(dp=4, tp=4, cp=2, pp=4), 40960,
+            lambda rng: grpo_lengths(rng, prompts=8, group=8, max_response=65536, median_response=20000,
+                                     sigma=0.6), dynamic_cp=True,
         ),
         Workload(
             "smoke",
