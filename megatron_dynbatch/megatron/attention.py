@@ -24,6 +24,10 @@ every rank gets the sum of all ranks' gradients for its own K/V rows), put back 
 LOCAL query (global position from the zig-zag indices) attends causally to the full K/V of its own sequence.
 Same result as the ``cp=1`` path on the full batch; a reference, not ring attention (``O(T)`` K/V per rank).
 
+Dynamic context parallelism (``packed_seq_params.local_cp_size`` set, as for Transformer Engine): the micro-batch's
+own group ``packed_seq_params.cp_group`` and size replace the model's CP group for this call; ``local_cp_size=1``
+runs the plain path on the full micro-batch whatever the model's CP size (:mod:`megatron_dynbatch.megatron.dynamic_cp`).
+
 Limits (a clear error, not silent wrong results): no sliding-window attention, no attention sinks
 (``softmax_type != "vanilla"``), no attention bias; under CP q and kv must share ``cu_seqlens`` (self-attention).
 """
@@ -93,6 +97,16 @@ class ThdDotProductAttention(DotProductAttention):
         else:
             raise DynBatchConfigError("attn_mask_type", mask_type, "not supported with THD packing",
                                       "use AttnMaskType.causal (or no_mask for bidirectional attention)")
+        local = getattr(packed_seq_params, "local_cp_size", None)
+        if local is not None:  # dynamic CP: this micro-batch's own group (as Transformer Engine's attention does)
+            if int(local) > 1:
+                group = getattr(packed_seq_params, "cp_group", None)
+                if group is None:
+                    raise DynBatchConfigError("packed_seq_params.cp_group", None,
+                                              f"local_cp_size={local} needs the micro-batch's CP process group",
+                                              "build micro-batches with DynamicBatchIterator (it sets both)")
+                return self._thd_cp_attention(query, key, value, packed_seq_params, causal, group, int(local))
+            return self._thd_attention(query, key, value, packed_seq_params, causal)
         if self.thd_cp_size > 1:
             return self._thd_cp_attention(query, key, value, packed_seq_params, causal)
         return self._thd_attention(query, key, value, packed_seq_params, causal)
@@ -153,15 +167,19 @@ class ThdDotProductAttention(DotProductAttention):
             self.thd_cp_group = parallel_state.get_context_parallel_group()
         return self.thd_cp_group
 
-    def _thd_cp_attention(self, query: Tensor, key: Tensor, value: Tensor, params: Any, causal: bool) -> Tensor:
-        """Context-parallel THD attention: local zig-zag queries against the CP-gathered full K/V."""
+    def _thd_cp_attention(self, query: Tensor, key: Tensor, value: Tensor, params: Any, causal: bool,
+                          group: Any = None, expected: Optional[int] = None) -> Tensor:
+        """Context-parallel THD attention: local zig-zag queries against the CP-gathered full K/V, over the
+        model's CP group, or over ``group`` (a dynamic-CP micro-batch's, of ``expected`` GPUs)."""
         from .context_parallel import zigzag_partition_indices
 
-        group = self._cp_group()
+        if group is None:
+            group, expected = self._cp_group(), self.thd_cp_size
         cp = torch.distributed.get_world_size(group)
-        if cp != self.thd_cp_size:
-            raise DynBatchConfigError("cp group size", cp, f"config.context_parallel_size is {self.thd_cp_size}",
-                                      "build the model under the parallel_state it runs with")
+        if cp != expected:
+            raise DynBatchConfigError("cp group size", cp, f"the micro-batch is split over {expected} GPUs",
+                                      "build the model under the parallel_state it runs with (and pass the "
+                                      "micro-batch's own group with dynamic CP)")
         cp_rank = torch.distributed.get_rank(group)
         t, heads, head_dim = query.shape
         groups = key.shape[1]

@@ -37,6 +37,7 @@ from ..core.errors import DynBatchConfigError
 from .loss import LOSS_MODES, LossNormalizer, loss_mask_stats, make_loss_func
 from ..core.parallel import ParallelConfig
 from ..core.planner import Plan, plan_global_batch
+from ..core.planner.dyncp_plan import DynamicCPPlan
 from ..core.planner.inputs import check_group_ids
 
 __all__ = ["DynamicBatchIterator", "PLAN_KWARGS"]
@@ -45,7 +46,8 @@ __all__ = ["DynamicBatchIterator", "PLAN_KWARGS"]
 PLAN_KWARGS = ("model", "parallel", "max_tokens_per_gpu", "balance_by_flops", "balance_by", "samples_per_step",
                "oversize", "fp8_alignment", "cost_model", "num_microbatches", "refine_rounds",
                "equal_samples_per_rank", "microbatch_group_ids", "min_num_microbatches", "num_microbatches_multiple",
-               "rollout_ids", "rollouts_per_step", "sequence_pad_multiple", "microbatch_pad_multiple")
+               "rollout_ids", "rollouts_per_step", "sequence_pad_multiple", "microbatch_pad_multiple",
+               "dynamic_cp")
 
 
 def _parallel_state():
@@ -71,6 +73,12 @@ class DynamicBatchIterator:
         group_ids: one id per sample (default: each sample's ``group_key`` entry when every sample has one).
         pad_token_id: token id used on padding positions.
         device: where packed tensors go (default: where the sample tokens are).
+        cp_groups: under a dynamic-CP plan (:class:`~megatron_dynbatch.core.planner.dyncp_plan.DynamicCPPlan`), the
+            :class:`~megatron_dynbatch.megatron.dynamic_cp.DynamicCPGroups` whose process groups the micro-batches
+            carry (default: created on first use when ``parallel_state`` is initialised). With such a plan the
+            rank runs row ``dp_rank * cp + cp_rank`` of the plan (``self.row``), every micro-batch is packed with
+            its group's alignment and sliced to this GPU's share of the group, and ``gather_across_dp`` gathers
+            over the DP x CP group.
         uniform_length: pad every micro-batch of this rank to its longest one (within the plan's budget). Default: on for ``pp == 2`` with ``vpp > 1``, where megatron-core 0.16's pipeline
             shape exchange (``variable_seq_lengths``) mixes up the two directions between the only two stages
             (the same peer is both previous and next stage; NVIDIA/Megatron-LM #5100, PR #5271); with uniform
@@ -95,6 +103,7 @@ class DynamicBatchIterator:
         pad_token_id: int = 0,
         device: Any = None,
         uniform_length: Optional[bool] = None,
+        cp_groups: Any = None,
         **plan_kwargs: Any,
     ) -> None:
         _check_sample_dicts(samples, "the global batch")
@@ -118,7 +127,7 @@ class DynamicBatchIterator:
                                       "pass either plan= or planning arguments, not both")
         self._setup(samples, lengths, plan, gids, None, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size,
                     loss_mode=loss_mode, group_reduce=group_reduce, pad_token_id=pad_token_id, device=device,
-                    uniform_length=uniform_length)
+                    uniform_length=uniform_length, cp_groups=cp_groups)
 
     @classmethod
     def from_shard(
@@ -140,6 +149,7 @@ class DynamicBatchIterator:
         device: Any = None,
         uniform_length: Optional[bool] = None,
         check_stats: bool = True,
+        cp_groups: Any = None,
     ) -> "DynamicBatchIterator":
         """A RANK-LOCAL iterator: built from only the samples this DP rank runs, plus the global batch's
         per-sample metadata, with exactly the behaviour of one built from the whole batch.
@@ -215,9 +225,9 @@ class DynamicBatchIterator:
         view = _ShardSamples(samples, idx, n)
         self._setup(view, lens, plan, gids, (sums, counts), dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size,
                     loss_mode=loss_mode, group_reduce=group_reduce, pad_token_id=pad_token_id, device=device,
-                    uniform_length=uniform_length)
+                    uniform_length=uniform_length, cp_groups=cp_groups)
         held = set(idx)
-        missing = [i for i in self.plan.rank_samples(self.dp_rank) if i not in held]
+        missing = [i for i in self.plan.rank_samples(self.row) if i not in held]
         if missing:
             raise DynBatchConfigError(
                 "samples", f"{len(missing)} of DP rank {self.dp_rank}'s samples missing (e.g. {missing[:8]})",
@@ -254,6 +264,7 @@ class DynamicBatchIterator:
         pad_token_id: int,
         device: Any,
         uniform_length: Optional[bool],
+        cp_groups: Any = None,
     ) -> None:
         """Shared by ``__init__`` (the whole global batch) and :meth:`from_shard` (this rank's samples only):
         ``samples[i]`` must give global sample ``i`` for every sample this rank runs; ``lengths``, ``group_ids``
@@ -297,19 +308,32 @@ class DynamicBatchIterator:
         if not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
             raise DynBatchConfigError("cp_rank", cp_rank, f"must be in [0, {cp_size})", "pass this rank's CP rank")
         self.dp_rank, self.cp_rank, self.cp_size = int(dp_rank), int(cp_rank), int(cp_size)
+        # the row of the plan this rank runs: its DP rank, or under dynamic CP its pool GPU dp_rank * cp + cp_rank
+        self.dynamic_cp = isinstance(plan, DynamicCPPlan)
+        self.row = self.dp_rank * self.cp_size + self.cp_rank if self.dynamic_cp else self.dp_rank
 
         # The plan's token counts must be what packing this batch produces (catches a plan of other lengths).
-        align = plan.alignment
-        for j, mb in enumerate(plan.micro_batches[self.dp_rank]):
-            want = align.padded_total(int(align.seq_len(self.lengths[mb]).sum()))
-            if plan.microbatch_tokens and plan.microbatch_tokens[self.dp_rank][j] != want:
+        for j, mb in enumerate(plan.micro_batches[self.row]):
+            size = plan.groups[self.row][j][1] if self.dynamic_cp else 1
+            align = plan.alignment_for(size) if self.dynamic_cp else plan.alignment
+            want = align.padded_total(int(align.seq_len(self.lengths[mb]).sum())) // size
+            if plan.microbatch_tokens and plan.microbatch_tokens[self.row][j] != want:
                 raise DynBatchConfigError(
-                    "plan", f"micro-batch {j} of rank {self.dp_rank}",
-                    f"planned as {plan.microbatch_tokens[self.dp_rank][j]} tokens but these samples pack to {want}",
+                    "plan", f"micro-batch {j} of rank {self.row}",
+                    f"planned as {plan.microbatch_tokens[self.row][j]} tokens but these samples pack to {want}",
                     "plan the same global batch (same lengths) that is passed to the iterator")
 
-        self.uniform_length = bool(par.pp == 2 and par.vpp > 1) if uniform_length is None else bool(uniform_length)
-        self._index_of = {tuple(mb): j for j, mb in enumerate(plan.micro_batches[self.dp_rank])}
+        if self.dynamic_cp and uniform_length:
+            raise DynBatchConfigError("uniform_length", uniform_length, "a dynamic-CP plan runs micro-batches of "
+                                      "different CP sizes, which cannot share one length", "pass uniform_length=None")
+        self.uniform_length = (bool(par.pp == 2 and par.vpp > 1) if uniform_length is None else
+                               bool(uniform_length)) and not self.dynamic_cp
+        self.cp_groups = cp_groups
+        if self.dynamic_cp and cp_groups is None and ps is not None:
+            from .dynamic_cp import get_dynamic_cp_groups
+
+            self.cp_groups = get_dynamic_cp_groups()
+        self._index_of = {tuple(mb): j for j, mb in enumerate(plan.micro_batches[self.row])}
         self._offsets = np.concatenate([[0], np.cumsum(plan.microbatches_per_step)]).astype(int).tolist()
         self._mask_sums, self._mask_counts = loss_mask_stats(samples) if mask_stats is None else mask_stats
         self._normalizers: Dict[int, LossNormalizer] = {}
@@ -346,11 +370,11 @@ class DynamicBatchIterator:
     def step_samples(self, step: int) -> List[int]:
         """Global indices of the samples of optimizer step ``step`` (all DP ranks), ascending."""
         r = self.step_range(step)
-        return sorted(i for rank in self.plan.micro_batches for j in r for i in rank[j])
+        return sorted({i for rank in self.plan.micro_batches for j in r for i in rank[j]})
 
     def sample_indices(self, step: Optional[int] = None) -> List[int]:
         """Global indices of THIS rank's samples (of ``step``, or all), ascending: the order of ``restore_order``."""
-        mbs = self.plan.micro_batches[self.dp_rank]
+        mbs = self.plan.micro_batches[self.row]
         return sorted(i for j in self.step_range(step) for i in mbs[j])
 
     def max_seq_length(self, step: Optional[int] = None) -> int:
@@ -359,7 +383,9 @@ class DynamicBatchIterator:
         micro-batch under ``variable_seq_lengths``. With ``uniform_length`` every micro-batch of this rank has this
         length: the longest of the whole plan (so one forward-only call over all steps has one length too)."""
         rng = self.step_range(None if self.uniform_length else step)
-        return max(self.plan.microbatch_tokens[self.dp_rank][j] for j in rng)
+        longest = max(self.plan.microbatch_tokens[self.row][j] for j in rng)
+        # a dynamic-CP plan lists per-GPU tokens: Megatron divides seq_length by its CP size
+        return longest * self.cp_size if self.dynamic_cp else longest
 
     # ------------------------------------------------------------------------------------------- loss
     def normalizer(self, step: int = 0) -> LossNormalizer:
@@ -404,7 +430,10 @@ class DynamicBatchIterator:
         if j not in self._packed:
             from .packing import pack_microbatch
 
-            idx = self.plan.micro_batches[self.dp_rank][j]
+            idx = self.plan.micro_batches[self.row][j]
+            if self.dynamic_cp:
+                self._packed[j] = self._pack_dynamic(j, idx)
+                return self._packed[j]
             align = self.plan.alignment
             if self.uniform_length:  # the longest micro-batch is a multiple of total_multiple
                 align = Alignment(seq_multiple=align.seq_multiple, total_multiple=self.max_seq_length())
@@ -417,6 +446,23 @@ class DynamicBatchIterator:
                 packed = slice_packed_for_cp(packed, self.cp_size, self.cp_rank)
             self._packed[j] = packed
         return self._packed[j]
+
+    def _pack_dynamic(self, j: int, idx: Sequence[int]) -> Any:
+        """Slot ``j`` of a dynamic-CP plan: packed with its group's alignment, sliced to this GPU's zig-zag share
+        of the group, carrying the group's process group."""
+        from dataclasses import replace
+
+        from .context_parallel import slice_packed_for_cp
+        from .packing import pack_microbatch
+
+        start, size = self.plan.groups[self.row][j]
+        packed = pack_microbatch([self.samples[i] for i in idx], self.plan.alignment_for(size),
+                                 pad_token_id=self.pad_token_id, sample_indices=idx, device=self.device)
+        self._check_loss_mask(packed, idx)
+        if size > 1:
+            packed = slice_packed_for_cp(packed, size, self.row - start)
+        group = self.cp_groups.group(start, size) if self.cp_groups is not None else None
+        return replace(packed, dynamic_cp=True, cp_group=group, _packed_seq_params=None)
 
     def _check_loss_mask(self, packed: Any, idx: Sequence[int]) -> None:
         """The normaliser counted each sample's loss tokens from the sample dict; the packer must agree."""
@@ -487,7 +533,7 @@ class DynamicBatchIterator:
                                       f"this rank has {len(mine)} samples", "pass restore_order(...)'s result")
         if group is None:
             ps = _parallel_state()
-            group = ps.get_data_parallel_group() if ps is not None else None
+            group = (ps.get_data_parallel_group(with_context_parallel=self.dynamic_cp) if ps is not None else None)
         world = dist.get_world_size(group=group)
         gathered: List[Any] = [None] * world
         dist.all_gather_object(gathered, (mine, list(per_sample_local)), group=group)

@@ -356,7 +356,9 @@ def make_loss_func(
         packed: the micro-batch (:class:`~megatron_dynbatch.megatron.packing.PackedMicroBatch`, possibly CP-sliced).
         num_microbatches: ``M`` passed to ``forward_backward_func`` for this step.
         calculate_per_token_loss: ``config.calculate_per_token_loss`` (must match, it changes the factor).
-        dp_size, cp_size: data- and context-parallel sizes (default: from ``parallel_state``).
+        dp_size, cp_size: data- and context-parallel sizes (default: from ``parallel_state``) -- Megatron's,
+            which set its scaling; a dynamic-CP micro-batch (``packed.dynamic_cp``) may run on a group of another
+            size: each token still sits on exactly one GPU of the DP x CP pool, so the factors are unchanged.
         per_token_loss: ``fn(output_tensor, packed) -> [1, T_local]`` per-token loss. Default: the output is
             already the per-token loss (``GPTModel(..., labels=...)`` returns cross-entropy per token). For RL,
             e.g. a PPO clipped objective computed from ``-output`` (log-probs) and ``packed.extras``.
@@ -375,7 +377,7 @@ def make_loss_func(
         dp_size = d_dp if dp_size is None else dp_size
         cp_size = d_cp if cp_size is None else cp_size
     packed_cp = int(getattr(packed, "cp_size", 1))
-    if packed_cp != cp_size:
+    if packed_cp != cp_size and not getattr(packed, "dynamic_cp", False):
         raise DynBatchConfigError("packed.cp_size", packed_cp, f"does not match the context-parallel size {cp_size}",
                                   "slice micro-batches with the run's CP size (DynamicBatchIterator does this)")
     total = normalizer.total_loss_tokens if normalizer is not None else 0

@@ -44,7 +44,7 @@ Device = Union[str, torch.device, None]
 _RESERVED = ("tokens", "labels", "loss_mask")
 
 
-def _make_packed_seq_params(cu: torch.Tensor, cu_padded: torch.Tensor, max_seqlen: int) -> Any:
+def _make_packed_seq_params(cu: torch.Tensor, cu_padded: torch.Tensor, max_seqlen: int, **cp: Any) -> Any:
     try:
         from megatron.core.packed_seq_params import PackedSeqParams
     except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
@@ -59,6 +59,7 @@ def _make_packed_seq_params(cu: torch.Tensor, cu_padded: torch.Tensor, max_seqle
         cu_seqlens_kv_padded=cu_padded,
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
+        **cp,
     )
 
 
@@ -85,6 +86,10 @@ class PackedMicroBatch:
     sample_indices: List[int]
     cp_size: int = 1
     cp_rank: int = 0
+    #: dynamic CP (a ``DynamicCPPlan``): ``cp_size``/``cp_rank`` are this micro-batch's group and rank in it,
+    #: ``cp_group`` its process group (a single-GPU group when ``cp_size == 1``); see ``megatron/dynamic_cp.py``
+    dynamic_cp: bool = False
+    cp_group: Any = field(default=None, repr=False, compare=False)
     _packed_seq_params: Any = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ sizes
@@ -122,9 +127,15 @@ class PackedMicroBatch:
     # ------------------------------------------------------------- megatron
     @property
     def packed_seq_params(self) -> Any:
-        """``megatron.core.packed_seq_params.PackedSeqParams`` for this micro-batch (full, un-sliced cu_seqlens)."""
+        """``megatron.core.packed_seq_params.PackedSeqParams`` for this micro-batch (full, un-sliced cu_seqlens).
+        Under dynamic CP it also carries ``local_cp_size`` and (for a group of several GPUs) ``cp_group``, the
+        per-micro-batch fields Transformer Engine's attention reads."""
         if self._packed_seq_params is None:
-            self._packed_seq_params = _make_packed_seq_params(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen)
+            cp = {}
+            if self.dynamic_cp:
+                cp = {"local_cp_size": self.cp_size, "cp_group": self.cp_group if self.cp_size > 1 else None}
+            self._packed_seq_params = _make_packed_seq_params(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen,
+                                                              **cp)
         return self._packed_seq_params
 
     # ---------------------------------------------------------------- utils

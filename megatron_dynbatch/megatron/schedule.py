@@ -107,9 +107,12 @@ def default_forward_step(
     the last stage, hidden states elsewhere) and returns ``batch_iterator.loss_func(...)`` for the micro-batch."""
 
     def forward_step(data_iterator: Any, model: Any) -> tuple:
+        from .dynamic_cp import microbatch_cp_group
+
         packed = next(data_iterator)
-        output = model(packed.tokens, packed.position_ids, None, labels=packed.labels,
-                       packed_seq_params=packed.packed_seq_params)
+        with microbatch_cp_group(model, packed):  # dynamic CP: THD RoPE must see the micro-batch's group
+            output = model(packed.tokens, packed.position_ids, None, labels=packed.labels,
+                           packed_seq_params=packed.packed_seq_params)
         return output, batch_iterator.loss_func(
             packed, calculate_per_token_loss=calculate_per_token_loss, per_token_loss=per_token_loss,
             collect=collect, tuple_size=tuple_size, forward_only=forward_only, num_microbatches=num_microbatches)
@@ -199,7 +202,8 @@ def dynamic_forward_backward(
         forward_step_func: a Megatron forward step of your own (``(data_iterator, model) -> (output, loss_fn)``;
             the iterator yields :class:`~megatron_dynbatch.megatron.packing.PackedMicroBatch`; build ``loss_fn`` with
             ``result.iterator.loss_func`` -- pass a ready iterator as ``samples`` to have it beforehand).
-            Default: :func:`default_forward_step`.
+            Default: :func:`default_forward_step`. Under a dynamic-CP plan run the model call inside
+            ``megatron_dynbatch.megatron.dynamic_cp.microbatch_cp_group(model, packed)`` (THD RoPE positions).
         per_token_loss, collect: see :func:`megatron_dynbatch.megatron.loss.make_loss_func`. ``collect`` defaults to
             per-token log-probs when ``forward_only``.
         forward_only: no backward (log-prob / reference passes). Runs every step of the plan in one call.
@@ -298,7 +302,9 @@ def dynamic_forward_backward(
             per_mb = []
             for r, mb in zip(slots, mbs):
                 full = r.outputs
-                if cp > 1:
+                if mb.dynamic_cp:  # this micro-batch's own group
+                    full = _gather_cp(full, mb, mb.cp_size, mb.cp_group) if mb.cp_size > 1 else full
+                elif cp > 1:
                     full = _gather_cp(full, mb, cp)
                 per_mb.append(split_per_sample(full, mb))
             per_sample = it.restore_order(per_mb, run_step)
@@ -332,15 +338,17 @@ def _comm_device() -> Any:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _gather_cp(local: Any, packed: Any, cp: int) -> Any:
-    """All-gather a CP-local per-token tensor ``[1, T/cp, ...]`` over the CP group and reassemble it."""
+def _gather_cp(local: Any, packed: Any, cp: int, group: Any = None) -> Any:
+    """All-gather a CP-local per-token tensor ``[1, T/cp, ...]`` over the CP group (default: Megatron's) and
+    reassemble it."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from .context_parallel import gather_cp_outputs
 
-    group = parallel_state.get_context_parallel_group()
+    if group is None:
+        group = parallel_state.get_context_parallel_group()
     parts = [torch.empty_like(local) for _ in range(cp)]
     dist.all_gather(parts, local.contiguous(), group=group)
     return gather_cp_outputs(parts, packed.cu_seqlens_padded, cp)

@@ -250,10 +250,13 @@ def init_cpu_distributed(
 
 
 def destroy() -> None:
-    """Tear down ``parallel_state`` and the default process group (safe to call twice)."""
+    """Tear down ``parallel_state``, the dynamic-CP groups and the default process group (safe to call twice)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from ..megatron.dynamic_cp import destroy_dynamic_cp_groups
+
+    destroy_dynamic_cp_groups()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
