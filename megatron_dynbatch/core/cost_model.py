@@ -448,7 +448,7 @@ def fit_cp_comm(base: CostModel, group_sizes: Sequence[int], padded_tokens: Sequ
         raise DynBatchConfigError("base", type(base).__name__, "must be a CostModel", "fit_cost_model(...) first")
     compute = base.with_cp_comm(0.0, 0.0, 0.0).group_microbatch_time(g, t, q)
     att = base.attention_s_per_sq_token * q * base.cp / g
-    x = np.column_stack([g - 1.0, (g - 1.0) / g * t, -att])
+    x = np.column_stack([g - 1.0, (g - 1.0) / g * t, np.where(g > 1, -att, 0.0)])  # one GPU: no exchange
     step, per_token, overlap = _nnls_relative(x, y - compute, y)
     model = base.with_cp_comm(per_token, step, min(1.0, overlap))
     rel = (model.group_microbatch_time(g, t, q) - y) / y

@@ -23,6 +23,8 @@ flag                                        meaning
 ``--dynbatch-cost-model FILE``              calibrated cost model (JSON) used by the planner
 ``--dynbatch-max-seq-length N``             the longest sample the run can produce (default ``--seq-length``);
                                             checked against both budgets at start-up
+``--dynbatch-dynamic-cp``                   dynamic context parallelism: the dp x cp GPUs form one pool and
+                                            each micro-batch gets its own CP group (``docs/dynamic_cp.md``)
 ==========================================  ===========================================================
 
 Start-up check: with ``--use-dynamic-batch-size``, the longest sample the run can produce
@@ -86,6 +88,10 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--dynbatch-cost-model", type=str, default=None, metavar="FILE",
                    help="Calibrated cost-model file (JSON: linear_s_per_token, attention_s_per_sq_token, overhead_s) "
                         "that the planner uses to choose counts and, with --balance-by-flops, to balance time.")
+    g.add_argument("--dynbatch-dynamic-cp", action="store_true", default=False,
+                   help="Dynamic context parallelism: plan the data-parallel x context-parallel GPUs as one pool and "
+                        "give every micro-batch its own CP group (long sequences on more GPUs, short ones on one). "
+                        "Needs --use-dynamic-batch-size; see docs/dynamic_cp.md.")
     return parser
 
 
@@ -207,6 +213,9 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
                                   "pass the path of a cost-model JSON file, or drop the flag")
     resolved = fp8_alignment_from_args(args)
     args.dynbatch_fp8_alignment = "none" if resolved is None else resolved  # stays resolved on re-reading
+    if getattr(args, "dynbatch_dynamic_cp", False) and not use:
+        raise DynBatchConfigError("--dynbatch-dynamic-cp", True, "only applies to dynamic batching",
+                                  "add --use-dynamic-batch-size (and --max-tokens-per-gpu), or drop --dynbatch-dynamic-cp")
     if not use:
         return args
 
@@ -222,6 +231,17 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
             raise DynBatchConfigError(flag, budget, f"the budget cannot hold one aligned sequence ({why})",
                                       f"use {flag} >= {need}")
     _check_max_seq_length(args, par, resolved)
+
+    if getattr(args, "dynbatch_dynamic_cp", False):
+        if par.pp == 2 and par.vpp > 1:
+            raise DynBatchConfigError(
+                "--dynbatch-dynamic-cp", True, "with pp=2 and an interleaved schedule megatron-core 0.16 needs one "
+                "micro-batch length per rank (NVIDIA/Megatron-LM #5100), which CP groups of different sizes do not give",
+                "drop --virtual-pipeline-model-parallel-size, use another pp, or drop --dynbatch-dynamic-cp")
+        if getattr(args, "hybrid_context_parallel", False):
+            raise DynBatchConfigError(
+                "--dynbatch-dynamic-cp", True, "Megatron's own --hybrid-context-parallel reroutes samples with its "
+                "scheduler; the two cannot both plan the batch", "use one of them")
 
     experts = _get(args, "num_experts", _get(args, "num_moe_experts"))
     dispatcher = _get(args, "moe_token_dispatcher_type", "allgather")
@@ -244,6 +264,10 @@ def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, 
     if length is None:
         return
     field = "--dynbatch-max-seq-length" if explicit is not None else "--seq-length"
+    if getattr(args, "dynbatch_dynamic_cp", False):  # a sample may spread over the whole dp x cp pool
+        import dataclasses
+
+        par = dataclasses.replace(par, dp=1, cp=par.dp * par.cp)
     for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
                        ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu")):
         check_max_seq_len_fits(int(length), max_tokens_per_gpu=int(getattr(args, name)), parallel=par,
@@ -263,6 +287,8 @@ def plan_kwargs_from_args(args: Any, *, forward_only: bool = False, world_size: 
         "oversize": getattr(args, "dynbatch_oversize", "error") or "error",
         "fp8_alignment": fp8_alignment_from_args(args),
     }
+    if getattr(args, "dynbatch_dynamic_cp", False):
+        kwargs["dynamic_cp"] = True
     if not forward_only and getattr(args, "dynbatch_samples_per_step", None):
         kwargs["samples_per_step"] = int(args.dynbatch_samples_per_step)
     if getattr(args, "dynbatch_cost_model", None):
