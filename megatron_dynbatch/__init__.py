@@ -18,13 +18,14 @@ import importlib
 from typing import Any
 
 from .core.alignment import Alignment
-from .core.cost_model import CostModel, fit_cost_model, load_cost_model
+from .core.cost_model import CostModel, fit_cost_model, fit_cp_comm, load_cost_model
 from .core.errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from .core.flops import FlopsCoefficients, calculate_fwd_flops, flops_coefficients, per_gpu_flops
 from .core.memory import estimate_max_tokens_per_gpu
 from .core.model_spec import ModelSpec
 from .core.parallel import ParallelConfig
-from .core.planner import Plan, local_microbatch_counts, plan_global_batch, plan_local_batch, score_assignment
+from .core.planner import (DynamicCPPlan, Plan, build_dynamic_cp_plan, local_microbatch_counts, plan_global_batch,
+                           plan_local_batch, score_assignment)
 from .core.run_config import RunConfig
 from .core.startup import check_max_seq_len_fits
 from ._legacy import install_legacy_module_aliases
@@ -42,12 +43,15 @@ _LAZY = {
     "add_dynamic_batch_args": "megatron_dynbatch.megatron.args",
     "plan_rollout": "megatron_dynbatch.integrations.ray",
     "gather_in_order": "megatron_dynbatch.integrations.ray",
+    "setup_dynamic_cp_groups": "megatron_dynbatch.megatron.dynamic_cp",
+    "microbatch_cp_group": "megatron_dynbatch.megatron.dynamic_cp",
 }
 
 __all__ = [
     "Alignment",
     "CostModel",
     "DynBatchConfigError",
+    "DynamicCPPlan",
     "FlopsCoefficients",
     "ModelSpec",
     "OversizeSampleError",
@@ -56,10 +60,12 @@ __all__ = [
     "Plan",
     "RunConfig",
     "__version__",
+    "build_dynamic_cp_plan",
     "calculate_fwd_flops",
     "check_max_seq_len_fits",
     "estimate_max_tokens_per_gpu",
     "fit_cost_model",
+    "fit_cp_comm",
     "flops_coefficients",
     "load_cost_model",
     "per_gpu_flops",

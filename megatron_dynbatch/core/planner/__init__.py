@@ -2,9 +2,12 @@
 
 from .api import plan_global_batch, score_assignment
 from .counts import CountRule
+from .dyncp import build_dynamic_cp_plan
+from .dyncp_plan import DynamicCPPlan
 from .local import local_microbatch_counts, plan_local_batch
 from .plan import Plan
 from .vpp import is_valid_microbatch_count, next_valid_microbatch_count
 
 __all__ = ["CountRule", "Plan", "plan_global_batch", "score_assignment", "is_valid_microbatch_count",
-           "next_valid_microbatch_count", "local_microbatch_counts", "plan_local_batch"]
+           "next_valid_microbatch_count", "local_microbatch_counts", "plan_local_batch", "DynamicCPPlan",
+           "build_dynamic_cp_plan"]

@@ -134,12 +134,16 @@ class _Step:
 
     def bin_times(self, size: int, bins: Bins) -> np.ndarray:
         """Seconds of each micro-batch of ``bins`` on a group of ``size`` (one vectorised call)."""
+        return self.bin_stats(size, bins)[1]
+
+    def bin_stats(self, size: int, bins: Bins) -> Tuple[np.ndarray, np.ndarray]:
+        """Full packed token counts and seconds of each micro-batch of ``bins`` on a group of ``size``."""
         if not bins:
-            return np.zeros(0)
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
         sz = self.sizes[size]
         t = sz.align.total_multiple
         tokens = -(-mb_sums(bins, sz.aligned) // t) * t
-        return self.cm.group_microbatch_time(size, tokens, mb_sums(bins, self.sq))
+        return tokens, self.cm.group_microbatch_time(size, tokens, mb_sums(bins, self.sq))
 
     def pack(self, size: int, samples: Sequence[int], k: Optional[int] = None) -> Optional[Bins]:
         """``samples`` in ``k`` micro-batches of a group of ``size`` (default: the fewest best fit needs)."""
@@ -161,13 +165,22 @@ class _Schedule:
     def __init__(self, step: _Step, name: str, node_bins: Dict[int, Bins]) -> None:
         self.step, self.name = step, name
         tree = step.tree
-        self.node_bins, self.node_times = {}, {}
+        self.node_bins, self.node_times, self.node_tokens = {}, {}, {}
+        by_size: Dict[int, List[int]] = {}
         for v, bins in node_bins.items():
             if bins:
-                t = step.bin_times(tree.nodes[v].size, bins)
+                by_size.setdefault(tree.nodes[v].size, []).append(v)
+        for size, nodes in by_size.items():  # one vectorised timing per group size
+            tokens, times = step.bin_stats(size, [mb for v in nodes for mb in node_bins[v]])
+            first = 0
+            for v in nodes:
+                bins = node_bins[v]
+                t = times[first:first + len(bins)]
                 order = np.lexsort((np.arange(t.size), -t))  # longest first, ties by position
                 self.node_bins[v] = [bins[k] for k in order]
                 self.node_times[v] = t[order].tolist()
+                self.node_tokens[v] = tokens[first:first + len(bins)][order].tolist()
+                first += len(bins)
         counts = np.zeros(tree.size, dtype=np.int64)
         self.offset: Dict[int, int] = {}
         for v in sorted(self.node_bins, key=lambda x: tree.nodes[x].depth):
@@ -205,19 +218,25 @@ class _Schedule:
         ep_width = self.step.par.cp * cm.ep_group if cm.ep_group > 1 else 1
         return simulate_pool(self.times[order], [self.blocks[j] for j in order], cm, ep_width=ep_width)
 
-    def slots(self, step_samples: np.ndarray) -> SlotList:
-        """The slots in execution order: each slot's groups in pool order as ``(start, size, global samples)``."""
+    def slots(self, step_samples: np.ndarray) -> Tuple[SlotList, List[int], List[float]]:
+        """The slots in execution order -- each slot's groups in pool order as ``(start, size, global samples)``
+        -- and each group's full packed token count and seconds, in the same (slot-major) order."""
         tree = self.step.tree
         glob = {v: [[int(step_samples[i]) for i in mb] for mb in bins] for v, bins in self.node_bins.items()}
         out: SlotList = []
+        tokens: List[int] = []
+        times: List[float] = []
         for j in self.order:
             slot = []
             for g in self.blocks[j].tolist():
                 v = int(self.node_at[j, g])
+                b = int(self.bin_at[j, g])
                 node = tree.nodes[v]
-                slot.append((node.start, node.size, glob[v][int(self.bin_at[j, g])]))
+                slot.append((node.start, node.size, glob[v][b]))
+                tokens.append(int(self.node_tokens[v][b]))
+                times.append(float(self.node_times[v][b]))
             out.append(slot)
-        return out
+        return out, tokens, times
 
     def makespan(self) -> float:
         if not hasattr(self, "_finish"):
@@ -259,7 +278,9 @@ def _fixed_cp(step: _Step, forced: Optional[int], rounds: int, cap_eff: int,
     sched = _Schedule.__new__(_Schedule)
     sched.step, sched.name = step, "fixed-cp"
     sched.node_bins = {tree.dp_rank_node(r).index: [sorted(mb) for mb in bins[r]] for r in range(par.dp)}
-    sched.node_times = {v: step.bin_times(par.cp, b).tolist() for v, b in sched.node_bins.items()}
+    stats = {v: step.bin_stats(par.cp, b) for v, b in sched.node_bins.items()}
+    sched.node_times = {v: t.tolist() for v, (_, t) in stats.items()}
+    sched.node_tokens = {v: tok.tolist() for v, (tok, _) in stats.items()}
     sched.offset = {v: 0 for v in sched.node_bins}
     sched.m = len(bins[0])
     sched.order = list(range(sched.m))  # the fixed planner already ordered each rank's micro-batches
@@ -618,7 +639,7 @@ def plan_dynamic_cp(
                                                                fix="pass None for the default (4 * dp * cp)")
     over = _oversize(lens, tree, par, budget, tile, oversize)
 
-    steps: List[Tuple[SlotList, np.ndarray]] = []
+    steps: List[Tuple[SlotList, np.ndarray, Any]] = []
     fixed_time = 0.0
     lb_time, lb_count = 0.0, 0
     chosen = []
@@ -627,7 +648,8 @@ def plan_dynamic_cp(
         best, fixed = _plan_step(st, num_microbatches, rounds, cap_eff, align)
         chosen.append(best.name)
         fixed_time += fixed.makespan() if fixed is not None else float("nan")
-        steps.append((best.slots(step_samples), best.finish()))
+        slots, tokens, times = best.slots(step_samples)
+        steps.append((slots, best.finish(), (tokens, times)))
         t, c = _lower_bound(st, cm)
         lb_time += t
         lb_count += c
@@ -670,7 +692,7 @@ def build_dynamic_cp_plan(
         times = _slot_times(chunk, lens, par, tile, cm)
         blocks = [np.asarray([a for a, _, _ in slot], dtype=np.int64) for slot in chunk]
         ep_width = par.cp * cm.ep_group if cm.ep_group > 1 else 1
-        steps.append((chunk, simulate_pool(times, blocks, cm, ep_width=ep_width)))
+        steps.append((chunk, simulate_pool(times, blocks, cm, ep_width=ep_width), None))
         first += count
     return _assemble(lens, steps, par, align, int(max_tokens_per_gpu), tile, cm, coeffs, algorithm="external")
 
@@ -714,9 +736,10 @@ def _align(par: ParallelConfig, size: int, tile: int) -> Alignment:
     return Alignment.for_layout(ParallelConfig(tp=par.tp, cp=size, sequence_parallel=par.sequence_parallel), tile)
 
 
-def _assemble(lens: np.ndarray, steps: Sequence[Tuple[SlotList, np.ndarray]], par: ParallelConfig, align: Alignment,
-              budget: int, tile: int, cm: CostModel, coeffs: Any, **extra: Any) -> DynamicCPPlan:
-    """The plan of consecutive steps (their slots in execution order, and each GPU's finish time per step)."""
+def _assemble(lens: np.ndarray, steps: Sequence[Tuple[SlotList, np.ndarray, Any]], par: ParallelConfig,
+              align: Alignment, budget: int, tile: int, cm: CostModel, coeffs: Any, **extra: Any) -> DynamicCPPlan:
+    """The plan of consecutive steps: their slots in execution order, each GPU's finish time per step, and the
+    groups' (full token counts, seconds) in slot-major order when already known (else computed here)."""
     pool = par.dp * par.cp
     micro_batches: List[List[List[int]]] = [[] for _ in range(pool)]
     groups: List[List[Tuple[int, int]]] = [[] for _ in range(pool)]
@@ -725,8 +748,8 @@ def _assemble(lens: np.ndarray, steps: Sequence[Tuple[SlotList, np.ndarray]], pa
     rank_time = np.zeros(pool)
     rank_flops = np.zeros(pool)
     flops = sample_flops(coeffs, lens.astype(np.float64), lens.astype(np.float64) ** 2)
-    for slots, finish in steps:
-        _, tokens, times = _group_stats(slots, lens, par, tile, cm)
+    for slots, finish, stats in steps:
+        tokens, times = stats if stats is not None else _group_stats(slots, lens, par, tile, cm)[1:]
         rank_time += finish
         k = 0
         for slot in slots:
@@ -744,7 +767,7 @@ def _assemble(lens: np.ndarray, steps: Sequence[Tuple[SlotList, np.ndarray]], pa
     extra.setdefault("lower_bound_microbatches", 0)
     extra.setdefault("lower_bound_step_time", 0.0)
     return DynamicCPPlan(
-        micro_batches=micro_batches, microbatches_per_step=[len(s) for s, _ in steps], parallel=par, alignment=align,
+        micro_batches=micro_batches, microbatches_per_step=[len(s[0]) for s in steps], parallel=par, alignment=align,
         cap=budget, balance_by_flops=True, microbatch_tokens=mb_tokens, microbatch_time=mb_time,
         rank_tokens=np.array([sum(t) for t in mb_tokens], dtype=np.int64), rank_flops=rank_flops,
         rank_time=rank_time, padding_tokens=int(sum(sum(t) for t in mb_tokens) - lens.sum()),
