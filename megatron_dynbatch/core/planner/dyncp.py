@@ -309,9 +309,9 @@ def _widen(step: _Step, threshold: Optional[float]) -> np.ndarray:
     return np.asarray(sizes, dtype=np.int64)[pos]
 
 
-def _place_wide(step: _Step, cls: np.ndarray) -> Dict[int, List[int]]:
-    """Samples wider than one GPU, top-down: at each node those no child can host stay, the others go (largest
-    class, then largest GPU-seconds first) to the child with the least load per GPU that can host them."""
+def _place_wide(step: _Step, cls: np.ndarray, floor: int = 1) -> Dict[int, List[int]]:
+    """Samples wider than the floor size, top-down: at each node those no child can host stay, the others go
+    (largest class, then largest GPU-seconds first) to the child with the least load per GPU that hosts them."""
     tree, o = step.tree, step.cm.overhead_s
     tau_at = np.zeros(step.n)
     for s in np.unique(cls).tolist():
@@ -319,7 +319,7 @@ def _place_wide(step: _Step, cls: np.ndarray) -> Dict[int, List[int]]:
         tau_at[sel] = step.sizes[int(s)].tau[sel]
     gpu_s = cls * (tau_at + o)
     own: Dict[int, List[int]] = {}
-    stack = [(0, np.flatnonzero(cls > 1))]
+    stack = [(0, np.flatnonzero(cls > floor))]
     while stack:
         v, samples = stack.pop()
         node = tree.nodes[v]
@@ -352,45 +352,50 @@ def _place_wide(step: _Step, cls: np.ndarray) -> Dict[int, List[int]]:
 
 
 def _tree_schedule(step: _Step, name: str, cls: np.ndarray, forced: Optional[int], rounds: int,
-                   extra_counts: int) -> List[_Schedule]:
-    """Tree candidates of one size assignment: the first feasible slot count, and with ``pp > 1`` a few more."""
+                   extra_counts: int, floor: int = 1) -> List[_Schedule]:
+    """Tree candidates of one size assignment: the first feasible slot count, and with ``pp > 1`` a few more.
+    ``floor``: the smallest groups, which the remaining samples are dealt over -- single GPUs (1), or the DP
+    ranks' own CP groups (``cp``: the fixed layout below, the wide samples above it)."""
     tree, par = step.tree, step.par
-    own = _place_wide(step, cls)
+    units = list(tree.leaf_of) if floor == 1 else [tree.dp_rank_node(r).index for r in range(par.dp)]
+    starts = np.asarray([tree.nodes[u].start for u in units], dtype=np.int64)
+    own = _place_wide(step, cls, floor)
     node_bins: Dict[int, Bins] = {}
     for v, samples in own.items():
         bins = step.pack(tree.nodes[v].size, samples)
         if bins is None:
             return []
         node_bins[v] = bins
-    # inherited slots and time per GPU (leaves own only the single-GPU samples)
+    # inherited slots and time per GPU, then per floor unit (every node above a unit covers all of it)
     inherited = np.zeros(tree.size, dtype=np.int64)
     pre = np.zeros(tree.size)
     for v, bins in node_bins.items():
         node = tree.nodes[v]
         inherited[node.start:node.stop] += len(bins)
         pre[node.start:node.stop] += float(step.bin_times(node.size, bins).sum())
-    singles = np.flatnonzero(cls == 1)
-    one = step.sizes[1]
+    inherited, pre = inherited[starts], pre[starts]
+    singles = np.flatnonzero(cls == floor)
+    one = step.sizes[floor]
     lo = max(1, int(inherited.max()))
     if singles.size:
         need_bins = best_fit_bin_count(one.aligned[singles], one.cap)
-        lo = max(lo, -(-(need_bins + int(inherited.sum())) // tree.size))
-    hi = (singles.size + int(inherited.sum())) // tree.size
+        lo = max(lo, -(-(need_bins + int(inherited.sum())) // len(units)))
+    hi = (singles.size + int(inherited.sum())) // len(units)
 
     def build(m: int) -> Optional[_Schedule]:
         if m < int(inherited.max()) or m > hi:
             return None
-        leaves = _deal_singles(step, singles, pre, m - inherited, rounds)
+        leaves = _deal_singles(step, singles, pre, m - inherited, rounds, floor)
         if leaves is None:
             return None
         bins = dict(node_bins)
-        for g in range(tree.size):
-            need = int(m - inherited[g])
+        for u, leaf in enumerate(units):
+            need = int(m - inherited[u])
             if need:
-                packed = step.pack(1, leaves[g], need)
+                packed = step.pack(floor, leaves[u], need)
                 if packed is None:
                     return None
-                bins[tree.leaf_of[g]] = packed
+                bins[leaf] = packed
         return _Schedule(step, name, bins)
 
     if forced is not None:
@@ -409,7 +414,7 @@ def _tree_schedule(step: _Step, name: str, cls: np.ndarray, forced: Optional[int
     if out and extra_counts and step.cm.overhead_s > 0:
         # more, smaller micro-batches shrink the 1F1B bubble: up to the count that balances it with overhead
         bubble = (par.pp - 1) / max(1, par.vpp)
-        mean = (float(pre.sum()) + float(one.tau[singles].sum())) / tree.size
+        mean = (float(pre.sum()) + float(one.tau[singles].sum())) / len(units)
         target = int(math.ceil(math.sqrt(bubble * max(mean, 1e-12) / step.cm.overhead_s)))
         top = min(hi, max(m, target))
         if top > m:
@@ -422,12 +427,13 @@ def _tree_schedule(step: _Step, name: str, cls: np.ndarray, forced: Optional[int
 
 
 def _deal_singles(step: _Step, singles: np.ndarray, pre: np.ndarray, need: np.ndarray,
-                  rounds: int) -> Optional[List[List[int]]]:
-    """Single-GPU samples over the GPUs: LPT (heaviest first, to the GPU with the least inherited + own time
-    that has token room), then counts fixed (every GPU needs ``need[g]`` samples, at most ``need[g] * cap``
-    tokens), then single moves/swaps between the slowest and fastest GPU while they help."""
+                  rounds: int, floor: int = 1) -> Optional[List[List[int]]]:
+    """Floor-size samples over the floor units (single GPUs, or DP ranks' CP groups): LPT (heaviest first, to
+    the unit with the least inherited + own time that has token room), then counts fixed (every unit needs
+    ``need[u]`` samples, at most ``need[u] * cap`` tokens), then single moves/swaps between the slowest and
+    fastest unit while they help."""
     pool = need.size
-    one = step.sizes[1]
+    one = step.sizes[floor]
     o = step.cm.overhead_s
     if (need < 0).any() or int(need.sum()) > singles.size:
         return None
@@ -570,23 +576,31 @@ def _plan_step(step: _Step, forced: Optional[int], rounds: int, cap_eff: int, al
         tau_min[sel] = step.sizes[int(s)].tau[sel]
     mean_load = float((step.s_min * tau_min).sum()) / step.tree.size
     seen = set()
-    for x in THRESHOLDS + (PIPELINE_THRESHOLDS if step.par.pp > 1 else ()):
-        cls = _widen(step, None if x is None else x * mean_load)
-        key = cls.tobytes()
-        if key in seen:
-            continue
-        seen.add(key)
-        cands += _tree_schedule(step, "tree-" + ("mem" if x is None else f"{x:g}"), cls, forced, rounds, extra)
+    floors = (1, step.par.cp) if step.par.cp > 1 else (1,)
+    for floor in floors:
+        for x in THRESHOLDS + (PIPELINE_THRESHOLDS if step.par.pp > 1 else ()):
+            cls = np.maximum(_widen(step, None if x is None else x * mean_load), floor)
+            key = (floor, cls.tobytes())
+            if key in seen or (floor > 1 and not (cls > floor).any()):  # (the fixed-CP plan covers that)
+                continue
+            seen.add(key)
+            name = ("tree-" if floor == 1 else f"cp{floor}-tree-") + ("mem" if x is None else f"{x:g}")
+            cands += _tree_schedule(step, name, cls, forced, rounds, extra, floor)
     root = _all_root(step, forced)
     if root is not None:
         cands.append(root)
     if not cands:
+        if forced is not None:
+            lb = _lower_bound(step, step.cm)[1]
+            raise DynBatchConfigError(
+                "num_microbatches", forced, f"no dynamic-CP schedule of these {step.n} samples over a pool of "
+                f"{step.tree.size} GPUs has exactly {forced} slots within the budget (at least {lb} are needed: "
+                f"tokens over pool x budget; and at most {step.n}, one sample per slot)",
+                "pass None to let the planner choose, or a larger count / --max-tokens-per-gpu")
         raise DynBatchConfigError(
-            "num_microbatches" if forced is not None else "len(lengths)",
-            forced if forced is not None else step.n,
-            f"no dynamic-CP schedule of these {step.n} samples over a pool of {step.tree.size} GPUs "
-            f"fits {'the forced count' if forced is not None else 'a valid micro-batch count'}",
-            "pass None for num_microbatches, more samples, or a larger --max-tokens-per-gpu")
+            "len(lengths)", step.n, f"no dynamic-CP schedule of these {step.n} samples over a pool of "
+            f"{step.tree.size} GPUs has a micro-batch count Megatron's interleaved schedule accepts",
+            "pass more samples, or lower vpp")
     for c in cands:
         if c is not fixed:
             c.arrange()
