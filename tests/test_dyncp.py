@@ -401,3 +401,13 @@ def test_dyncp_iterator_packs_each_group_and_counts_every_token_once():
             assert it.max_seq_length() % 2 == 0
     assert total_weight == pytest.approx(1.0)  # token_mean: the weights of every token of the batch sum to 1
     assert seen_tokens == sum(n - 1 for n in lengths)  # each loss token on exactly one GPU
+
+
+def test_dynamic_cp_plan_is_refused_by_the_ray_driver():
+    from megatron_dynbatch.integrations.ray.driver import plan_log_probs
+
+    lengths = [10, 20, 30, 40]
+    plan = plan_global_batch(lengths, parallel={"dp": 2}, max_tokens_per_gpu=64, dynamic_cp=True)
+    with pytest.raises(DynBatchConfigError) as err:
+        plan_log_probs(plan, lengths, max_tokens_per_gpu=64)
+    assert err.value.field == "dynamic_cp"

@@ -149,6 +149,7 @@ def plan_rollout(
 
     # ------------------------------------------------------------------ the two plans
     train_plan = plan_global_batch(lens, group_ids=gids, **kw)
+    _refuse_dynamic_cp(train_plan)
     lp_plan = None
     if log_probs:
         lp_plan = plan_log_probs(train_plan, lens, max_tokens_per_gpu=int(lp_budget), model=kw.get("model"),
@@ -182,6 +183,18 @@ def plan_rollout(
                        planning_time_s=time.perf_counter() - t0)
 
 
+def _refuse_dynamic_cp(plan: Plan) -> None:
+    """The Ray driver ships one shard per DP rank; a dynamic-CP plan places samples on pool GPUs (a sample on
+    a group spanning several DP ranks belongs to none of them), so it is refused with a clear message."""
+    from ...core.planner.dyncp_plan import DynamicCPPlan
+
+    if isinstance(plan, DynamicCPPlan):
+        raise DynBatchConfigError("dynamic_cp", True, "the Ray driver ships one shard per data-parallel rank, and a "
+                                  "dynamic-CP plan spreads samples over CP groups that span several DP ranks",
+                                  "plan with dynamic_cp=False here, or run dynamic CP through DynamicBatchIterator / "
+                                  "dynamic_forward_backward on every rank (docs/dynamic_cp.md)")
+
+
 def plan_log_probs(
     train_plan: Plan,
     lengths: Sequence[int],
@@ -206,6 +219,7 @@ def plan_log_probs(
     if not isinstance(train_plan, Plan):
         raise DynBatchConfigError("train_plan", type(train_plan).__name__, "must be a megatron_dynbatch.Plan",
                                   "pass the plan made by plan_global_batch for the same batch")
+    _refuse_dynamic_cp(train_plan)
     t0 = time.perf_counter()
     lens = np.asarray(lengths, dtype=np.int64)
     par = train_plan.parallel
