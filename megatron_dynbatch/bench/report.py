@@ -140,18 +140,24 @@ def dyncp_verdicts(result: BenchResult, variant: str = "dynbatch-dyncp", fixed: 
             lines.append(f"{w}: {variant} FAILED")
             continue
 
-        def worst(name: str) -> str:
+        def speedup(name: str) -> str:
             other = {r.seed: r for r in rows if r.algorithm == name and r.ok}
             ratios = [other[s].step_time_s / mine[s].step_time_s for s in mine if s in other]
-            return f"{min(ratios):.3f}x" if ratios else "n/a"
+            if not ratios:
+                return "n/a"
+            return f"{min(ratios):.3f}x" if len(ratios) == 1 else f"{min(ratios):.3f}x-{max(ratios):.3f}x"
 
-        behind = sorted({r.algorithm for r in rows if r.ok and r.algorithm != variant and r.seed in mine
-                         and r.step_time_s < mine[r.seed].step_time_s * (1 - 1e-9)})
+        behind: dict = {}
+        for r in rows:
+            if r.ok and r.algorithm != variant and r.seed in mine and \
+                    r.step_time_s < mine[r.seed].step_time_s * (1 - 1e-9):
+                behind[r.algorithm] = behind.get(r.algorithm, 0) + r.cap_violations
         viol = sum(r.cap_violations for r in mine.values())
-        lines.append(f"{w}: {variant} vs fixed CP ({fixed}) {worst(fixed)}, vs {upstream} {worst(upstream)} "
-                     f"(worst of {len(mine)} seed(s)); "
-                     + ("ahead of every algorithm" if not behind else "BEHIND " + ", ".join(behind))
-                     + f"; {viol} micro-batches over the budget")
+        lines.append(f"{w}: {variant} {speedup(fixed)} faster than fixed CP ({fixed}), {speedup(upstream)} than "
+                     f"{upstream} (range over {len(mine)} seed(s)); "
+                     + ("ahead of every algorithm" if not behind else "BEHIND " + ", ".join(
+                         f"{a} ({v} micro-batches over the budget)" for a, v in sorted(behind.items())))
+                     + f"; {viol} of its micro-batches over the budget")
     return lines
 
 
