@@ -221,21 +221,21 @@ def _builtin() -> List[Workload]:
             "long documents, ONE micro-batch per rank: Llama-3.1-8B, real document lengths (<= 32k) filling "
             "85% of tp=2 dp=8 x 32k, pool of 8 GPUs",
             "llama-3.1-8b", P(dp=8, tp=2), 32768,
-            lambda rng: documents_by_tokens(rng, int(0.85 * 8 * 32768), 32768, 8), dynamic_cp=True,
+            lambda rng: documents_by_tokens(rng, int(0.85 * 8 * 32768), 32768, 8), dynamic_cp=True, default=False,
         ),
         Workload(
             "dyncp-longdoc-8b-4mb",
             "long documents, ~4 micro-batches per rank: Llama-3.1-8B, real document lengths (<= 32k), tp=2 dp=8 "
             "x 32k, pool of 8 GPUs",
             "llama-3.1-8b", P(dp=8, tp=2), 32768,
-            lambda rng: documents_by_tokens(rng, int(3.4 * 8 * 32768), 32768, 8), dynamic_cp=True,
+            lambda rng: documents_by_tokens(rng, int(3.4 * 8 * 32768), 32768, 8), dynamic_cp=True, default=False,
         ),
         Workload(
             "dyncp-longctx-70b-cp4-pp4",
             "long-context SFT with PP: Llama-3.1-70B, 1,024 real documents truncated to 64k, tp=8 cp=4 pp=4 dp=4 "
             "(pool of 16 GPUs per stage; the same batch as sft-longctx-70b-cp4-pp4)",
             "llama-3.1-70b", P(dp=4, tp=8, cp=4, pp=4), 16384,
-            lambda rng: document_sample(rng, 1024, max_len=65536), dynamic_cp=True,
+            lambda rng: document_sample(rng, 1024, max_len=65536), dynamic_cp=True, default=False,
         ),
         Workload(
             "dyncp-longcot-64k-8b",
@@ -243,7 +243,7 @@ def _builtin() -> List[Workload]:
             "truncated), tp=2 cp=4 dp=4 (pool of 16), 20k per GPU",
             "qwen3-8b", P(dp=4, tp=2, cp=4), 20480,
             lambda rng: grpo_lengths(rng, prompts=16, group=8, max_response=65536, median_response=20000,
-                                     sigma=0.6), dynamic_cp=True,
+                                     sigma=0.6), dynamic_cp=True, default=False,
         ),
         Workload(
             "dyncp-longcot-64k-32b-pp4",
@@ -251,7 +251,7 @@ def _builtin() -> List[Workload]:
             "dp=4 (pool of 8 per stage), 40k per GPU",
             "qwen3-32b", P(dp=4, tp=4, cp=2, pp=4), 40960,
             lambda rng: grpo_lengths(rng, prompts=8, group=8, max_response=65536, median_response=20000,
-                                     sigma=0.6), dynamic_cp=True,
+                                     sigma=0.6), dynamic_cp=True, default=False,
         ),
         Workload(
             "smoke",

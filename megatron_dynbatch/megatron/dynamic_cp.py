@@ -11,6 +11,9 @@ with ``hybrid_context_parallel=True``, its aligned power-of-two groups (``create
 tree's nodes of those sizes and are reused; single GPUs and non-power-of-two nodes (layouts with ``dp`` or
 ``cp`` not a power of two) get groups of ours -- megatron-core has none of those.
 
+On GPU, Transformer Engine's attention switches groups on a CUDA stream megatron-core creates only for models
+built with ``context_parallel_size > 1``; :func:`setup_dynamic_cp_groups` creates it for ``cp == 1`` layouts.
+
 **The micro-batch's group reaches the model** through ``PackedSeqParams.cp_group`` and ``local_cp_size``
 (:class:`~megatron_dynbatch.megatron.packing.PackedMicroBatch` sets them), which Transformer Engine's attention
 (``TEDotProductAttention``) and this package's CPU attention (``ThdDotProductAttention``) honour per call.
@@ -113,7 +116,24 @@ def setup_dynamic_cp_groups() -> DynamicCPGroups:
             if me in ranks:
                 groups[key] = g
     _GROUPS = DynamicCPGroups(dp, cp, mine, groups, mine.index(me), tuple(sorted(set(reused))))
+    _te_cp_stream()
     return _GROUPS
+
+
+def _te_cp_stream() -> None:
+    """Transformer Engine's attention switches to a micro-batch's CP group with megatron-core's shared
+    ``TEDotProductAttention.cp_stream``, which megatron-core only creates for models built with
+    ``context_parallel_size > 1``; create it for a ``cp == 1`` layout too (GPU with TE only; a no-op here)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    except ImportError:  # pragma: no cover - no Transformer Engine
+        return
+    if getattr(TEDotProductAttention, "cp_stream", None) is None:  # pragma: no cover - GPU only
+        TEDotProductAttention.cp_stream = torch.cuda.Stream()
 
 
 def get_dynamic_cp_groups() -> DynamicCPGroups:
