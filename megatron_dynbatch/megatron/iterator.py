@@ -329,10 +329,16 @@ class DynamicBatchIterator:
         self.uniform_length = (bool(par.pp == 2 and par.vpp > 1) if uniform_length is None else
                                bool(uniform_length)) and not self.dynamic_cp
         self.cp_groups = cp_groups
-        if self.dynamic_cp and cp_groups is None and ps is not None:
+        if self.dynamic_cp and cp_groups is None and ps is not None and \
+                (ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()) == (par.dp, par.cp):
             from .dynamic_cp import get_dynamic_cp_groups
 
             self.cp_groups = get_dynamic_cp_groups()
+        if self.dynamic_cp and self.cp_groups is not None and \
+                (self.cp_groups.dp, self.cp_groups.cp) != (par.dp, par.cp):
+            raise DynBatchConfigError("cp_groups", f"dp={self.cp_groups.dp}, cp={self.cp_groups.cp}",
+                                      f"the plan's pool is dp={par.dp} x cp={par.cp}",
+                                      "plan with the running layout (the groups come from parallel_state)")
         self._index_of = {tuple(mb): j for j, mb in enumerate(plan.micro_batches[self.row])}
         self._offsets = np.concatenate([[0], np.cumsum(plan.microbatches_per_step)]).astype(int).tolist()
         self._mask_sums, self._mask_counts = loss_mask_stats(samples) if mask_stats is None else mask_stats
