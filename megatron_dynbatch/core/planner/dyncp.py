@@ -485,14 +485,9 @@ def _fix_counts(leaves, need, used, cap, aligned, tau, load) -> bool:
             if best is None:
                 return False
             _, d, i = best
-            leaves[d].remove(i)
-            leaves[g].append(i)
+            _move(leaves, used, load, aligned, tau, i, d, g)
             cnt[d] -= 1
             cnt[g] += 1
-            used[d] -= aligned[i]
-            used[g] += aligned[i]
-            load[d] -= tau[i]
-            load[g] += tau[i]
     return True
 
 
@@ -531,19 +526,19 @@ def _refine(leaves, need, used, cap, aligned, tau, load, rounds: int) -> None:
         if best is None or best[0] >= gap / 2:
             return
         _, x, y = best
-        leaves[a].remove(x)
-        leaves[b].append(x)
-        used[a] -= aligned[x]
-        used[b] += aligned[x]
-        load[a] -= tau[x]
-        load[b] += tau[x]
+        _move(leaves, used, load, aligned, tau, x, a, b)
         if y is not None:
-            leaves[b].remove(y)
-            leaves[a].append(y)
-            used[b] -= aligned[y]
-            used[a] += aligned[y]
-            load[b] -= tau[y]
-            load[a] += tau[y]
+            _move(leaves, used, load, aligned, tau, y, b, a)
+
+
+def _move(leaves, used, load, aligned, tau, i: int, src: int, dst: int) -> None:
+    """Sample ``i`` from unit ``src`` to unit ``dst``, with the units' token and time totals."""
+    leaves[src].remove(i)
+    leaves[dst].append(i)
+    used[src] -= aligned[i]
+    used[dst] += aligned[i]
+    load[src] -= tau[i]
+    load[dst] += tau[i]
 
 
 def _all_root(step: _Step, forced: Optional[int]) -> Optional[_Schedule]:
