@@ -233,6 +233,9 @@ def test_dynamic_cp_oversize_policies():
     ({"num_microbatches": 0}, "num_microbatches"),
     ({"max_tokens_per_gpu": 0}, "--max-tokens-per-gpu"),
     ({"refine_rounds": -1}, "refine_rounds"),
+    ({"equal_samples_per_rank": True}, "equal_samples_per_rank"),
+    ({"min_num_microbatches": 2}, "min_num_microbatches"),
+    ({"microbatch_group_ids": [0, 0, 1, 2]}, "microbatch_group_ids"),
 ])
 def test_dynamic_cp_hostile_arguments_name_the_field(kwargs, field):
     base = dict(parallel={"dp": 2}, max_tokens_per_gpu=64, dynamic_cp=True)

@@ -68,12 +68,13 @@ from ..parallel import ParallelConfig
 from .api import rank_times_of
 from .dyncp_plan import DynamicCPPlan
 from .plan import Plan
-from .inputs import check_budget, check_lengths, check_oversize_policy, resolve_costs, sample_flops, steps_and_units
+from .inputs import check_budget, check_lengths, check_oversize_policy, resolve_costs, sample_flops
 from .ordering import PATTERNS, arrangement, mb_sums
 from .packer import StepInput, best_fit_bin_count, pack_rank
 from .pool import PoolTree, pool_tree
 from .pool_sim import simulate_pool
 from .search import plan_step
+from .steps import _step_of_sample
 from .vpp import check_forced_count, next_valid_microbatch_count
 
 #: widening thresholds of the tree candidates, as multiples of the mean per-GPU load (None: memory only) ...
@@ -270,7 +271,7 @@ def _fixed_cp(step: _Step, forced: Optional[int], rounds: int, cap_eff: int,
     inp = StepInput(aligned=aligned, weight=step.cm.work(aligned, step.sq), oversize=np.zeros(step.n, dtype=bool),
                     units=None, cap=cap_eff)
     try:
-        bins, _ = plan_step(inp, par, step.cm, step.lens, forced, rounds, align, step.budget)
+        bins, _ = plan_step(inp, par, step.cm, step.sq, forced, rounds, align, step.budget)
     except DynBatchConfigError:
         return None
     if par.cp not in step.sizes or any(len(r) != len(bins[0]) for r in bins):  # pragma: no cover
@@ -652,7 +653,8 @@ def plan_dynamic_cp(
     fixed_time = 0.0
     lb_time, lb_count = 0.0, 0
     chosen = []
-    for step_samples, _ in steps_and_units(lens.size, None, samples_per_step, 1):
+    step_of, n_steps = _step_of_sample(int(lens.size), samples_per_step, None, None)
+    for step_samples in (np.flatnonzero(step_of == k) for k in range(n_steps)):
         st = _Step(lens[step_samples], tree, cm, par, budget, tile, over[step_samples])
         best, fixed = _plan_step(st, num_microbatches, rounds, cap_eff, align)
         chosen.append(best.name)
