@@ -5,8 +5,10 @@ the same way everywhere.
   returned as a Python ``int``; ``bool`` (a subclass of ``int``) and ``np.bool_`` are refused, and so are floats,
   even integral ones (a float token count or rank count is almost always a bug upstream);
 * booleans: ``bool`` and ``np.bool_`` only -- never a string (``"no"`` is truthy) or ``0``/``1``;
-* magnitudes: token counts and budgets above :data:`MAX_TOKENS` are refused with a message, so no arithmetic
-  downstream can overflow an int64 (a budget of ``2**62`` times ``cp=4`` would).
+* magnitudes: every integer :func:`as_int` accepts is at most :data:`MAX_TOKENS` unless the caller names a
+  smaller maximum -- token counts, budgets, counts, multiples alike -- so no arithmetic downstream can overflow an
+  int64 (a budget of ``2**62`` times ``cp=4`` would, and so would ``2**63`` in a NumPy array). A ceiling by
+  default, not per call site: a new knob cannot forget it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def is_bool(value: Any) -> bool:
 
 def as_int(value: Any, field: str, *, minimum: Optional[int] = None, maximum: Optional[int] = None,
            fix: str = "") -> int:
-    """``value`` as a Python int, or a ``DynBatchConfigError`` naming ``field``, the value and ``fix``."""
+    """``value`` as a Python int, or a ``DynBatchConfigError`` naming ``field``, the value and ``fix``.
+    ``maximum`` defaults to :data:`MAX_TOKENS` (see the module docstring)."""
+    if maximum is None:
+        maximum = MAX_TOKENS
     if not is_int(value):
         bound = f" >= {minimum}" if minimum is not None else ""
         raise DynBatchConfigError(field, value, f"must be an integer{bound}",

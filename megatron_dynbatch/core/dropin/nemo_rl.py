@@ -78,8 +78,9 @@ class DynBatchSequencePacker:
 
     def pack(self, sequence_lengths: Sequence[int]) -> List[List[int]]:
         """Bins of indices into ``sequence_lengths`` (interleaved by rank; see the module docstring)."""
-        if isinstance(sequence_lengths, (list, tuple, range, np.ndarray)) and len(sequence_lengths) == 0:
-            return []  # NeMo-RL: no sequences, no bins
+        if isinstance(sequence_lengths, (list, tuple, range)) and len(sequence_lengths) == 0 or \
+                isinstance(sequence_lengths, np.ndarray) and sequence_lengths.ndim == 1 and sequence_lengths.size == 0:
+            return []  # NeMo-RL: no sequences, no bins (anything else, 0-d arrays included, goes to check_lengths)
         lens = check_lengths(sequence_lengths)
         if int(lens.max()) > self.bin_capacity:
             i = int(np.argmax(lens))
