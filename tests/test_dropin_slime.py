@@ -16,8 +16,32 @@ from megatron_dynbatch import DynBatchConfigError, OversizeSampleError, Oversize
 from megatron_dynbatch.core.alignment import Alignment
 from megatron_dynbatch.core.parallel import ParallelConfig
 from megatron_dynbatch.core.planner.vpp import is_valid_microbatch_count
+from megatron_dynbatch.core.dropin.slime import slime_parallel
 from megatron_dynbatch.integrations.slime import build_dp_schedule, check_budget
+from megatron_dynbatch.testing.exact import bins_feasible
 from megatron_dynbatch.testing.peer_types import slime_args
+
+
+def align_for(tp, cp, pad_mult):
+    """The alignment slime's padding gives (``tp * data_pad_size_multiplier`` per CP rank's share)."""
+    return Alignment.for_layout(ParallelConfig(tp=tp, cp=cp), None, None, tp * pad_mult)
+
+
+def _some_step_cannot_pack(lengths, rids, gbs, steps, cap, align, par):
+    """Exactly: some kept optimizer step has no valid per-rank count that packs (over-budget samples alone, no
+    micro-batch empty, the same count on every rank). ``None`` answers (undecided) count as packing."""
+    order = list(dict.fromkeys(rids))
+    cap_eff = align.effective_cap(cap)
+    for s in range(steps):
+        members = set(order[s * gbs:(s + 1) * gbs])
+        slots = align.seq_len(np.asarray([lengths[i] for i, r in enumerate(rids) if r in members]))
+        over = int((slots > cap_eff).sum())
+        normal = slots[slots <= cap_eff].tolist()
+        counts = [m for m in range(1, slots.size // par.dp + 1) if is_valid_microbatch_count(m, par)]
+        if not any(bins_feasible(normal, par.dp * m - over, cap_eff) is not False for m in counts
+                   if par.dp * m > over):
+            return True
+    return False
 
 
 def tpc(dp=1, cp=1, vpp=1, n=1):
@@ -176,6 +200,11 @@ def test_contract_and_cap_on_random_rollouts(dp, cp, tp, vpp_n, per_rollout, ste
         try:
             res = build_dp_schedule(args, tpc(dp, cp, vpp, n), lengths, global_batch_size=gbs, rollout_indices=rids)
         except DynBatchConfigError as err:
+            if "no packing of the" in str(err):  # a refused count must really not pack: check it exactly
+                assert _some_step_cannot_pack(lengths, rids, gbs, steps, budget * cp, align_for(tp, cp, pad_mult),
+                                              slime_parallel(dp, cp, vpp, n, tp=tp)), str(err)
+                event("proved infeasible")
+                return
             assert "without leaving one empty" in str(err) or "smaller than one aligned" in str(err), str(err)
             event("explained error")
             return
@@ -183,7 +212,7 @@ def test_contract_and_cap_on_random_rollouts(dp, cp, tp, vpp_n, per_rollout, ste
     order = list(dict.fromkeys(rids))
     kept_rollouts = set(order[:steps * gbs])
     kept = [i for i, r in enumerate(rids) if r in kept_rollouts]
-    align = Alignment.for_layout(ParallelConfig(tp=tp, cp=cp), None, None, tp * pad_mult)
+    align = align_for(tp, cp, pad_mult)
     slot = align.seq_len(np.asarray(lengths))
     over = {i for i in kept if slot[i] > align.effective_cap(budget * cp)}
     check_contract(res, dp=dp, kept=kept, lengths=lengths, cap=budget * cp, align=align, oversize=over)

@@ -387,6 +387,44 @@ def test_forced_count_above_a_packing_one_is_never_refused():
         assert plan.num_microbatches == m
 
 
+#: one optimizer step of a slime rollout (31 samples, two over the 512-token budget, placed alone): Megatron's
+#: VPP rule (pp=3, N=3) leaves M=3 as the only count <= 31 // 6, i.e. 16 micro-batches for 29 samples at 94.6%
+#: fill. Best fit needs 17; a packing into 16 exists, and the planner must find it rather than refuse the batch.
+TIGHT_STEP = [585, 581, 510, 499, 474, 447, 446, 429, 422, 422, 376, 343, 283, 275, 266, 258, 255, 246, 236, 186,
+              185, 164, 154, 154, 153, 147, 114, 106, 77, 70, 49]
+
+
+def test_tight_count_forced_by_vpp_is_packed_not_refused():
+    layout = {"dp": 6, "pp": 3, "vpp": 2, "microbatch_group_size_per_vp_stage": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        plan = plan_global_batch(TIGHT_STEP, parallel=layout, max_tokens_per_gpu=512, balance_by_flops=False,
+                                 oversize="alone")
+    check_invariants(plan, TIGHT_STEP, layout)
+    assert plan.num_microbatches == 3
+
+
+@SETTINGS
+@given(st.integers(2, 8), st.sampled_from([256, 512, 1000, 4096]), st.integers(0, 2 ** 31 - 1))
+def test_a_count_that_packs_is_never_refused(dp, cap, seed):
+    """Steps built with a known packing into ``dp * 3`` micro-batches (each cut into 1-3 samples, 90-100% full),
+    where Megatron's VPP rule (pp=3, N=3) leaves M=3 as the only count: the planner must find a packing. (Best fit
+    alone misses some of these; before the bin search the planner refused them.)"""
+    rng = np.random.default_rng(seed)
+    lengths: list = []
+    for _ in range(dp * 3):
+        fill = int(cap * rng.uniform(0.9, 1.0))
+        pieces = min(int(rng.integers(1, 4)), fill)
+        cuts = np.sort(rng.choice(np.arange(1, fill), size=pieces - 1, replace=False)) if pieces > 1 else []
+        lengths += np.diff(np.concatenate(([0], cuts, [fill]))).astype(int).tolist()
+    rng.shuffle(lengths)
+    assume(len(lengths) < 6 * dp)  # M=6 would also be valid: splitting could hide a refused M=3
+    layout = {"dp": dp, "pp": 3, "vpp": 2, "microbatch_group_size_per_vp_stage": 3}
+    plan = plan_global_batch(lengths, parallel=layout, max_tokens_per_gpu=cap, balance_by_flops=False)
+    check_invariants(plan, lengths, layout)
+    assert plan.num_microbatches == 3
+
+
 def test_counts_per_step_can_differ_when_forced():
     lengths = [100] * 8 + [900] * 8
     plan = plan_global_batch(lengths, parallel={"dp": 2}, max_tokens_per_gpu=1000, balance_by_flops=False,

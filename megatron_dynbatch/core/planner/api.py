@@ -46,6 +46,7 @@ from ..cost_model import CostModel
 from ..checks import as_bool
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from .fallback import SearchBudget
 from .inputs import BALANCE_MODES, OVERSIZE_POLICIES, check_budget, check_lengths, resolve_costs, sample_flops
 from .ordering import mb_sums
 from .plan import Plan
@@ -157,9 +158,11 @@ def plan_global_batch(
     per_step: List[int] = []
     lb_time = 0.0
     lb_count = 0
+    search = SearchBudget()  # one bin-search budget for the whole batch (see planner/fallback.py)
     for s, step in enumerate(prep.steps):
         forced = None if prep.forced is None else prep.forced[s]
-        bins, lb_m = plan_step(step.inp, par, cm, step.sq, forced, prep.rounds, align, prep.budget, prep.rule)
+        bins, lb_m = plan_step(step.inp, par, cm, step.sq, forced, prep.rounds, align, prep.budget, prep.rule,
+                               search)
         per_step.append(len(bins[0]))
         for r, rank in enumerate(prep.step_samples(step, bins)):
             micro_batches[r].extend(rank)

@@ -9,7 +9,13 @@ rank). Before the planner declares a count infeasible, it tries, in order:
    groups, any ``dp * M`` non-empty bins make a valid plan;
 2. **units by best fit** (groups): groups in decreasing tokens, each onto the rank with the most room whose
    ``M`` micro-batches take all its samples (best fit inside the rank); bounded work;
-3. **exact search** for small steps (at most :data:`EXACT_MAX_SAMPLES` samples): depth-first over
+3. **bin search** (no groups; only when the count search would otherwise refuse the batch or a forced count):
+   when best fit needs more than ``dp * M`` bins but the Martello-Toth bound (:func:`.bounds.min_bins`) says
+   ``dp * M`` might do, a depth-first bin packing (best fit first, bins of equal load tried once, dead room
+   pruned) within :data:`BIN_SEARCH_WORK`; its bins are dealt ``M`` per rank by size tier. A count that
+   Megatron's VPP rule forces (``M = N``, say) is then refused only when no packing was found, not whenever
+   best fit misses one;
+4. **exact search** for small steps (at most :data:`EXACT_MAX_SAMPLES` samples): depth-first over
    (rank, micro-batch) slots with symmetry breaking and a node budget, so the answer for a small case is
    right, not heuristic.
 
@@ -20,11 +26,13 @@ samples. Deterministic: ties break on indices.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional
 
 import numpy as np
 
-from .packer import StepInput
+from .bounds import min_bins
+from .packer import StepInput, _fill_empty_bins, deal_by_tier
 
 #: largest step solved exactly
 EXACT_MAX_SAMPLES = 14
@@ -32,19 +40,40 @@ EXACT_MAX_SAMPLES = 14
 EXACT_NODE_BUDGET = 200_000
 #: (units x ranks x micro-batches) the unit best-fit may touch
 UNIT_FIT_BUDGET = 4_000_000
+#: bins the bin search may examine for one count (nodes x bins), and in all for one ``plan_global_batch``
+#: call (every step and count together): bounded time on every input, ~0.1 s and ~0.9 s on one core
+BIN_SEARCH_WORK = 100_000
+PLAN_SEARCH_WORK = 800_000
+
+
+@dataclass
+class SearchBudget:
+    """Work the bin search may still spend, shared by every step and count of one plan (deterministic: counted
+    in examined bins, not seconds)."""
+
+    left: int = PLAN_SEARCH_WORK
+
+    def take(self) -> int:
+        return min(BIN_SEARCH_WORK, self.left)
 
 Bins = List[List[List[int]]]
 
 
-def feasible_packing(inp: StepInput, dp: int, m: int, global_bins: Optional[Bins] = None) -> Optional[Bins]:
+def feasible_packing(inp: StepInput, dp: int, m: int, global_bins: Optional[Bins] = None,
+                     search: Optional[SearchBudget] = None) -> Optional[Bins]:
     """A valid packing of the step into ``dp`` ranks of ``m`` micro-batches, or ``None`` if none was found.
 
     ``global_bins``: the global-bins packing of this count when the caller already has it (the count search
     caches it, and skips it where best fit cannot fill ``dp * m`` bins); with ``dp == 1`` it is the balancing
-    packer's own attempt, so it is not repeated."""
+    packer's own attempt, so it is not repeated. ``search``: also run the bounded bin search from this budget
+    (the count search asks for it only before it would refuse the batch: elsewhere a missed count costs one more
+    micro-batch, while the search's budget, spent on every count of every step, would cost seconds)."""
     if inp.singletons and not inp.equal_samples:
         if global_bins is not None and dp > 1:
             return global_bins
+        found = search_bins(inp, dp * m, search) if search is not None else None
+        if found is not None:
+            return deal_by_tier(found, inp, dp, m)
     else:
         found = _units_best_fit(inp, dp, m)
         if found is not None:
@@ -52,6 +81,86 @@ def feasible_packing(inp: StepInput, dp: int, m: int, global_bins: Optional[Bins
     if inp.aligned.size <= EXACT_MAX_SAMPLES:
         return _exact(inp, dp, m)
     return None
+
+
+def search_bins(inp: StepInput, k: int, budget: Optional[SearchBudget] = None) -> Optional[List[List[int]]]:
+    """Exactly ``k`` non-empty bins of an ungrouped step within the cap (over-budget samples alone), found by a
+    depth-first search, or ``None`` (none exists, or none was found within the budget's share for one count;
+    what the search spends is taken from ``budget``).
+
+    Items in decreasing size; each goes, best fit first, into a bin whose load no earlier candidate of that
+    item had (bins of equal load are interchangeable); a branch dies when the room left in bins that cannot
+    take even the smallest item leaves too little for the items still to place. Skipped outright when the
+    Martello-Toth bound needs more than ``k`` bins or one greedy dive alone would exceed its share. Iterative,
+    so deep steps do not hit Python's recursion limit."""
+    budget = SearchBudget() if budget is None else budget
+    work = budget.take()
+    over = np.flatnonzero(inp.oversize)
+    normal = np.flatnonzero(~inp.oversize)
+    kk = k - over.size
+    if kk <= 0 or normal.size < kk or normal.size * kk > work:
+        return None
+    order = normal[np.lexsort((normal, -inp.aligned[normal]))]
+    size = inp.aligned[order].tolist()
+    cap, n = int(inp.cap), len(size)
+    if min_bins(inp.aligned[normal], cap) > kk:
+        return None
+    left = np.concatenate((np.cumsum(size[::-1])[::-1], [0])).tolist()  # left[p]: sizes of items p..n-1
+    spent = [0]
+    try:
+        choice = _dive(size, left, cap, kk, work, spent)
+    finally:
+        budget.left -= spent[0]
+    if choice is None:
+        return None
+    bins: List[List[int]] = [[int(i)] for i in over] + [[] for _ in range(kk)]
+    for p, b in enumerate(choice):
+        bins[over.size + b].append(int(order[p]))
+    return bins if _fill_empty_bins(bins) else None
+
+
+def _dive(size: List[int], left: List[int], cap: int, k: int, work: int, spent: List[int]) -> Optional[List[int]]:
+    """The depth-first search of :func:`search_bins` over items of ``size`` (decreasing) into ``k`` bins: the
+    bin of every item, or ``None``. ``spent[0]`` counts bins examined (``k`` per candidate list built and per
+    placement tried), and the search stops once it would pass ``work``."""
+    n, smallest = len(size), size[-1]
+    loads = [0] * k
+    choice = [-1] * n
+    cands: List[Optional[List[int]]] = [None] * n
+    ptr = [0] * n
+    pos = 0
+    while pos < n:
+        if cands[pos] is None:
+            need, seen, lst = size[pos], set(), []
+            for b in sorted(range(k), key=loads.__getitem__, reverse=True):
+                load = loads[b]
+                if load + need <= cap and load not in seen:
+                    seen.add(load)
+                    lst.append(b)
+            cands[pos], ptr[pos] = lst, 0
+        if choice[pos] >= 0:  # coming back: undo this item's last placement
+            loads[choice[pos]] -= size[pos]
+            choice[pos] = -1
+        lst = cands[pos]
+        while ptr[pos] < len(lst):
+            spent[0] += k
+            if spent[0] > work:
+                return None
+            b = lst[ptr[pos]]
+            ptr[pos] += 1
+            loads[b] += size[pos]
+            if sum(cap - load for load in loads if cap - load >= smallest) >= left[pos + 1]:
+                choice[pos] = b
+                break
+            loads[b] -= size[pos]
+        if choice[pos] >= 0:
+            pos += 1
+            continue
+        cands[pos] = None
+        pos -= 1
+        if pos < 0:
+            return None
+    return choice
 
 
 def _units_best_fit(inp: StepInput, dp: int, m: int) -> Optional[Bins]:

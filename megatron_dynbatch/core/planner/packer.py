@@ -528,8 +528,12 @@ def plan_global_bins(inp: StepInput, dp: int, m: int) -> Optional[List[List[List
     them out by size tier, so the ``j``-th micro-batches of all ranks are alike (each rank gets one bin of
     every tier of ``dp`` bins). Only for ungrouped samples."""
     bins = pack_rank(np.arange(inp.aligned.size), inp, dp * m)
-    if bins is None:
-        return None
+    return None if bins is None else deal_by_tier(bins, inp, dp, m)
+
+
+def deal_by_tier(bins: List[List[int]], inp: StepInput, dp: int, m: int) -> List[List[List[int]]]:
+    """``dp * m`` non-empty bins of an ungrouped step -> ``m`` per rank: bins by decreasing weight in tiers of
+    ``dp``, each rank one bin of every tier (any such dealing is a valid plan; this one evens the ranks)."""
     loads = np.array([inp.weight[b].sum() for b in bins])
     order = np.lexsort((np.arange(loads.size), -loads))
     out: List[List[List[int]]] = [[] for _ in range(dp)]

@@ -28,7 +28,7 @@ from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .bounds import min_bins
-from .fallback import feasible_packing
+from .fallback import SearchBudget, feasible_packing
 from .ordering import order_and_time, polish_pipeline
 from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins, split_bins
 from .counts import CountRule
@@ -45,13 +45,15 @@ FINAL_POLISH_OPS = 8_000_000
 CANDIDATE_SAMPLES = 131_072
 #: relative tolerance of the count bisection (exact below 256 micro-batches per rank)
 COUNT_RTOL = 1 / 256
+#: counts the bounded bin search tries before a batch is refused (each within ``fallback.BIN_SEARCH_WORK``)
+RESCUE_COUNTS = 4
 
 
 class _Counts:
     """Packs and scores counts for one step; remembers every count it tried."""
 
     def __init__(self, inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, rounds: int,
-                 align: Alignment, rule: Optional[CountRule] = None) -> None:
+                 align: Alignment, rule: Optional[CountRule] = None, search: Optional[SearchBudget] = None) -> None:
         self.inp, self.par, self.cm, self.sq, self.rounds, self.align = inp, par, cm, sq, rounds, align
         self.rule = rule or CountRule(par)
         # Moving single samples between ranks (polish) or dealing global bins would change a rank's sample
@@ -63,6 +65,10 @@ class _Counts:
         self._bfd_bins: Optional[int] = None
         self._global: Dict[int, Optional[list]] = {}
         self.polished: Dict[int, Tuple[list, int]] = {}  # count -> (polished bins before ordering, evaluations)
+        #: rescue mode: also run the bounded bin search (:func:`.fallback.search_bins`); set only once no count
+        #: packed without it, so it never costs time on a batch that plans anyway
+        self.deep = False
+        self.search = search if search is not None else SearchBudget()
 
     def global_bins(self, m: int) -> Optional[list]:
         """Without groups: ``dp * m`` bins packed over the whole step and dealt by size tier
@@ -86,7 +92,7 @@ class _Counts:
         return self.rule.next(-(-self._bfd_bins // self.par.dp))
 
     def evaluate(self, m: int, polish_evals: int = POLISH_EVALS) -> Optional[Result]:
-        key = (m, polish_evals)
+        key = (m, polish_evals, self.deep)
         if key not in self.cache:
             self.cache[key] = self._evaluate(m, polish_evals)
         return self.cache[key]
@@ -102,7 +108,8 @@ class _Counts:
         else:
             bins, done = plan_for_count(inp, dp, m, self.rounds), 0
             if bins is None:
-                bins = feasible_packing(inp, dp, m, global_bins=self.global_bins(m))
+                bins = feasible_packing(inp, dp, m, global_bins=self.global_bins(m),
+                                       search=self.search if self.deep else None)
         if bins is not None and self.pipeline_polish:
             done = polish_pipeline(bins, inp.aligned, self.sq, inp.oversize, inp.cap, self.cm, self.align,
                                    max_evals=polish_evals, max_ops=FINAL_POLISH_OPS if final else POLISH_OPS,
@@ -148,14 +155,15 @@ def _largest_group_bins(inp: StepInput) -> int:
 
 
 def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, forced: Optional[int],
-              rounds: int, align: Alignment, max_tokens_per_gpu: int, rule: Optional[CountRule] = None):
+              rounds: int, align: Alignment, max_tokens_per_gpu: int, rule: Optional[CountRule] = None,
+              search: Optional[SearchBudget] = None):
     """``(bins, lower-bound count)`` for one optimizer step (``bins[r][j]``: local item indices; ``sq``: each
-    item's sum of squared real lengths)."""
+    item's sum of squared real lengths; ``search``: the bin-search budget shared by every step of one plan)."""
     dp = par.dp
     n = inp.aligned.size
     lb_m = lower_bound_count(inp, dp)
     m_max = _max_count(inp, dp)
-    counts = _Counts(inp, par, cm, sq, rounds, align, rule)
+    counts = _Counts(inp, par, cm, sq, rounds, align, rule, search)
 
     if forced is not None:
         if forced > m_max:
@@ -163,6 +171,9 @@ def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray
                                       f"needs {forced} samples on every rank but the step has only {n} "
                                       f"samples for dp={dp}", f"use at most {m_max}")
         best = counts.evaluate(forced)
+        if best is None:
+            counts.deep = True
+            best = counts.evaluate(forced)
         if best is None:
             bins = _split_to_count(counts, forced, lb_m, m_max)
             if bins is None:
@@ -204,8 +215,25 @@ def _first_count(counts: _Counts, lb_m: int, m_max: int, max_tokens_per_gpu: int
         raise _too_few_samples(par, n, m, m_max, max_tokens_per_gpu, why=why)
     chosen = _first_feasible(counts, m, m_max)
     if chosen is None:
+        chosen = _rescue_count(counts, m, m_max)
+    if chosen is None:
         raise _too_few_samples(par, n, m, m_max, max_tokens_per_gpu, packed=False)
     return chosen
+
+
+def _rescue_count(counts: _Counts, lo: int, hi_limit: int) -> Optional[int]:
+    """The last resort before refusing a batch: no valid count in ``[lo, hi_limit]`` packed with the heuristic
+    packers (e.g. Megatron's VPP rule leaves one tight count). Try the largest valid counts -- the most room --
+    with the bounded bin search, at most :data:`RESCUE_COUNTS` of them."""
+    counts.deep = True
+    cand = counts.rule.previous(hi_limit)
+    for _ in range(RESCUE_COUNTS):
+        if cand is None or cand < lo:
+            return None
+        if counts.feasible(cand):
+            return cand
+        cand = counts.rule.previous(cand - 1)
+    return None
 
 
 def _first_feasible(counts: _Counts, lo: int, hi_limit: int) -> Optional[int]:
