@@ -37,7 +37,7 @@ if [ "$want_test" = 1 ]; then
     echo "setup.sh: installing $spec"
     "$VPY" -m pip install -q "$spec"
   fi
-  "$VPY" -m pip install -q -e ".[megatron,ray,plot,test]"
+  PYTHONWARNINGS=ignore "$VPY" -m pip install -q -e ".[megatron,ray,plot,test]"  # quiet: setuptools' editable-install banner
   # Fail loudly now rather than in the middle of the test run.
   "$VPY" - <<'PYCHECK'
 import importlib, sys, warnings
@@ -59,6 +59,6 @@ except Exception:
 print("setup.sh: test environment ready (torch %s)" % __import__("torch").__version__)
 PYCHECK
 else
-  "$VPY" -m pip install -q -e .
+  PYTHONWARNINGS=ignore "$VPY" -m pip install -q -e .  # quiet: setuptools' editable-install banner
   echo "setup.sh: ready: .venv/bin/megatron-dynbatch (or 'source .venv/bin/activate', then megatron-dynbatch)"
 fi
