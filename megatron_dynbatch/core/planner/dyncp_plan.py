@@ -22,11 +22,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..alignment import Alignment
-from ..parallel import ParallelConfig
 from .plan import Plan
-from .pool import pool_tree
+from .pool import group_alignment, pool_tree
 
+#: a CP group of the pool: ``(first GPU, size)``
 Group = Tuple[int, int]
+#: one slot's groups in pool order, each ``(start, size, sample indices)`` (``DynamicCPPlan.slot_groups``)
+Slot = List[Tuple[int, int, List[int]]]
+#: the slots of a plan (or of one optimizer step) in execution order
+SlotList = List[Slot]
 
 
 @dataclass
@@ -39,7 +43,8 @@ class DynamicCPPlan(Plan):
     fp8_tile: int = 1
     #: the modelled step time of the fixed-CP plan of the same layout (NaN if it could not be planned)
     fixed_cp_step_time: float = float("nan")
-    #: which candidate won: "fixed-cp" or "tree-<threshold>" (see dyncp.py)
+    #: which candidate won each optimizer step, comma-separated: "fixed-cp", "tree-<threshold>",
+    #: "cp<cp>-tree-<threshold>" or "all-root" (see dyncp_candidates.py)
     candidate: str = ""
 
     # ------------------------------------------------------------------ pool views
@@ -53,11 +58,9 @@ class DynamicCPPlan(Plan):
 
     def alignment_for(self, group_size: int) -> Alignment:
         """Padding rules of a micro-batch on a group of ``group_size`` GPUs (``2 * group_size`` per sequence)."""
-        par = self.parallel
-        return Alignment.for_layout(ParallelConfig(tp=par.tp, cp=int(group_size),
-                                                   sequence_parallel=par.sequence_parallel), self.fp8_tile)
+        return group_alignment(self.parallel, group_size, self.fp8_tile)
 
-    def slot_groups(self, slot: int) -> List[Tuple[int, int, List[int]]]:
+    def slot_groups(self, slot: int) -> Slot:
         """Slot ``slot``'s groups in pool order: ``(start, size, samples)``."""
         out = []
         i = 0
@@ -144,4 +147,4 @@ class DynamicCPPlan(Plan):
             raise AssertionError(f"plan places {len(set(seen))} of {num_samples} samples")
 
 
-__all__ = ["DynamicCPPlan"]
+__all__ = ["DynamicCPPlan", "Group", "Slot", "SlotList"]

@@ -11,7 +11,8 @@ pool GPUs. The groups form a tree (:class:`PoolTree`), built so that
 With ``dp`` and ``cp`` powers of two every node is an aligned power-of-two block -- exactly the groups
 megatron-core's ``parallel_state`` builds for hybrid context parallelism (``create_hybrid_dp_cp_groups``) plus
 the whole pool and single GPUs; other layouts give non-power-of-two nodes (e.g. ``dp = 3``: a root of ``3 * cp``
-GPUs), for which the Megatron edge creates its own process groups. A node's size is its CP degree.
+GPUs), for which the Megatron edge creates its own process groups. A node's size is its CP degree, and a
+micro-batch on it is padded by that degree's rules (:func:`group_alignment`: ``2 * size`` per sequence).
 
 Planning on the tree (not on arbitrary GPU subsets) is what keeps the plan cheap and the schedule free of
 waiting: a node's micro-batches run before its children's, so the GPUs of a group always arrive at it
@@ -24,7 +25,9 @@ import functools
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
+from ..alignment import Alignment
 from ..errors import DynBatchConfigError
+from ..parallel import ParallelConfig
 
 
 def _largest_pow2_below(n: int) -> int:
@@ -131,4 +134,11 @@ def pool_tree(dp: int, cp: int) -> PoolTree:
     return PoolTree(dp, cp)
 
 
-__all__ = ["PoolNode", "PoolTree", "pool_tree"]
+def group_alignment(parallel: ParallelConfig, size: int, tile: int) -> Alignment:
+    """Padding rules of a micro-batch on a CP group of ``size`` pool GPUs: the layout's TP / sequence parallelism
+    and FP8 ``tile``, with CP degree ``size`` (each sequence a multiple of ``2 * size``)."""
+    return Alignment.for_layout(ParallelConfig(tp=parallel.tp, cp=int(size),
+                                               sequence_parallel=parallel.sequence_parallel), tile)
+
+
+__all__ = ["PoolNode", "PoolTree", "pool_tree", "group_alignment"]

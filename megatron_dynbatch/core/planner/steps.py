@@ -80,7 +80,7 @@ def split_steps(items: Items, dp: int, *, group_ids: Any = None, samples_per_ste
     n = items.n_samples
     equal = as_bool(equal_samples, "equal_samples_per_rank")
     gids = check_group_ids(group_ids, n) if group_ids is not None else None
-    step_of, n_steps = _step_of_sample(n, samples_per_step, rollout_ids, rollouts_per_step)
+    step_of, n_steps = step_of_sample(n, samples_per_step, rollout_ids, rollouts_per_step)
     members = items.members
     if members is None:
         item_step = step_of
@@ -140,8 +140,11 @@ def split_steps(items: Items, dp: int, *, group_ids: Any = None, samples_per_ste
     return out
 
 
-def _step_of_sample(n: int, samples_per_step: Any, rollout_ids: Any, rollouts_per_step: Any):
-    """The optimizer step of every sample and the number of steps."""
+def step_of_sample(n: int, samples_per_step: Any = None, rollout_ids: Any = None,
+                   rollouts_per_step: Any = None) -> Tuple[np.ndarray, int]:
+    """``(step of every sample, number of steps)`` for ``samples_per_step`` or ``rollout_ids`` with
+    ``rollouts_per_step`` (one step when all are ``None``); a ``DynBatchConfigError`` when they do not divide
+    the batch. Shared by the fixed-layout split (:func:`split_steps`) and dynamic CP."""
     if rollouts_per_step is not None or rollout_ids is not None:
         if samples_per_step is not None:
             raise DynBatchConfigError("samples_per_step", samples_per_step,

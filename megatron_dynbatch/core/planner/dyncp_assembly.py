@@ -1,0 +1,179 @@
+"""Dynamic CP: slots in, :class:`~.dyncp_plan.DynamicCPPlan` out -- and fixed-CP plans scored on the same terms.
+
+* :func:`assemble` is the one place a dynamic-CP plan is put together, from consecutive optimizer steps' slots
+  (``(start, size, samples)`` groups in pool order), each GPU's simulated finish time per step and, when the
+  planner already knows them, each group's full packed token count and seconds (else computed here with the
+  group's :func:`~.pool.group_alignment`). Every member of a group lists the group's samples, its share of the
+  tokens (``tokens // size``) and the group's time; ``rank_time`` adds the steps' finish times.
+* :func:`build_dynamic_cp_plan` (public) does the same for slots a user gives -- scored exactly like the
+  planner's (synchronised :func:`~.pool_sim.simulate_pool`, CP communication) -- so another system's schedule
+  runs through the iterator; it does not validate (``plan.validate(n)`` does).
+* :func:`score_with_cp_comm` (public) adds the CP communication of the layout's ``cp``-GPU groups to a
+  fixed-layout plan, so the two kinds compare in one cost model (the benchmark does).
+* :func:`cp_comm_cost_model`: the cost model both use -- the given one if it has a CP communication term, else
+  the model's defaults, else none.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..alignment import Alignment, fp8_multiple
+from ..cost_model import CostModel
+from ..errors import DynBatchConfigError
+from ..parallel import ParallelConfig
+from .api import rank_times_of
+from .dyncp_plan import DynamicCPPlan, SlotList
+from .inputs import check_budget, check_lengths, resolve_costs, sample_flops
+from .plan import Plan
+from .pool import group_alignment
+from .pool_sim import simulate_pool
+
+#: one optimizer step for :func:`assemble`: its slots, each GPU's finish time, and (when known) the groups'
+#: full token counts and seconds in slot-major order
+StepSlots = Tuple[SlotList, np.ndarray, Optional[Tuple[Sequence[int], Sequence[float]]]]
+
+
+def build_dynamic_cp_plan(
+    lengths: Union[Sequence[int], np.ndarray],
+    slots: Sequence[Sequence[Tuple[int, int, Sequence[int]]]],
+    *,
+    parallel: Union[ParallelConfig, Mapping[str, Any], None] = None,
+    max_tokens_per_gpu: int,
+    model: Any = None,
+    cost_model: Optional[CostModel] = None,
+    fp8_alignment: Union[None, str, int] = None,
+    microbatches_per_step: Optional[Sequence[int]] = None,
+) -> DynamicCPPlan:
+    """A :class:`DynamicCPPlan` from explicit slots -- ``slots[j]`` lists slot ``j``'s groups as ``(start, size,
+    sample indices)`` -- scored like the planner's (synchronised simulation, CP communication). For running a
+    schedule of your own (or another system's) through the iterator; call ``plan.validate(len(lengths))`` to
+    check it. ``microbatches_per_step``: slots of each optimizer step (default: one step)."""
+    par = ParallelConfig.from_any(parallel)
+    lens = check_lengths(lengths)
+    _, align, _ = check_budget(max_tokens_per_gpu, par, fp8_alignment)
+    coeffs, cm = resolve_costs(model, par, cost_model)
+    cm = cp_comm_cost_model(cm, model, par)
+    tile = fp8_multiple(fp8_alignment)
+    per_step = list(microbatches_per_step) if microbatches_per_step is not None else [len(slots)]
+    if sum(per_step) != len(slots):
+        raise DynBatchConfigError("microbatches_per_step", per_step, f"does not sum to the {len(slots)} slots",
+                                  "give the slot count of every optimizer step")
+    steps: List[StepSlots] = []
+    first = 0
+    for count in per_step:
+        chunk = [[(int(a), int(b), [int(i) for i in mb]) for a, b, mb in slot] for slot in slots[first:first + count]]
+        times = _slot_times(chunk, lens, par, tile, cm)
+        blocks = [np.asarray([a for a, _, _ in slot], dtype=np.int64) for slot in chunk]
+        ep_width = par.cp * cm.ep_group if cm.ep_group > 1 else 1
+        steps.append((chunk, simulate_pool(times, blocks, cm, ep_width=ep_width), None))
+        first += count
+    return assemble(lens, steps, par, align, int(max_tokens_per_gpu), tile, cm, coeffs, algorithm="external")
+
+
+def assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig, align: Alignment, budget: int,
+             tile: int, cm: CostModel, coeffs: Any, **extra: Any) -> DynamicCPPlan:
+    """The plan of consecutive steps (module docstring); ``extra``: further :class:`DynamicCPPlan` fields."""
+    pool = par.dp * par.cp
+    micro_batches: List[List[List[int]]] = [[] for _ in range(pool)]
+    groups: List[List[Tuple[int, int]]] = [[] for _ in range(pool)]
+    mb_time: List[List[float]] = [[] for _ in range(pool)]
+    mb_tokens: List[List[int]] = [[] for _ in range(pool)]
+    rank_time = np.zeros(pool)
+    rank_flops = np.zeros(pool)
+    flops = sample_flops(coeffs, lens.astype(np.float64), lens.astype(np.float64) ** 2)
+    for slots, finish, stats in steps:
+        tokens, times = stats if stats is not None else _group_stats(slots, lens, par, tile, cm)[1:]
+        rank_time += finish
+        k = 0
+        for slot in slots:
+            for start, size, samples in slot:
+                local, t = int(tokens[k]) // size, float(times[k])
+                share = float(flops[samples].sum()) / size if coeffs is not None else 0.0
+                k += 1
+                for g in range(start, start + size):
+                    micro_batches[g].append(samples)
+                    groups[g].append((start, size))
+                    mb_time[g].append(t)
+                    mb_tokens[g].append(local)
+                rank_flops[start:start + size] += share
+    extra.setdefault("algorithm", "dynbatch-dyncp")
+    extra.setdefault("lower_bound_microbatches", 0)
+    extra.setdefault("lower_bound_step_time", 0.0)
+    return DynamicCPPlan(
+        micro_batches=micro_batches, microbatches_per_step=[len(s[0]) for s in steps], parallel=par, alignment=align,
+        cap=budget, balance_by_flops=True, microbatch_tokens=mb_tokens, microbatch_time=mb_time,
+        rank_tokens=np.array([sum(t) for t in mb_tokens], dtype=np.int64), rank_flops=rank_flops,
+        rank_time=rank_time, padding_tokens=int(sum(sum(t) for t in mb_tokens) - lens.sum()),
+        real_tokens=int(lens.sum()), groups=groups, max_tokens_per_gpu=budget, fp8_tile=tile, **extra)
+
+
+def _group_stats(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: int,
+                 cm: CostModel) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every group of every slot (slot-major, pool order): its size, its full padded token count and its
+    time on each member (one vectorised :meth:`CostModel.group_microbatch_time` call)."""
+    aligned: Dict[int, Tuple[Alignment, np.ndarray]] = {}
+    sizes, tokens, sq = [], [], []
+    sq_all = lens.astype(np.float64) ** 2
+    for slot in slots:
+        for _, size, samples in slot:
+            if size not in aligned:
+                a = group_alignment(par, size, tile)
+                aligned[size] = (a, a.seq_len(lens).astype(np.int64))
+            a, al = aligned[size]
+            sizes.append(size)
+            tokens.append(a.padded_total(int(al[samples].sum())))
+            sq.append(float(sq_all[samples].sum()))
+    size_a = np.asarray(sizes, dtype=np.int64)
+    tok_a = np.asarray(tokens, dtype=np.int64)
+    return size_a, tok_a, cm.group_microbatch_time(size_a, tok_a, np.asarray(sq, dtype=np.float64))
+
+
+def _slot_times(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: int, cm: CostModel) -> np.ndarray:
+    """``[slots, pool]`` seconds of every GPU's micro-batch."""
+    times = np.zeros((len(slots), par.dp * par.cp))
+    t = _group_stats(slots, lens, par, tile, cm)[2].tolist()
+    k = 0
+    for j, slot in enumerate(slots):
+        for start, size, _ in slot:
+            times[j, start:start + size] = t[k]
+            k += 1
+    return times
+
+
+def score_with_cp_comm(plan: Plan, *, model: Any = None, cost_model: Optional[CostModel] = None) -> Plan:
+    """A copy of a fixed-layout ``plan`` (``plan_global_batch`` or ``score_assignment``) whose micro-batch and
+    rank times include the CP communication of its ``cp``-GPU groups, so it compares with a dynamic-CP plan.
+
+    ``cost_model`` must be the one the plan was scored with (default: from ``model``): the attention part of each
+    micro-batch is recovered as ``time - overhead - linear * tokens``."""
+    if isinstance(plan, DynamicCPPlan):
+        return plan
+    par = plan.parallel
+    _, cm = resolve_costs(model, par, cost_model)
+    cm = cp_comm_cost_model(cm, model, par)
+    times = []
+    for tok, t in zip(plan.microbatch_tokens, plan.microbatch_time):
+        tok_a, t_a = np.asarray(tok, dtype=np.float64), np.asarray(t, dtype=np.float64)
+        att = np.maximum(t_a - cm.overhead_s - cm.linear_s_per_token * tok_a, 0.0)
+        times.append((t_a + cm.cp_comm_time(par.cp, tok_a, att)).tolist())
+    out = copy.copy(plan)
+    out.microbatch_time = times
+    out.rank_time = rank_times_of(times, plan.microbatches_per_step, cm)
+    return out
+
+
+def cp_comm_cost_model(cm: CostModel, model: Any, par: ParallelConfig) -> CostModel:
+    """The cost model with its CP communication term: as given, else the model's defaults, else none."""
+    if cm.has_cp_comm:
+        return cm
+    if model is not None:
+        d = CostModel.from_model(model, par)
+        return cm.with_cp_comm(d.cp_comm_s_per_token, d.cp_comm_s_per_step, d.cp_comm_overlap)
+    return cm.with_cp_comm(0.0, 0.0, 0.0)
+
+
+__all__ = ["build_dynamic_cp_plan", "score_with_cp_comm", "assemble", "cp_comm_cost_model", "StepSlots"]
