@@ -206,11 +206,15 @@ _MEGATRON_STUB_FLAGS = {  # the Megatron-LM flags to_megatron_args may emit, wit
 }
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", SHIPPED + ["dynamic-cp"])
 def test_megatron_args_parse_back_to_the_same_plan(name):
     """to_megatron_args -> megatron_dynbatch.megatron.args (the flags' owner) -> plan kwargs == planner_kwargs."""
     args_mod = pytest.importorskip("megatron_dynbatch.megatron.args")
-    rc = RunConfig.from_yaml(name)
+    if name == "dynamic-cp":
+        rc = RunConfig.from_dict(_base(parallel={"world_size": 16, "tp": 2, "cp": 4}, samples_per_step=8,
+                                       dynamic_cp=True))
+    else:
+        rc = RunConfig.from_yaml(name)
     parser = argparse.ArgumentParser()
     for flag, nargs in _MEGATRON_STUB_FLAGS.items():
         dest = flag[2:].replace("-", "_")
@@ -240,6 +244,7 @@ def test_megatron_args_parse_back_to_the_same_plan(name):
     assert got["oversize"] == want["oversize"]
     assert got["fp8_alignment"] == want["fp8_alignment"]
     assert got.get("samples_per_step") == want["samples_per_step"]
+    assert got.get("dynamic_cp", False) == want.get("dynamic_cp", False)
     assert ns.log_probs_max_tokens_per_gpu == rc.effective_log_probs_max_tokens_per_gpu
     assert ns.dynbatch_loss_mode == rc.loss_mode
 

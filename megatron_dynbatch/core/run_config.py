@@ -2,7 +2,8 @@
 
 A :class:`RunConfig` names the model (a preset such as ``"qwen3-8b"`` or an inline mapping of
 :class:`~megatron_dynbatch.core.model_spec.ModelSpec` fields), the parallel layout, the token budgets, the
-balancing mode, the oversize policy, FP8 alignment, the loss normalisation and the optimizer-step size. It is
+balancing mode, the oversize policy, FP8 alignment, the loss normalisation, the optimizer-step size and whether
+the ``dp x cp`` GPUs are planned as one dynamic-CP pool (``docs/dynamic_cp.md``). It is
 the single source for three consumers that must agree with each other:
 
 * the planner -- :meth:`RunConfig.planner_kwargs` gives the exact keyword arguments of
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .alignment import Alignment
+from .checks import is_bool as _is_bool
 from .checks import is_int as _is_int
 from .errors import DynBatchConfigError
 from .model_spec import ModelSpec
@@ -35,7 +37,7 @@ from .presets import available_presets, available_run_presets, load_run_mapping,
 from .parallel import ParallelConfig
 
 __all__ = ["RunConfig", "run_preset_dirs", "available_run_presets", "LOSS_MODES", "BALANCE_MODES",
-           "OVERSIZE_POLICIES", "MOE_DISPATCHERS"]
+           "OVERSIZE_POLICIES", "MOE_DISPATCHERS", "dynamic_cp_problem"]
 
 # Kept as literals (not imported from planner/loss/args) so that this module stays import-light; tests check
 # them against those modules. Balancing by "time" needs a calibrated CostModel object: use the Python API.
@@ -79,6 +81,11 @@ class RunConfig:
             one DP rank. ``None`` = no groups.
         expert_tensor_parallel_size: Megatron's ETP for expert layers (default: ``tp``).
         moe_token_dispatcher_type: ``"alltoall"`` (default for MoE) or ``"flex"``; ``"allgather"`` is refused.
+        dynamic_cp: plan the ``dp x cp`` GPUs of each pipeline stage as one pool and give every micro-batch its
+            own CP group (``plan_global_batch(..., dynamic_cp=True)``, Megatron flag ``--dynbatch-dynamic-cp``;
+            ``docs/dynamic_cp.md``). Refused where the run cannot use it: a pool of one GPU, ``pp=2`` with
+            ``vpp > 1``, ``group_size`` (GRPO groups on one DP rank), ``balance_by: tokens`` (dynamic CP balances
+            the cost model's seconds) and Megatron's own ``--hybrid-context-parallel`` in ``megatron_args``.
         megatron_args: extra Megatron flags appended verbatim by :meth:`to_megatron_args`.
         description: free text.
     """
@@ -97,6 +104,7 @@ class RunConfig:
     group_size: Optional[int] = None
     expert_tensor_parallel_size: Optional[int] = None
     moe_token_dispatcher_type: Optional[str] = None
+    dynamic_cp: bool = False
     megatron_args: Tuple[str, ...] = ()
     description: str = ""
     _spec: Optional[ModelSpec] = field(default=None, init=False, repr=False, compare=False)
@@ -117,6 +125,10 @@ class RunConfig:
             value = getattr(self, f.name)
             if _is_int(value):
                 set_(f.name, int(value))
+        if not _is_bool(self.dynamic_cp):
+            raise DynBatchConfigError("dynamic_cp", self.dynamic_cp, "must be true or false",
+                                      "write dynamic_cp: true (one dynamic-CP pool) or dynamic_cp: false")
+        set_("dynamic_cp", bool(self.dynamic_cp))
         spec = self._resolve_model()
         set_("_spec", spec)
         if not isinstance(self.layout, ParallelConfig):
@@ -128,6 +140,7 @@ class RunConfig:
         self._check_steps(par)
         self._check_layout(spec, par)
         self._check_moe(spec, par)
+        self._check_dynamic_cp(par)
 
     def _resolve_model(self) -> ModelSpec:
         if isinstance(self.model, str):
@@ -243,6 +256,18 @@ class RunConfig:
                 f"{etp} x {par.ep} x {par.pp} (Megatron's expert-parallel grid)",
                 "choose ep (and etp) so that etp * ep * pp divides dp * tp * pp * cp")
 
+    def _check_dynamic_cp(self, par: ParallelConfig) -> None:
+        flag = "--dynbatch-dynamic-cp"
+        if flag in self.megatron_args:
+            raise DynBatchConfigError("megatron_args", flag, "turns dynamic CP on behind the planner's back "
+                                      "(planner_kwargs would not know)", f"remove {flag} and set dynamic_cp: true")
+        if not self.dynamic_cp:
+            return
+        problem = dynamic_cp_problem(par, grouped=self.group_size is not None, balance_by=self.balance_by,
+                                     hybrid_cp="--hybrid-context-parallel" in self.megatron_args)
+        if problem is not None:
+            raise DynBatchConfigError("dynamic_cp", True, problem[0], problem[1])
+
     # --------------------------------------------------------------------------------------------- views
     def model_spec(self) -> ModelSpec:
         """The resolved :class:`ModelSpec` (validated at construction)."""
@@ -277,7 +302,7 @@ class RunConfig:
 
         ``forward_only=True`` plans a log-prob / reference pass: the budget is
         ``log_probs_max_tokens_per_gpu`` and there is no optimizer step, so ``samples_per_step`` is dropped."""
-        return {
+        kwargs = {
             "model": self.model_spec(),
             "parallel": self.layout,
             "max_tokens_per_gpu": self.effective_log_probs_max_tokens_per_gpu if forward_only else self.max_tokens_per_gpu,
@@ -289,6 +314,9 @@ class RunConfig:
             "fp8_alignment": self.fp8_alignment,
             "samples_per_step": None if forward_only else self.samples_per_step,
         }
+        if self.dynamic_cp:  # only when on (as the Megatron flag does); it plans the log-prob passes too
+            kwargs["dynamic_cp"] = True
+        return kwargs
 
     def to_megatron_args(self) -> List[str]:
         """The Megatron-LM command-line flags this preset implies, as an argv list.
@@ -332,6 +360,8 @@ class RunConfig:
             out += ["--dynbatch-loss-mode", self.loss_mode]
         if self.group_reduce != "token":
             out += ["--dynbatch-group-reduce", self.group_reduce]
+        if self.dynamic_cp:
+            out.append("--dynbatch-dynamic-cp")
         return out + list(self.megatron_args)
 
     # ----------------------------------------------------------------------------------- serialisation
@@ -431,6 +461,30 @@ class RunConfig:
 
 
 # --------------------------------------------------------------------------------------------- helpers
+def dynamic_cp_problem(par: ParallelConfig, *, grouped: bool = False, balance_by: str = "flops",
+                       hybrid_cp: bool = False) -> Optional[Tuple[str, str]]:
+    """Why a run cannot use dynamic CP, as ``(problem, fix)``, or ``None`` when it can: a pool of one GPU,
+    ``pp=2`` with ``vpp > 1``, GRPO groups kept on one DP rank (``grouped``), token balancing, or Megatron's
+    own hybrid CP. Shared by :class:`RunConfig` and ``megatron-dynbatch plan --dynamic-cp``."""
+    if par.dp * par.cp == 1:
+        return ("the pool (dp x cp of a pipeline stage) is one GPU, so there is no CP group to choose",
+                "use dp x cp > 1, or turn dynamic CP off")
+    if par.pp == 2 and par.vpp > 1:
+        return ("with pp=2 and an interleaved schedule megatron-core 0.16 needs one micro-batch length per rank "
+                "(NVIDIA/Megatron-LM #5100), which CP groups of different sizes do not give",
+                "use vpp=1 or another pp, or turn dynamic CP off")
+    if grouped:
+        return ("groups that stay on one DP rank (group_size / group ids) have no meaning when a sample's CP group "
+                "spans several DP ranks", "drop the groups, or turn dynamic CP off")
+    if balance_by == "tokens":
+        return ("dynamic CP always balances the cost model's seconds, so token balancing would be silently ignored",
+                "balance by flops, or turn dynamic CP off")
+    if hybrid_cp:
+        return ("Megatron's own --hybrid-context-parallel reroutes samples with its scheduler; the two cannot both "
+                "plan the batch", "remove --hybrid-context-parallel, or turn dynamic CP off")
+    return None
+
+
 def _suggest(key: str, known: Sequence[str]) -> List[str]:
     """Close matches of ``key`` among ``known``, keeping only those about as close as the best one."""
     scored = sorted(((difflib.SequenceMatcher(None, key, k).ratio(), k) for k in known), reverse=True)
