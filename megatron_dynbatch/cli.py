@@ -208,6 +208,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     balance_by = {"flops-eff": "FLOPs at kernel efficiency", "flops": "raw FLOPs", "tokens": "tokens",
                   "time": "cost-model time"}[mode]
     args.model, args.max_tokens_per_gpu, args.fp8 = kwargs["model"], kwargs["max_tokens_per_gpu"], kwargs["fp8_alignment"]
+    if kwargs.get("dynamic_cp"):  # the pool summary and the fixed-CP plan next to it (_cli_dyncp.py)
+        from ._cli_dyncp import check_dynamic_cp_flags, run_plan_dynamic_cp
+
+        check_dynamic_cp_flags(args, kwargs, group_ids, run)
+        return run_plan_dynamic_cp(args, lengths, kwargs)
     plan = plan_global_batch(lengths, group_ids=group_ids, num_microbatches=args.num_microbatches, **kwargs)
     if args.json:
         print(plan.to_json(indent=1))
@@ -263,6 +268,10 @@ def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
     for flag, key in (("oversize", "oversize"), ("fp8", "fp8_alignment"), ("samples_per_step", "samples_per_step")):
         if getattr(args, flag) is not None:
             kw[key] = getattr(args, flag)
+    if getattr(args, "dynamic_cp", None) is not None:  # --dynamic-cp / --no-dynamic-cp override the preset
+        kw["dynamic_cp"] = args.dynamic_cp
+    if not kw.get("dynamic_cp"):
+        kw.pop("dynamic_cp", None)
     if kw["max_tokens_per_gpu"] is None:
         raise DynBatchConfigError("--max-tokens-per-gpu", None, "is required",
                                   "pass --max-tokens-per-gpu N, or --run PRESET (configs/runs/*.yaml)")
@@ -513,6 +522,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FP8 token alignment: fp8, mxfp8, nvfp4, blockwise, or a token multiple")
     p.add_argument("--num-microbatches", type=_positive_int, default=None,
                    help="force this many micro-batches per rank (fails if the budget cannot hold it)")
+    p.add_argument("--dynamic-cp", action=argparse.BooleanOptionalAction, default=None,
+                   help="dynamic context parallelism: plan the dp x cp GPUs as one pool, each micro-batch on its own "
+                        "CP group, and print the fixed-CP plan of the same layout next to it (docs/dynamic_cp.md); "
+                        "--no-dynamic-cp overrides a --run preset's dynamic_cp: true")
     p.add_argument("--max-ranks", type=_positive_int, default=32, help="ranks shown in the table (default 32)")
     p.add_argument("--compare", action="store_true",
                    help="also score the baselines (fixed_padded, slime, verl, nemo_rl, ...) on the same batch")

@@ -204,7 +204,8 @@ def test_model_spec_hostile_field(field, value):
 
 
 RUN_FIELDS = ["max_tokens_per_gpu", "log_probs_max_tokens_per_gpu", "samples_per_step", "group_size", "balance_by",
-              "oversize", "loss_mode", "fp8_alignment", "megatron_args", "name", "description", "model", "parallel"]
+              "oversize", "loss_mode", "fp8_alignment", "megatron_args", "name", "description", "model", "parallel",
+              "dynamic_cp"]
 
 
 @SETTINGS
@@ -218,6 +219,41 @@ def test_run_config_hostile_field(field, value):
 
         yaml.safe_dump(rc.to_dict())  # only plain Python values inside
         rc.planner_kwargs()
+
+
+@SETTINGS
+@given(layout=st.fixed_dictionaries({"dp": st.integers(1, 4), "cp": st.sampled_from([1, 2, 4]),
+                                     "pp": st.sampled_from([1, 1, 2, 4, 3])}),
+       dynamic_cp=st.sampled_from([True] * 16 + [False, np.bool_(True), "true", 1, None]),
+       # at most one of these makes the run unusable for dynamic CP (in rare draws)
+       conflict=st.sampled_from([{}] * 10 + [{"group_size": 2}, {"balance_by": "tokens"}, {"vpp": 2},
+                                             {"megatron_args": ["--hybrid-context-parallel"]},
+                                             {"megatron_args": ["--dynbatch-dynamic-cp"]}]),
+       lengths=st.lists(st.integers(0, 9000), min_size=1, max_size=24))
+def test_run_config_dynamic_cp_plans_or_explains(layout, dynamic_cp, conflict, lengths):
+    """Any combination of dynamic_cp with layouts, groups, balancing and Megatron flags: a clear error naming the
+    field at construction, or a run whose planner kwargs plan (a DynamicCPPlan exactly when it is on)."""
+    conflict = dict(conflict)
+    if "vpp" in conflict:
+        layout = {**layout, "vpp": conflict.pop("vpp")}
+    data = {"name": "t", "model": "qwen3-0.6b", "parallel": layout, "max_tokens_per_gpu": 4096,
+            "dynamic_cp": dynamic_cp, **conflict}
+    group_size = conflict.get("group_size")
+    rc = _check_plan_or_error(lambda: RunConfig.from_dict(data))
+    if rc is None:
+        return
+    assert type(rc.dynamic_cp) is bool
+    assert ("--dynbatch-dynamic-cp" in rc.to_megatron_args()) == rc.dynamic_cp
+    n = len(lengths) - len(lengths) % (group_size or 1)
+    if n == 0:
+        return
+    kw = rc.planner_kwargs()
+    plan = _check_plan_or_error(lambda: plan_global_batch(lengths[:n], group_ids=rc.group_ids(n), **kw))
+    if plan is not None:
+        from megatron_dynbatch import DynamicCPPlan
+
+        assert isinstance(plan, DynamicCPPlan) == rc.dynamic_cp
+        plan.validate(n)
 
 
 def test_cli_never_raises_on_hostile_flags(tmp_path, capsys):
@@ -240,6 +276,15 @@ def test_cli_never_raises_on_hostile_flags(tmp_path, capsys):
         ["plan", "--lengths", str(good), "--max-tokens-per-gpu", "100", "--fp8", "fp9"],
         ["plan", "--lengths", str(good), "--max-tokens-per-gpu", "100", "--vpp", "2"],
         ["plan", "--lengths", str(good), "--max-tokens-per-gpu", "100", "--model", "no-such-model"],
+        ["plan", "--lengths", str(good), "--max-tokens-per-gpu", "100", "--dynamic-cp"],
+        ["plan", "--lengths", str(good), "--max-tokens-per-gpu", "10", "--dp", "2", "--dynamic-cp"],
+        ["plan", "--lengths", str(huge), "--max-tokens-per-gpu", "100", "--dp", "2", "--dynamic-cp"],
+        ["plan", "--lengths", str(good), "--max-tokens-per-gpu", "100", "--dp", "2", "--dynamic-cp",
+         "--num-microbatches", "9"],
+        ["plan", "--lengths", str(good), "--max-tokens-per-gpu", "100", "--dp", "2", "--dynamic-cp", "--group-ids",
+         str(good)],
+        ["plan", "--lengths", str(good), "--max-tokens-per-gpu", "100", "--dp", "2", "--dynamic-cp=yes"],
+        ["plan", "--lengths", str(good), "--run", "qwen3-8b-grpo", "--dynamic-cp"],
         ["flops", "--model", "tiny-gpt", "--seqlen", "-5"],
         ["bench", "--workloads", "nope"],
         ["bench", "--seeds", "0"],
