@@ -118,10 +118,11 @@ def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[s
 # ============================================================================================ text
 def pool_summary(plan: Any, args: argparse.Namespace, n: int) -> str:
     """The dynamic-CP plan in a few lines (module docstring)."""
+    from .cli import token_lines
+
     p = plan.parallel
     sizes = plan.group_sizes()
     used = ", ".join(f"{g} GPU{'s' if g > 1 else ''}: {k}" for g, k in sizes.items())
-    total = plan.real_tokens + plan.padding_tokens
     model = getattr(args.model, "name", None) or args.model or "(none: tokens-only cost model)"
     lines = [
         f"plan: {n} samples, dynamic CP over a pool of dp x cp = {p.dp} x {p.cp} = {plan.pool_size} GPUs per pipeline "
@@ -133,10 +134,7 @@ def pool_summary(plan: Any, args: argparse.Namespace, n: int) -> str:
         f"CP groups used (micro-batches per group size): {used}",
         f"predicted step time: {plan.predicted_step_time:.4f} s (modelled; lower bound "
         f"{plan.lower_bound_step_time:.4f} s, x{plan.step_time_vs_lower_bound:.4f})",
-        f"tokens: {plan.real_tokens:,} real + {plan.padding_tokens:,} padding "
-        f"({100 * plan.padding_tokens / total if total else 0:.2f}%); largest share of one GPU "
-        f"{plan.max_microbatch_tokens:,} / {plan.cap:,}; over budget: {plan.cap_violations}",
-        f"planning time: {1e3 * plan.planning_time_s:.1f} ms",
+        *token_lines(plan, "largest share of one GPU"),
     ]
     if plan.oversize_samples:
         lines.append(f"samples over budget even on the whole pool, each alone there: {plan.oversize_samples}")

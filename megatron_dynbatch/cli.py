@@ -281,7 +281,6 @@ def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
 def _plan_summary(plan: Any, args: argparse.Namespace, balance_by: str, n: int) -> str:
     p = plan.parallel
     a = plan.alignment
-    total = plan.real_tokens + plan.padding_tokens
     lines = [
         f"plan: {n} samples over dp={p.dp} (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} vpp={p.vpp}), "
         f"model {getattr(args.model, 'name', None) or args.model or '(none)'}, balanced by {balance_by}",
@@ -291,14 +290,20 @@ def _plan_summary(plan: Any, args: argparse.Namespace, balance_by: str, n: int) 
         f"per optimizer step: {plan.microbatches_per_step}",
         f"predicted step time: {plan.predicted_step_time:.4f} s (lower bound {plan.lower_bound_step_time:.4f} s, "
         f"x{plan.step_time_vs_lower_bound:.4f}); imbalance (max/mean rank time) {plan.imbalance:.4f}",
-        f"tokens: {plan.real_tokens:,} real + {plan.padding_tokens:,} padding "
-        f"({100 * plan.padding_tokens / total if total else 0:.2f}%); largest micro-batch "
-        f"{plan.max_microbatch_tokens:,} / {plan.cap:,}; over budget: {plan.cap_violations}",
-        f"planning time: {1e3 * plan.planning_time_s:.1f} ms",
+        *token_lines(plan, "largest micro-batch"),
     ]
     if plan.oversize_samples:
         lines.append(f"samples over budget, each alone: {plan.oversize_samples}")
     return "\n".join(lines)
+
+
+def token_lines(plan: Any, largest: str) -> List[str]:
+    """The summary's token and planning-time lines (``largest``: what the largest count is of)."""
+    total = plan.real_tokens + plan.padding_tokens
+    return [f"tokens: {plan.real_tokens:,} real + {plan.padding_tokens:,} padding "
+            f"({100 * plan.padding_tokens / total if total else 0:.2f}%); {largest} "
+            f"{plan.max_microbatch_tokens:,} / {plan.cap:,}; over budget: {plan.cap_violations}",
+            f"planning time: {1e3 * plan.planning_time_s:.1f} ms"]
 
 
 def _rank_table(plan: Any, max_ranks: int) -> str:
