@@ -316,6 +316,11 @@ def test_megatron_hybrid_cp_baseline_behaviour():
     assert sorted(placed) == list(range(lengths.size))
     assert len(placed[lengths.size - 1]) >= 8  # 7000 tokens need 8 GPUs at 1000 per GPU
     assert plan.cap_violations == 0
+    # GPUs of this baseline run different slot counts: the summary counts each group once, whoever runs most
+    sizes = plan.group_sizes()
+    assert sum(sizes.values()) == lengths.size  # one sample per group
+    assert plan.summary()["group_sizes"] == sizes
+    assert plan.to_dict()["groups"] == [[list(g) for g in rank] for rank in plan.groups]
     with pytest.raises(BaselineInfeasible):
         plan_hybrid_cp([9000], par, 1000, cm)
 

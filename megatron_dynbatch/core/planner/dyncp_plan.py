@@ -61,7 +61,8 @@ class DynamicCPPlan(Plan):
         return group_alignment(self.parallel, group_size, self.fp8_tile)
 
     def slot_groups(self, slot: int) -> Slot:
-        """Slot ``slot``'s groups in pool order: ``(start, size, samples)``."""
+        """Slot ``slot``'s groups in pool order: ``(start, size, samples)`` (lockstep plans: every GPU runs the
+        slot)."""
         out = []
         i = 0
         while i < self.pool_size:
@@ -71,11 +72,14 @@ class DynamicCPPlan(Plan):
         return out
 
     def group_sizes(self) -> Dict[int, int]:
-        """How many (slot, group) micro-batches use each group size."""
+        """How many (slot, group) micro-batches use each group size. Each group is counted once, at its first
+        GPU, so this also holds for plans whose GPUs run different slot counts (baselines such as
+        ``bench/hybrid_cp.py``; the planner's own plans are lockstep)."""
         out: Dict[int, int] = {}
-        for j in range(self.num_microbatches):
-            for _, size, _ in self.slot_groups(j):
-                out[size] = out.get(size, 0) + 1
+        for i, slots in enumerate(self.groups):
+            for start, size in slots:
+                if start == i:
+                    out[size] = out.get(size, 0) + 1
         return dict(sorted(out.items()))
 
     @property
