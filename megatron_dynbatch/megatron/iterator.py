@@ -71,6 +71,8 @@ class DynamicBatchIterator:
             the plan's ``cp``).
         loss_mode, group_reduce: loss normalisation (:mod:`megatron_dynbatch.megatron.loss`).
         group_ids: one id per sample (default: each sample's ``group_key`` entry when every sample has one).
+            They keep a group on one DP rank when planning and define ``group_mean``'s groups; with
+            ``dynamic_cp=True`` only the latter (a dynamic-CP plan has no DP ranks to keep a group on).
         pad_token_id: token id used on padding positions.
         device: where packed tensors go (default: where the sample tokens are).
         cp_groups: under a dynamic-CP plan (:class:`~megatron_dynbatch.core.planner.dyncp_plan.DynamicCPPlan`), the
@@ -121,7 +123,10 @@ class DynamicBatchIterator:
             if "max_tokens_per_gpu" not in plan_kwargs:
                 raise DynBatchConfigError("max_tokens_per_gpu", None, "needed to plan the batch (no plan given)",
                                           "pass plan=Plan or max_tokens_per_gpu=<per-GPU token budget>")
-            plan = plan_global_batch(lengths, group_ids=gids, **plan_kwargs)
+            # Under dynamic CP a sample may run on GPUs of several DP ranks, so "a group stays on one DP rank"
+            # has no meaning (the planner refuses it); the ids still define group_mean's groups (the loss).
+            plan_gids = None if plan_kwargs.get("dynamic_cp") else gids
+            plan = plan_global_batch(lengths, group_ids=plan_gids, **plan_kwargs)
         elif plan_kwargs:
             raise DynBatchConfigError("plan_kwargs", sorted(plan_kwargs), "given together with a plan",
                                       "pass either plan= or planning arguments, not both")
