@@ -176,3 +176,29 @@ def _echo(rank: int, world_size: int, x: int) -> tuple:
 @pytest.mark.multiprocess
 def test_run_ranks_returns_in_rank_order():
     assert run_ranks(_echo, 2, 7) == [(0, 2, 7), (1, 2, 7)]
+
+
+def test_cpu_torch_proxy_keeps_cuda_draws_off_the_cpu_generator():
+    """What a module sees through the proxy: ``device="cuda"`` tensors on the CPU; random ones drawn from a
+    generator of their own (on a GPU they use the CUDA generator, so the CPU generator that
+    ``--use-cpu-initialization`` initialises weights from must not move: Megatron-LM's start-up warm-up draws
+    layout-dependent shapes); ``pin_memory`` dropped; draws on the CPU and explicit generators untouched."""
+    from megatron_dynbatch.testing.megatron_cpu import _CpuTorchProxy
+
+    proxy = _CpuTorchProxy(torch)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    for shape in ((128, 1, 64), (7,)):
+        x = proxy.rand(*shape, device="cuda")
+        assert x.device.type == "cpu" and tuple(x.shape) == shape
+    assert proxy.randn(4, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert proxy.randint(0, 9, (4,), device="cuda:0").device.type == "cpu"
+    assert torch.equal(torch.rand(3), expected)  # the CPU generator did not move
+    torch.manual_seed(5)
+    assert torch.equal(proxy.rand(3, device="cpu"), expected)  # CPU draws are CPU draws
+    g = torch.Generator().manual_seed(1)
+    same = torch.rand(3, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(proxy.rand(3, device="cuda", generator=g), same)  # an explicit generator is used
+    t = proxy.tensor([1, 2], device="cpu", pin_memory=True)
+    assert t.tolist() == [1, 2] and not t.is_pinned()

@@ -97,10 +97,18 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CpuTorchProxy(types.ModuleType):
-    """Stands in for ``torch`` inside one megatron module: tensor factories given a CUDA device get the CPU."""
+    """Stands in for ``torch`` inside one megatron module: tensor factories given a CUDA device get the CPU.
+
+    Random factories given a CUDA device draw from :data:`_CUDA_STANDIN_GENERATOR`, not from the CPU default
+    generator: on a GPU such draws use the CUDA generator and leave the CPU one -- which
+    ``--use-cpu-initialization`` initialises the weights from -- untouched. (Megatron-LM's start-up warms up its
+    fused kernels with ``torch.rand(seq_length // cp, ..., device="cuda")``: drawn from the CPU generator, the
+    initial weights would depend on the CP / TP layout.) ``pin_memory=True`` is dropped (no pinned memory
+    without CUDA)."""
 
     _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like",
-                  "rand", "randn", "full_like")
+                  "rand", "randn", "randint", "randperm", "full_like")
+    _RANDOM = ("rand", "randn", "randint", "randperm")
 
     def __init__(self, real: types.ModuleType) -> None:
         super().__init__("torch")
@@ -115,10 +123,18 @@ class _CpuTorchProxy(types.ModuleType):
             def factory(*args: Any, **kwargs: Any) -> Any:
                 if _is_cuda_device(kwargs.get("device")):
                     kwargs["device"] = "cpu"
+                    if name in self._RANDOM and kwargs.get("generator") is None:
+                        kwargs["generator"] = _CUDA_STANDIN_GENERATOR
+                if kwargs.get("pin_memory"):
+                    kwargs["pin_memory"] = False
                 return value(*args, **kwargs)
 
             return factory
         return value
+
+
+#: What random draws "on the CUDA device" use in a CPU-only process (:class:`_CpuTorchProxy`).
+_CUDA_STANDIN_GENERATOR = torch.Generator().manual_seed(0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -476,8 +492,10 @@ def install_megatron_lm_cpu_shims() -> None:
        the name ``megatron.training.training.initialize_megatron`` is wrapped to pass it.
     9. ``megatron.legacy.fused_kernels.load`` looks for ``nvcc`` to build CUDA kernels: a no-op.
     10. The modules in :data:`_MEGATRON_LM_MODULES` (start-up, the loop, its batch helpers, checkpointing, the
-        optimizer and grad-norm helpers, the rerun state machine) see a ``torch`` proxy whose tensor factories
-        map ``device="cuda"`` to the CPU and whose ``torch.cuda`` is :class:`_CpuCuda`: one device (the CPU;
+        optimizer and grad-norm helpers, the rerun state machine, RoPE's CP slicing of unpacked batches) see a
+        ``torch`` proxy whose tensor factories map ``device="cuda"`` to the CPU (random ones to a generator of
+        their own, so that the kernel warm-up at start-up does not shift the CPU generator the weights are
+        initialised from; no ``pin_memory``) and whose ``torch.cuda`` is :class:`_CpuCuda`: one device (the CPU;
         ``device_count() == 1`` so that ``parallel_state`` is initialised), no-op streams and ``set_device``,
         zero memory counters, a device without capabilities, CPU RNG state for checkpoints.
     11. ``torch.nn.Module.cuda`` / ``torch.Tensor.cuda`` return the object unchanged (``get_model`` moves the
@@ -573,4 +591,5 @@ _MEGATRON_LM_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.rerun_state_machine",
     "megatron.core.utils",
+    "megatron.core.models.common.embeddings.rope_utils",
 )
