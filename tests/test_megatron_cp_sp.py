@@ -94,7 +94,48 @@ def _core_attention_cp_check(cp_rank: int, cp: int) -> dict:
         out[name] = {"out": float((got - ref[idx]).abs().max()),
                      "grads": max(float((lx.grad - fx.grad[idx]).abs().max()) for lx, fx in zip(local, full)),
                      "grad_max": max(float(fx.grad.abs().max()) for fx in full)}
+    out["sbhd"] = _core_attention_sbhd_cp_check(cp_rank, cp)
     return out
+
+
+def _core_attention_sbhd_cp_check(cp_rank: int, cp: int) -> dict:
+    """UNPACKED ``[s/cp, b, heads, d]`` input under CP (Megatron's own fixed batches, split into chunks ``r`` and
+    ``2cp-1-r`` by ``get_batch_on_this_cp_rank``) against Megatron's own cp=1 ``DotProductAttention`` on the full
+    sequences: without a mask, with the dataloader's causal mask sliced the same way, and a non-causal mask is
+    refused."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dynbatch.core.errors import DynBatchConfigError
+    from megatron_dynbatch.megatron.attention import ThdDotProductAttention
+    from megatron_dynbatch.megatron.context_parallel import zigzag_partition_indices
+    from megatron_dynbatch.testing import megatron_cpu
+
+    causal = AttnMaskType.causal
+    g = torch.Generator().manual_seed(11)
+    s, b = 2 * cp * 5, 3
+    q, k, v = (torch.randn(s, b, nh, 16, generator=g) for nh in (4, 2, 2))
+    w = torch.randn(s, b, 4 * 16, generator=g)
+    cores = {c: ThdDotProductAttention(megatron_cpu.tiny_gpt_config(context_parallel_size=c), layer_number=1,
+                                       attn_mask_type=causal, attention_type="self") for c in (1, cp)}
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = cores[1](*full, None, attn_mask_type=causal)  # megatron-core's own sbhd path, [s, b, heads*d]
+    (ref * w).sum().backward()
+    idx = zigzag_partition_indices(torch.tensor([0, s]), cp, cp_rank)
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1).expand(b, 1, s, s)[:, :, idx]  # the dataloader's, CP-split
+    res = {"out": 0.0, "grads": 0.0, "grad_max": max(float(fx.grad.abs().max()) for fx in full)}
+    for m in (None, mask):
+        local = [x[idx].clone().requires_grad_() for x in (q, k, v)]
+        got = cores[cp](*local, m, attn_mask_type=causal)
+        (got * w[idx]).sum().backward()
+        res["out"] = max(res["out"], float((got - ref[idx]).abs().max()))
+        res["grads"] = max([res["grads"]] + [float((lx.grad - fx.grad[idx]).abs().max())
+                                             for lx, fx in zip(local, full)])
+    try:
+        cores[cp](*(x[idx] for x in (q, k, v)), torch.zeros_like(mask), attn_mask_type=causal)
+        res["refused_bad_mask"] = 0.0
+    except DynBatchConfigError:
+        res["refused_bad_mask"] = 1.0
+    return res
 
 
 def _worker(rank: int, world_size: int, layout: str) -> dict:
@@ -258,6 +299,7 @@ def test_cp2_core_attention_equals_full_attention_with_gradients(cp_results):
         for name, d in r["core"].items():
             assert d["grad_max"] > 1e-3, (name, d)
             assert d["out"] <= 1e-6 and d["grads"] <= 1e-6, (name, d)
+        assert r["core"]["sbhd"]["refused_bad_mask"] == 1.0  # unpacked CP input: only the causal mask
 
 
 # ------------------------------------------------------------------------------ single-process pieces

@@ -14,6 +14,8 @@ Semantics, per packed sequence ``i``: the rows ``cu_seqlens_q_padded[i] + [0, L_
 ``cu_seqlens_q``) attend causally to the same rows of key/value -- never to another sequence and never to
 padding; padding rows output exactly 0 (so they also get no gradient). Without ``packed_seq_params`` the
 module is Megatron's own ``DotProductAttention`` (sbhd), so one spec serves packed and unpacked inputs.
+Unpacked input under context parallelism (Megatron's own fixed batches, zig-zag split by
+``get_batch_on_this_cp_rank``) runs through the THD CP path below, each row a sequence of the full length.
 
 Context parallelism (``config.context_parallel_size > 1``; the CP group is ``pg_collection.cp`` as Megatron's
 ``Attention`` passes it, else ``parallel_state.get_context_parallel_group()``): every CP rank holds the zig-zag
@@ -76,14 +78,12 @@ class ThdDotProductAttention(DotProductAttention):
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params: Any = None) -> Tensor:
         if packed_seq_params is None or getattr(packed_seq_params, "qkv_format", None) != "thd":
-            if self.thd_cp_size > 1:
-                raise DynBatchConfigError("config.context_parallel_size", self.thd_cp_size,
-                                          "the CPU attention implements context parallelism only for THD packing",
-                                          "pass THD packed_seq_params (DynamicBatchIterator does) or use cp=1")
             if packed_seq_params is not None:
                 raise DynBatchConfigError("packed_seq_params.qkv_format", packed_seq_params.qkv_format,
                                           "ThdDotProductAttention only understands THD packing",
                                           "pass qkv_format='thd' or no packed_seq_params")
+            if self.thd_cp_size > 1:
+                return self._sbhd_cp_attention(query, key, value, attention_mask, attn_mask_type, attention_bias)
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
         self._check_thd_supported(attention_bias)
@@ -236,6 +236,41 @@ class ThdDotProductAttention(DotProductAttention):
             # on every CP rank); the gradients are 0
             return out + 0.0 * (query.sum() + kv_full.sum())
         return out.index_put((torch.cat(rows_out),), torch.cat(pieces, dim=0))
+
+    def _sbhd_cp_attention(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                           attn_mask_type: Optional[AttnMaskType], attention_bias: Optional[Tensor]) -> Tensor:
+        """Unpacked ``[s/cp, b, heads, d]`` input under context parallelism (Megatron's own batches, split by
+        ``get_batch_on_this_cp_rank``: chunks ``r`` and ``2cp-1-r`` of each row) = ``b`` THD sequences of the
+        full length ``s``, which the THD CP path runs; returns ``[s/cp, b, heads*d]``. Causal attention only; a
+        dataloader mask is accepted when it is exactly the causal mask of this rank's rows."""
+        from types import SimpleNamespace
+
+        from .context_parallel import zigzag_partition_indices
+
+        self._check_thd_supported(attention_bias)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in _CAUSAL:
+            raise DynBatchConfigError("attn_mask_type", mask_type, "the CPU attention runs unpacked context-parallel "
+                                      "batches with causal masking only", "use AttnMaskType.causal")
+        s_local, b, heads, head_dim = query.shape
+        cp = self.thd_cp_size
+        full = s_local * cp
+        cu = torch.arange(0, (b + 1) * full, full, dtype=torch.int32)
+        params = SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
+        if attention_mask is not None:
+            group = self._cp_group()
+            pos = zigzag_partition_indices(cu[:2], cp, torch.distributed.get_rank(group)).to(attention_mask.device)
+            causal = torch.arange(full, device=attention_mask.device).unsqueeze(0) > pos.unsqueeze(1)  # [s/cp, s]
+            if tuple(attention_mask.shape[-2:]) != (s_local, full) or not bool((attention_mask == causal).all()):
+                raise DynBatchConfigError("attention_mask", tuple(attention_mask.shape), "under context parallelism "
+                                          "the CPU attention takes only the causal mask (or none)",
+                                          "pass --no-create-attention-mask-in-dataloader or a causal mask")
+
+        def thd(x: Tensor) -> Tensor:  # [s/cp, b, n, d] -> [b * s/cp, n, d], sequence-major
+            return x.transpose(0, 1).reshape(b * s_local, *x.shape[2:])
+
+        out = self._thd_cp_attention(thd(query), thd(key), thd(value), params, True)
+        return out.view(b, s_local, heads * head_dim).transpose(0, 1).contiguous()
 
     def _segment(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, future: Optional[Tensor] = None) -> Tensor:
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.thd_softmax_scale  # [heads, L, Lk]
