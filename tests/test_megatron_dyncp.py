@@ -209,3 +209,53 @@ def test_dyncp_pp2_cp2_matches_unpacked_reference(dyncp_pp_results):
     for r in last:
         assert r["lp_indices"] == list(range(len(r["lengths"])))
         assert r["lp_diff"] <= TOL
+
+
+# ------------------------------------------------------------------------------ single-process pieces
+def test_dyncp_iterator_keeps_group_ids_for_the_loss_only():
+    """Samples that carry a ``group_id`` (GRPO prompts; Megatron-LM's mock data does) plan under dynamic CP --
+    a dynamic-CP plan has no DP ranks to keep a group on, so the ids are not planning constraints there -- and
+    still define ``group_mean``'s groups."""
+    from megatron_dynbatch.megatron.iterator import DynamicBatchIterator
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [60, 7, 30, 12, 5, 22, 9, 16]
+    samples = [{"tokens": torch.randint(1, 100, (n,), generator=g), "group_id": i // 4}
+               for i, n in enumerate(lengths)]
+    kw = dict(parallel={"dp": 2, "cp": 2}, max_tokens_per_gpu=16, dynamic_cp=True, dp_rank=0, cp_rank=0)
+    it = DynamicBatchIterator(samples, loss_mode="group_mean", **kw)
+    assert it.dynamic_cp and it.group_ids == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert 4 in it.plan.group_sizes()  # the 60-token sample needs the whole pool at 16 tokens per GPU
+    # group_mean over the two groups: every group's token weights sum to 1 / G
+    w = it.normalizer(0).coefficients
+    t = [n - 1 for n in lengths]
+    assert [w[i] * t[i] for i in range(8)] == pytest.approx([0.5 * t[i] / sum(t[:4]) for i in range(4)]
+                                                           + [0.5 * t[i] / sum(t[4:]) for i in range(4, 8)])
+    same = DynamicBatchIterator(samples, it.plan, loss_mode="group_mean", dp_rank=0, cp_rank=0)
+    assert same.group_ids == it.group_ids
+
+
+def test_dynamic_cp_refuses_multi_token_prediction():
+    """MTP rolls its labels over the model's fixed CP group (megatron-core 0.16.1 roll_tensor): refused at
+    start-up from the flags and per step from the model config."""
+    import argparse
+    from types import SimpleNamespace
+
+    from megatron_dynbatch.core.errors import DynBatchConfigError
+    from megatron_dynbatch.megatron.args import add_dynamic_batch_args, validate_dynamic_batch_args
+    from megatron_dynbatch.megatron.dynamic_cp import check_dynamic_cp_model
+
+    args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
+        "--use-dynamic-batch-size --max-tokens-per-gpu 4096 --dynbatch-dynamic-cp".split())
+    args.world_size, args.context_parallel_size, args.mtp_num_layers = 8, 2, 1
+    with pytest.raises(DynBatchConfigError, match="multi-token prediction") as err:
+        validate_dynamic_batch_args(args)
+    assert err.value.field == "--mtp-num-layers" and "--dynbatch-dynamic-cp" in err.value.fix
+    args.mtp_num_layers = None
+    validate_dynamic_batch_args(args)
+    args.dynbatch_dynamic_cp, args.mtp_num_layers = False, 2  # fixed CP with MTP is not our business here
+    validate_dynamic_batch_args(args)
+    with pytest.raises(DynBatchConfigError, match="config.mtp_num_layers"):
+        check_dynamic_cp_model(SimpleNamespace(mtp_num_layers=1))
+    for ok in (SimpleNamespace(), SimpleNamespace(mtp_num_layers=None), SimpleNamespace(mtp_num_layers=0)):
+        check_dynamic_cp_model(ok)

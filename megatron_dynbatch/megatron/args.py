@@ -242,6 +242,9 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
             raise DynBatchConfigError(
                 "--dynbatch-dynamic-cp", True, "Megatron's own --hybrid-context-parallel reroutes samples with its "
                 "scheduler; the two cannot both plan the batch", "use one of them")
+        from .dynamic_cp import check_dynamic_cp_model
+
+        check_dynamic_cp_model(args, flag="--mtp-num-layers")
 
     experts = _get(args, "num_experts", _get(args, "num_moe_experts"))
     dispatcher = _get(args, "moe_token_dispatcher_type", "allgather")

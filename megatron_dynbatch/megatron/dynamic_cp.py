@@ -24,6 +24,16 @@ default_forward_step`; wrap your own forward step in it) points every ``Attentio
 ``pg_collection.cp`` at the micro-batch's group for the duration of its forward (a shallow copy of the
 collection, restored afterwards). Backward needs no swap: RoPE's backward uses no group and the attention
 collectives keep the group they ran with.
+
+**Refused** (:func:`check_dynamic_cp_model`, at start-up from the flags and again per step from the model config):
+multi-token prediction. megatron-core 0.16.1 rolls the MTP labels and loss mask one token left with
+``roll_tensor(..., cp_group=self.cp_group, packed_seq_params=...)`` (``models/gpt/gpt_model.py``, the MTP branch
+of ``_postprocess``; ``transformer/multi_token_prediction.py`` does the same), where ``self.cp_group`` is the
+model's FIXED CP group (``LanguageModule.__init__`` takes it from ``pg_collection``), and the THD roll exchanges
+each sequence's boundary tokens between the ranks of that group. Under dynamic CP a micro-batch is sliced for its
+own group, so the roll would exchange tokens with a rank that holds a different micro-batch (wrong MTP labels) or
+expect a slicing the micro-batch does not have. The fix is upstream's: take ``packed_seq_params.cp_group`` when
+set.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from ..core.errors import DynBatchConfigError
 from ..core.planner.pool import PoolTree, pool_tree
 
 __all__ = ["DynamicCPGroups", "setup_dynamic_cp_groups", "get_dynamic_cp_groups", "destroy_dynamic_cp_groups",
-           "microbatch_cp_group"]
+           "microbatch_cp_group", "check_dynamic_cp_model"]
 
 _GROUPS: Optional["DynamicCPGroups"] = None
 
@@ -146,6 +156,18 @@ def destroy_dynamic_cp_groups() -> None:
     go with ``torch.distributed.destroy_process_group``)."""
     global _GROUPS
     _GROUPS = None
+
+
+def check_dynamic_cp_model(args_or_config: Any, flag: str = "config.mtp_num_layers") -> None:
+    """Refuse model features that read the model's fixed CP group where a dynamic-CP micro-batch needs its own
+    (module docstring): multi-token prediction (``mtp_num_layers`` in Megatron's args or a
+    ``TransformerConfig``). ``flag`` names the setting in the error."""
+    mtp = getattr(args_or_config, "mtp_num_layers", None)
+    if mtp:
+        raise DynBatchConfigError(
+            flag, mtp, "multi-token prediction rolls its labels across the model's FIXED context-parallel group "
+            "(megatron-core's roll_tensor with GPTModel.cp_group), which under dynamic CP holds other micro-batches",
+            "drop --dynbatch-dynamic-cp (fixed --context-parallel-size works with MTP), or train without MTP")
 
 
 # ------------------------------------------------------------------------------------------ RoPE's group

@@ -242,6 +242,10 @@ def dynamic_forward_backward(
 
     prepare_config(config, pp_size, uniform_length=it.uniform_length)
     check_sequence_parallel_alignment(it.plan, config)
+    if it.dynamic_cp:
+        from .dynamic_cp import check_dynamic_cp_model
+
+        check_dynamic_cp_model(config)
     if it.dynamic_cp and getattr(config, "hybrid_context_parallel", False):
         raise DynBatchConfigError("config.hybrid_context_parallel", True, "megatron-core would run its own hybrid-CP "
                                   "schedule instead of the dynamic-CP plan", "build the model with "
