@@ -311,6 +311,62 @@ def test_mock_global_batches_are_identical_per_step_and_well_formed():
     assert [s["group_id"] for s in second] == [4 + i // 4 for i in range(16)]
 
 
+def test_mock_global_batches_with_a_length_profile():
+    """``--dynbatch-mock-lengths``: every batch holds exactly these lengths, in a seeded order per batch."""
+    lengths = [128, 120, 100, 40, 36, 32, 30, 28, 24, 20, 20, 18, 16, 16, 12, 2]
+    src = ml.MockGlobalBatches(16, vocab_size=128, max_length=128, seed=7, group_size=4, as_torch=False,
+                               lengths=lengths)
+    batches = [next(src) for _ in range(3)]
+    for batch in batches:
+        assert sorted(len(s["tokens"]) for s in batch) == sorted(lengths)
+        for s in batch:
+            n = len(s["tokens"])
+            assert len(s["loss_mask"]) == n and s["loss_mask"][-1] == 0 and sum(s["loss_mask"]) >= 1
+            assert max(s["tokens"]) < 128
+    assert [len(s["tokens"]) for s in batches[0]] != [len(s["tokens"]) for s in batches[1]]  # order per batch
+    again = ml.MockGlobalBatches(16, vocab_size=128, max_length=128, seed=7, group_size=4, as_torch=False,
+                                 lengths=lengths, start_batch=2)
+    assert next(again) == batches[2]  # batch k depends only on (seed, k): every rank, and resumption, agree
+    for bad in (lengths[:-1], lengths[:-1] + [1]):
+        with pytest.raises(DynBatchConfigError, match="lengths"):
+            ml.MockGlobalBatches(16, vocab_size=128, max_length=128, lengths=bad)
+
+
+def test_mock_lengths_flag():
+    import argparse
+
+    parser = ml.add_dynamic_batch_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--dynbatch-mock-data", "--dynbatch-mock-lengths", "64,8, 8,4"])
+    assert args.dynbatch_mock_lengths == [64, 8, 8, 4]
+    for bad in ("64,x", "", "64,1", "0"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--dynbatch-mock-lengths", bad])
+    args.global_batch_size, args.seq_length = 4, 64
+    ml.check_data_source_args(args)
+    for change, problem in (({"global_batch_size": 8}, "one length per sample"), ({"seq_length": 32}, "longer"),
+                            ({"dynbatch_mock_data": False, "dynbatch_train_data": "x.jsonl"}, "synthetic")):
+        with pytest.raises(DynBatchConfigError, match=problem) as exc:
+            ml.check_data_source_args(argparse.Namespace(**{**vars(args), **change}))
+        assert exc.value.field == "--dynbatch-mock-lengths"
+
+
+def test_plan_log_line():
+    from megatron_dynbatch import plan_global_batch
+
+    kw = dict(parallel={"dp": 2, "cp": 2}, max_tokens_per_gpu=64, model="llama-3.1-8b")
+    lengths = [128, 120, 100, 40, 36, 32, 30, 28, 24, 20, 20, 18, 16, 16, 12, 12]
+    fixed = plan_global_batch(lengths, **kw)
+    assert ml.plan_log_line(fixed) == (f"micro-batches per GPU: {fixed.num_microbatches} | cp groups (size: "
+                                       f"count): 2: {2 * fixed.num_microbatches}")
+    dyn = plan_global_batch(lengths, dynamic_cp=True, **kw)
+    line = ml.plan_log_line(dyn)
+    sizes = ", ".join(f"{g}: {n}" for g, n in sorted(dyn.group_sizes().items()))
+    assert f"micro-batches per GPU: {dyn.num_microbatches} | cp groups (size: count): {sizes} |" in line
+    assert re.search(r"modelled speed-up vs fixed cp: \d+\.\d{3}$", line)
+    only_dyn = plan_global_batch([200, 8, 8, 8], dynamic_cp=True, **kw)  # 200 tokens need all 4 GPUs
+    assert ml.plan_log_line(only_dyn).endswith("n/a (the fixed layout cannot hold this batch)")
+
+
 def test_megatron_loss_dicts():
     assert ml.megatron_loss_dicts(None, 3) == []
     dicts = ml.megatron_loss_dicts(1.25, 3)

@@ -90,6 +90,7 @@ __all__ = [
     "to_torch_sample",
     "DynamicForwardBackward",
     "megatron_loss_dicts",
+    "plan_log_line",
     "help_text",
 ]
 
@@ -138,6 +139,10 @@ def add_data_source_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="Synthetic long-tailed samples (seeded, identical on every rank) for smoke and speed runs.")
     g.add_argument("--dynbatch-mock-max-length", type=int, default=None,
                    help="Longest synthetic sample (default --seq-length).")
+    g.add_argument("--dynbatch-mock-lengths", type=_length_list, default=None, metavar="L1,L2,...",
+                   help="Synthetic samples of exactly these lengths (one per sample of the global batch, in a "
+                        "seeded order per batch) instead of the long-tailed draw: a length profile to reproduce, "
+                        "e.g. one long document among short answers.")
     return parser
 
 
@@ -185,13 +190,42 @@ def check_megatron_lm_args(args: Any) -> None:
                                   "pass --micro-batch-size 1 and --global-batch-size = samples per optimizer step")
 
 
+def _length_list(text: str) -> List[int]:
+    """argparse type of ``--dynbatch-mock-lengths``: comma-separated positive integers."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one length >= 2 per sample, e.g. 128,40,16")
+    return values
+
+
 def check_data_source_args(args: Any) -> None:
-    """Exactly one of ``--dynbatch-train-data`` / ``--dynbatch-mock-data`` (for :func:`global_batch_datasets_provider`)."""
+    """Exactly one of ``--dynbatch-train-data`` / ``--dynbatch-mock-data`` (for :func:`global_batch_datasets_provider`);
+    ``--dynbatch-mock-lengths`` only with mock data, one length per sample of the global batch, none over
+    ``--seq-length``."""
     from ..core.errors import DynBatchConfigError
 
     if bool(getattr(args, "dynbatch_train_data", None)) == bool(getattr(args, "dynbatch_mock_data", False)):
         raise DynBatchConfigError("--dynbatch-train-data", getattr(args, "dynbatch_train_data", None),
                                   "give exactly one data source", "pass --dynbatch-train-data FILE or --dynbatch-mock-data")
+    lengths = getattr(args, "dynbatch_mock_lengths", None)
+    if lengths is None:
+        return
+    if not getattr(args, "dynbatch_mock_data", False):
+        raise DynBatchConfigError("--dynbatch-mock-lengths", ",".join(map(str, lengths)),
+                                  "only shapes synthetic data", "add --dynbatch-mock-data, or drop the flag")
+    gbs = getattr(args, "global_batch_size", None)
+    if gbs is not None and len(lengths) != int(gbs):
+        raise DynBatchConfigError("--dynbatch-mock-lengths", f"{len(lengths)} lengths",
+                                  f"needs one length per sample of the global batch ({gbs})",
+                                  f"give {gbs} lengths, or pass --global-batch-size {len(lengths)}")
+    longest = int(getattr(args, "dynbatch_mock_max_length", None) or getattr(args, "seq_length", None) or max(lengths))
+    if max(lengths) > longest:
+        raise DynBatchConfigError("--dynbatch-mock-lengths", max(lengths),
+                                  f"is longer than the longest sample the run allows ({longest})",
+                                  "raise --seq-length (and --max-position-embeddings), or shorten the lengths")
 
 
 def validate_megatron_lm_args(args: Any) -> Any:
@@ -295,21 +329,36 @@ class JsonlGlobalBatches(Iterator[List[Dict[str, Any]]]):
 class MockGlobalBatches(Iterator[List[Dict[str, Any]]]):
     """Synthetic RL-like global batches: a short prompt (loss mask 0) and a long-tailed response (loss mask 1),
     ``group_size`` responses per prompt id; each sample's tokens are an arithmetic progression modulo the
-    vocabulary (random start, stride 1-3), which a model can learn. Batch ``k`` depends only on ``(seed, k)``: identical on every rank."""
+    vocabulary (random start, stride 1-3), which a model can learn. Batch ``k`` depends only on ``(seed, k)``:
+    identical on every rank. With ``lengths`` (one per sample, each >= 2) every batch holds samples of exactly
+    those lengths, in an order drawn per batch, instead of the long-tailed draw."""
 
     def __init__(self, batch_size: int, *, vocab_size: int, max_length: int, seed: int = 1234,
-                 group_size: int = 8, start_batch: int = 0, as_torch: bool = True) -> None:
+                 group_size: int = 8, start_batch: int = 0, as_torch: bool = True,
+                 lengths: Optional[List[int]] = None) -> None:
         self.batch_size, self.vocab_size, self.max_length = int(batch_size), int(vocab_size), int(max_length)
         self.seed, self.group_size, self.k, self.as_torch = int(seed), max(1, int(group_size)), int(start_batch), as_torch
+        self.lengths = None if lengths is None else [int(n) for n in lengths]
+        if self.lengths is not None and (len(self.lengths) != self.batch_size or min(self.lengths) < 2):
+            from ..core.errors import DynBatchConfigError
+
+            raise DynBatchConfigError("lengths", self.lengths[:16], f"needs {self.batch_size} lengths >= 2 (one "
+                                      "per sample of the batch)", "pass one length >= 2 per sample")
 
     def __next__(self) -> List[Dict[str, Any]]:
         rng = np.random.default_rng([self.seed, self.k])
+        order = None if self.lengths is None else rng.permutation(self.batch_size)
         out = []
         for i in range(self.batch_size):
-            prompt = int(rng.integers(8, max(9, min(512, self.max_length // 4))))
-            resp = int(np.clip(rng.lognormal(mean=np.log(max(2, self.max_length) / 8), sigma=1.0), 1,
-                               max(1, self.max_length - prompt)))
-            n = prompt + resp
+            if order is not None:
+                n = self.lengths[int(order[i])]
+                prompt = int(rng.integers(1, max(2, n // 2)))
+            else:
+                prompt = int(rng.integers(8, max(9, min(512, self.max_length // 4))))
+                resp = int(np.clip(rng.lognormal(mean=np.log(max(2, self.max_length) / 8), sigma=1.0), 1,
+                                   max(1, self.max_length - prompt)))
+                n = prompt + resp
+            resp = n - prompt
             mask = [0] * (prompt - 1) + [1] * resp + [0]  # label positions that predict response tokens
             # a learnable sequence (arithmetic progression mod the vocabulary, random start and stride), so a
             # smoke run shows the loss going down
@@ -394,7 +443,8 @@ def _global_batch_source(args: Any) -> Iterator[List[Dict[str, Any]]]:
         return MockGlobalBatches(
             args.global_batch_size, vocab_size=int(args.padded_vocab_size),
             max_length=int(args.dynbatch_mock_max_length or args.seq_length), seed=int(args.seed),
-            start_batch=int(args.consumed_train_samples) // int(args.global_batch_size))
+            start_batch=int(args.consumed_train_samples) // int(args.global_batch_size),
+            lengths=getattr(args, "dynbatch_mock_lengths", None))
     return JsonlGlobalBatches(args.dynbatch_train_data, args.global_batch_size,
                               start_sample=int(args.consumed_train_samples))
 
@@ -488,7 +538,24 @@ class DynamicForwardBackward:
         stats = {STAT_KEYS[0]: float(sum(self.last_lengths))}
         if plan is not None:
             stats[STAT_KEYS[1]] = float(sum(sum(r) for r in plan.microbatch_tokens))
+            self._log_plan(plan)
         return megatron_loss_dicts(result.loss, result.num_microbatches, device=self.device, stats=stats)
+
+    def _log_plan(self, plan: Any) -> None:
+        """One ``dynbatch plan | iteration N | ...`` line (:func:`plan_log_line`) on global rank 0, on the
+        iterations Megatron logs (``--log-interval``)."""
+        iteration = int(getattr(self.args, "curr_iteration", 0) or 0) + 1
+        interval = int(getattr(self.args, "log_interval", 1) or 1)
+        if iteration % interval:
+            return
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+                return
+        except ImportError:  # pragma: no cover
+            pass
+        print(f"dynbatch plan | iteration {iteration:8d} | {plan_log_line(plan)}", flush=True)
 
     def step_flops(self) -> Optional[float]:
         """Training (forward + backward) FLOPs of the last global batch from its REAL sample lengths
@@ -498,6 +565,24 @@ class DynamicForwardBackward:
         from ..core.flops import FWD_BWD_FACTOR, calculate_fwd_flops
 
         return float(calculate_fwd_flops(self.last_lengths, self.last_model) * FWD_BWD_FACTOR)
+
+
+def plan_log_line(plan: Any) -> str:
+    """What the hook logs about a step's plan: micro-batches per GPU (the count every GPU runs) and, for a
+    dynamic-CP plan, how many micro-batches ran on CP groups of each size and the modelled speed-up over the
+    fixed layout's plan, e.g. ``micro-batches per GPU: 3 | cp groups (size: count): 1: 6, 2: 1, 4: 1 |
+    modelled speed-up vs fixed cp: 1.008``."""
+    parts = [f"micro-batches per GPU: {plan.num_microbatches}"]
+    group_sizes = getattr(plan, "group_sizes", None)
+    if callable(group_sizes):
+        sizes = group_sizes()
+        parts.append("cp groups (size: count): " + ", ".join(f"{g}: {n}" for g, n in sorted(sizes.items())))
+        speedup = float(plan.speedup_vs_fixed_cp)
+        parts.append("modelled speed-up vs fixed cp: " + (f"{speedup:.3f}" if np.isfinite(speedup) else
+                                                          "n/a (the fixed layout cannot hold this batch)"))
+    else:
+        parts.append(f"cp groups (size: count): {plan.parallel.cp}: {plan.num_microbatches * plan.parallel.dp}")
+    return " | ".join(parts)
 
 
 def _default_plan_kwargs(args: Any) -> Dict[str, Any]:
