@@ -7,10 +7,16 @@ without (plain fixed micro-batches, Megatron-LM's own ``forward_step``, ``--calc
 checks, from Megatron's own iteration log lines: the loss goes down, every step's loss and grad norm agree
 between the two batchings, consumed samples advance by the global batch, the hook's token counts are the
 batch's real token counts; and that ``--save``/``--load`` resumes with the same next-step loss.
+
+Dynamic context parallelism (``--dynbatch-dynamic-cp``) runs on 4 ranks, dp=2 x cp=2, with a length profile
+whose plan puts micro-batches on single GPUs, CP groups of 2 and the whole pool of 4 in the same step (read
+from the hook's ``dynbatch plan`` log line); its losses and grad norms equal the fixed-CP plan's, Megatron's own
+fixed micro-batches at cp=2 and at cp=1 on the same samples.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -39,7 +45,10 @@ TINY_GPT = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-que
 DYNAMIC = "--use-dynamic-batch-size --balance-by-flops --max-tokens-per-gpu 256".split()
 PLAIN = ["--calculate-per-token-loss"]
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?lm loss: ([0-9.E+-]+) \|"
-                  r"(?:.*?dynbatch tokens: ([0-9.E+-]+) \|)?.*?grad norm: ([0-9.]+) \|")
+                  r"(?:.*?dynbatch tokens: ([0-9.E+-]+) \|)?(?:.*?dynbatch padded tokens: ([0-9.E+-]+) \|)?"
+                  r".*?grad norm: ([0-9.]+) \|")
+PLAN_LINE = re.compile(r"dynbatch plan \| iteration\s+(\d+) \| micro-batches per GPU: (\d+) \| cp groups "
+                       r"\(size: count\): ([0-9:, ]+)")
 
 
 def _skip_reason() -> str:
@@ -90,7 +99,12 @@ def launcher(tmp_path_factory):
         steps = {}
         for m in LINE.finditer(out):
             steps[int(m.group(1))] = dict(samples=int(m.group(2)), loss=float(m.group(3)),
-                                          tokens=float(m.group(4)) if m.group(4) else None, grad_norm=float(m.group(5)))
+                                          tokens=float(m.group(4)) if m.group(4) else None,
+                                          padded=float(m.group(5)) if m.group(5) else None,
+                                          grad_norm=float(m.group(6)))
+        for m in PLAN_LINE.finditer(out):  # the hook's plan of each logged iteration
+            sizes = dict(tuple(int(x) for x in pair.split(":")) for pair in m.group(3).split(","))
+            steps.setdefault(int(m.group(1)), {}).update(microbatches=int(m.group(2)), groups=sizes)
         return steps
 
     return run
@@ -142,3 +156,40 @@ def test_save_and_load_resume_gives_the_uninterrupted_next_step(launcher, tmp_pa
     true_loss = {1: whole[1]["loss"], 3: whole[3]["loss"], 4: whole[4]["loss"]}
     true_loss[2] = 2 * whole[2]["loss"] - whole[1]["loss"]  # undo the mean in the uninterrupted run's 2nd line
     assert resumed[4]["loss"] == pytest.approx(_as_logged(true_loss, first=3)[4], rel=1e-5)
+
+
+#: Dynamic CP: one sample per CP-group size of a dp=2 x cp=2 pool at --max-tokens-per-gpu 64 (128 tokens need
+#: a group of 2 at least; the short ones fit one GPU) ...
+DYNCP_LENGTHS = "128,120,100,40,36,32,30,28,24,20,20,18,16,16,12,12"
+#: ... and a cost model (--dynbatch-cost-model) in which, as for long sequences on GPUs, attention dominates and
+#: the K/V exchange is partly hidden behind it, so that the planner spreads the longest sample over all 4 GPUs
+#: and keeps the short ones on single GPUs (with the tiny model's own FLOPs the per-micro-batch overhead
+#: dominates and every plan is the fixed one).
+DYNCP_COST = {"linear_s_per_token": 1e-5, "attention_s_per_sq_token": 2e-7, "overhead_s": 1e-4,
+              "cp_comm_s_per_token": 2e-6, "cp_comm_s_per_step": 2e-4, "cp_comm_overlap": 0.5}
+
+
+def test_dynamic_cp_in_the_real_loop_matches_fixed_cp_and_plain_batching(launcher, tmp_path):
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps(DYNCP_COST))
+    data = ["--dynbatch-mock-lengths", DYNCP_LENGTHS]
+    hook = ["--use-dynamic-batch-size", "--balance-by-flops", "--max-tokens-per-gpu", "64",
+            "--dynbatch-cost-model", str(cost), "--context-parallel-size", "2", *data]
+    dyn = launcher(*hook, "--dynbatch-dynamic-cp", nproc=4)
+    fixed = launcher(*hook, nproc=4)
+    plain_cp = launcher("--context-parallel-size", "2", *data, *PLAIN, nproc=4)  # Megatron's own batches, cp=2
+    plain = launcher(*data, *PLAIN, nproc=2)  # and without context parallelism (dp=2)
+    iters = list(range(1, ITERS + 1))
+    assert sorted(dyn) == sorted(fixed) == sorted(plain_cp) == sorted(plain) == iters
+    tokens = sum(int(n) for n in DYNCP_LENGTHS.split(","))
+    for it in iters:
+        sizes = dyn[it]["groups"]
+        assert 1 in sizes and len(sizes) >= 2, sizes  # single GPUs and wider groups in ONE step
+        assert fixed[it]["groups"] == {2: 2 * fixed[it]["microbatches"]}  # the fixed layout: CP groups of 2
+        for other in (fixed, plain_cp, plain):
+            assert other[it]["samples"] == dyn[it]["samples"] == it * GBS
+            assert dyn[it]["loss"] == pytest.approx(other[it]["loss"], rel=2e-6)
+            assert dyn[it]["grad_norm"] == pytest.approx(other[it]["grad_norm"], abs=1.5e-3)
+        assert dyn[it]["tokens"] == fixed[it]["tokens"] == tokens  # every batch holds the profile's lengths
+        assert dyn[it]["padded"] >= tokens and fixed[it]["padded"] >= tokens
+    assert dyn[ITERS]["loss"] < dyn[1]["loss"] - 0.05  # it learns
