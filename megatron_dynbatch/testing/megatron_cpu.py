@@ -60,7 +60,8 @@ Sequence and context parallelism need no shim here (they are real layers, not pa
   scatter, the linear layers' all-gather / reduce-scatter and the output gather run on gloo unchanged (torch
   2.13's gloo backend supports ``all_gather_into_tensor`` and ``reduce_scatter_tensor``).
 * ``context_parallel_size > 1``: ``ThdDotProductAttention`` implements CP for THD (all-gather of K/V over the
-  CP group); Megatron's THD RoPE is CP-aware already. Unpacked (sbhd) inputs under CP are refused.
+  CP group); Megatron's THD RoPE is CP-aware already. Unpacked (sbhd) inputs under CP (Megatron-LM's own
+  fixed batches) run through the same THD path, one sequence per row, causal masking only.
 """
 
 from __future__ import annotations
