@@ -353,20 +353,27 @@ def test_dynamic_cp_launch_flag():
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size = 1, 1, 2
         return args
 
+    on = ("--use-dynamic-batch-size", "--balance-by-flops", "--max-tokens-per-gpu", "4096", "--dynbatch-dynamic-cp")
     with pytest.raises(DynBatchConfigError, match="--dynbatch-dynamic-cp"):
         validate_dynamic_batch_args(parse("--dynbatch-dynamic-cp"))
-    args = validate_dynamic_batch_args(parse("--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
-                                             "--dynbatch-dynamic-cp"))
+    # the launch flag refuses what RunConfig and `plan --dynamic-cp` refuse (one dynamic_cp_problem)
+    with pytest.raises(DynBatchConfigError, match="token balancing") as err:
+        validate_dynamic_batch_args(parse(*(f for f in on if f != "--balance-by-flops")))
+    assert "drop --dynbatch-dynamic-cp" in err.value.fix
+    one = parse(*on)
+    one.world_size, one.context_parallel_size = 1, 1
+    with pytest.raises(DynBatchConfigError, match="one GPU"):
+        validate_dynamic_batch_args(one)
+    args = validate_dynamic_batch_args(parse(*on))
     assert args.dynbatch_dynamic_cp
-    bad = parse("--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--dynbatch-dynamic-cp")
+    bad = parse(*on)
     bad.hybrid_context_parallel = True
     with pytest.raises(DynBatchConfigError, match="hybrid"):
         validate_dynamic_batch_args(bad)
-    vpp = parse("--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--dynbatch-dynamic-cp")
+    vpp = parse(*on)
     vpp.pipeline_model_parallel_size, vpp.virtual_pipeline_model_parallel_size = 2, 2
     with pytest.raises(DynBatchConfigError, match="pp=2"):
         validate_dynamic_batch_args(vpp)
-    from types import SimpleNamespace
 
     args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size = 2, 64, 4, 128
     args.padded_vocab_size = 128
@@ -375,7 +382,6 @@ def test_dynamic_cp_launch_flag():
     except DynBatchConfigError:  # the model fields come from Megatron's parser; the flag is what matters here
         kw = {"dynamic_cp": True}
     assert kw["dynamic_cp"] is True
-    assert SimpleNamespace  # noqa: B018
 
 
 # -------------------------------------------------------------------------------------- iterator, one process

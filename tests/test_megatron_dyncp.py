@@ -246,7 +246,7 @@ def test_dynamic_cp_refuses_multi_token_prediction():
     from megatron_dynbatch.megatron.dynamic_cp import check_dynamic_cp_model
 
     args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
-        "--use-dynamic-batch-size --max-tokens-per-gpu 4096 --dynbatch-dynamic-cp".split())
+        "--use-dynamic-batch-size --balance-by-flops --max-tokens-per-gpu 4096 --dynbatch-dynamic-cp".split())
     args.world_size, args.context_parallel_size, args.mtp_num_layers = 8, 2, 1
     with pytest.raises(DynBatchConfigError, match="multi-token prediction") as err:
         validate_dynamic_batch_args(args)

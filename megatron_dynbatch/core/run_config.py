@@ -462,26 +462,28 @@ class RunConfig:
 
 # --------------------------------------------------------------------------------------------- helpers
 def dynamic_cp_problem(par: ParallelConfig, *, grouped: bool = False, balance_by: str = "flops",
-                       hybrid_cp: bool = False) -> Optional[Tuple[str, str]]:
+                       hybrid_cp: bool = False, off: str = "turn dynamic CP off") -> Optional[Tuple[str, str]]:
     """Why a run cannot use dynamic CP, as ``(problem, fix)``, or ``None`` when it can: a pool of one GPU,
     ``pp=2`` with ``vpp > 1``, GRPO groups kept on one DP rank (``grouped``), token balancing, or Megatron's
-    own hybrid CP. Shared by :class:`RunConfig` and ``megatron-dynbatch plan --dynamic-cp``."""
+    own hybrid CP. ``off`` says how the caller's user turns it off. Shared by :class:`RunConfig`,
+    ``megatron-dynbatch plan --dynamic-cp`` and the ``--dynbatch-dynamic-cp`` launch flag, so all three refuse
+    the same runs."""
     if par.dp * par.cp == 1:
         return ("the pool (dp x cp of a pipeline stage) is one GPU, so there is no CP group to choose",
-                "use dp x cp > 1, or turn dynamic CP off")
+                f"use dp x cp > 1, or {off}")
     if par.pp == 2 and par.vpp > 1:
         return ("with pp=2 and an interleaved schedule megatron-core 0.16 needs one micro-batch length per rank "
                 "(NVIDIA/Megatron-LM #5100), which CP groups of different sizes do not give",
-                "use vpp=1 or another pp, or turn dynamic CP off")
+                f"use vpp=1 or another pp, or {off}")
     if grouped:
         return ("groups that stay on one DP rank (group_size / group ids) have no meaning when a sample's CP group "
-                "spans several DP ranks", "drop the groups, or turn dynamic CP off")
+                f"spans several DP ranks", f"drop the groups, or {off}")
     if balance_by == "tokens":
         return ("dynamic CP always balances the cost model's seconds, so token balancing would be silently ignored",
-                "balance by flops, or turn dynamic CP off")
+                f"balance by flops, or {off}")
     if hybrid_cp:
         return ("Megatron's own --hybrid-context-parallel reroutes samples with its scheduler; the two cannot both "
-                "plan the batch", "remove --hybrid-context-parallel, or turn dynamic CP off")
+                f"plan the batch", f"remove --hybrid-context-parallel, or {off}")
     return None
 
 

@@ -233,15 +233,13 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
     _check_max_seq_length(args, par, resolved)
 
     if getattr(args, "dynbatch_dynamic_cp", False):
-        if par.pp == 2 and par.vpp > 1:
-            raise DynBatchConfigError(
-                "--dynbatch-dynamic-cp", True, "with pp=2 and an interleaved schedule megatron-core 0.16 needs one "
-                "micro-batch length per rank (NVIDIA/Megatron-LM #5100), which CP groups of different sizes do not give",
-                "drop --virtual-pipeline-model-parallel-size, use another pp, or drop --dynbatch-dynamic-cp")
-        if getattr(args, "hybrid_context_parallel", False):
-            raise DynBatchConfigError(
-                "--dynbatch-dynamic-cp", True, "Megatron's own --hybrid-context-parallel reroutes samples with its "
-                "scheduler; the two cannot both plan the batch", "use one of them")
+        from ..core.run_config import dynamic_cp_problem  # the same refusals as RunConfig and `plan --dynamic-cp`
+
+        problem = dynamic_cp_problem(
+            par, balance_by="flops" if getattr(args, "balance_by_flops", False) else "tokens",
+            hybrid_cp=bool(getattr(args, "hybrid_context_parallel", False)), off="drop --dynbatch-dynamic-cp")
+        if problem is not None:
+            raise DynBatchConfigError("--dynbatch-dynamic-cp", True, *problem)
         from .dynamic_cp import check_dynamic_cp_model
 
         check_dynamic_cp_model(args, flag="--mtp-num-layers")
