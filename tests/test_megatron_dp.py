@@ -95,6 +95,19 @@ def _dp_worker(rank: int, world_size: int) -> dict:
                                   for a, b in zip(lp.per_sample, ref_lp))
         out["logprob_plan_mbs"] = lp.num_microbatches
         out["lengths"] = [len(s["tokens"]) for s in samples]
+        # a local-mode plan (this rank's half, dp=1) is refused: its loss would be normalised over half the tokens
+        from megatron_dynbatch import DynamicBatchIterator, local_microbatch_counts, plan_local_batch
+        from megatron_dynbatch.core.errors import DynBatchConfigError
+
+        mine = samples[rank::world_size]
+        kw = {"max_tokens_per_gpu": 64, "balance_by_flops": False}
+        my_lengths = [len(s["tokens"]) for s in mine]
+        local = plan_local_batch(my_lengths, num_microbatches=local_microbatch_counts(my_lengths, **kw), **kw)
+        try:
+            DynamicBatchIterator(mine, local)
+            out["local_plan_error"] = None
+        except DynBatchConfigError as exc:
+            out["local_plan_error"] = str(exc)
         return out
     finally:
         megatron_cpu.destroy()
@@ -144,3 +157,10 @@ def test_dp2_second_optimizer_step_of_a_split_batch(dp_results):
 @pytest.mark.multiprocess
 def test_log_probs_from_logits_matches_fused_cross_entropy(dp_results):
     assert dp_results[0]["logits_lp_diff"] <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_a_local_mode_plan_is_refused_by_the_iterator(dp_results):
+    for r in dp_results:
+        assert r["local_plan_error"] is not None and "local-mode plan" in r["local_plan_error"]
+        assert "plain batching's gradient" in r["local_plan_error"]

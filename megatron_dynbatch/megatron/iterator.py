@@ -296,9 +296,14 @@ class DynamicBatchIterator:
         if ps is not None and dp_rank is None:
             world_dp = ps.get_data_parallel_world_size()
             if world_dp != par.dp:
+                local = (" -- a local-mode plan (plan_local_batch) holds only this rank's samples, and a loss "
+                         "normalised over them alone would not give plain batching's gradient" if par.dp == 1 else "")
                 raise DynBatchConfigError("plan.parallel.dp", par.dp,
-                                          f"the plan is for dp={par.dp} but Megatron's data-parallel size is {world_dp}",
-                                          "plan with parallel=parallel_from_args(args) / the running layout")
+                                          f"the plan is for dp={par.dp} but Megatron's data-parallel size is "
+                                          f"{world_dp}{local}",
+                                          "plan the global batch with parallel=parallel_from_args(args) / the running "
+                                          "layout (local mode is for trainers that pack themselves, e.g. the verl "
+                                          "drop-in)")
         if dp_rank is None:
             dp_rank = ps.get_data_parallel_rank() if ps is not None else 0
         if cp_size is None:
