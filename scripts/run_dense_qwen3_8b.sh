@@ -58,6 +58,7 @@ PARALLEL_ARGS=(
 DYNBATCH_ARGS=(
   --use-dynamic-batch-size --balance-by-flops
   --max-tokens-per-gpu "$MAX_TOKENS_PER_GPU" --log-probs-max-tokens-per-gpu "$LOG_PROBS_MAX_TOKENS_PER_GPU"
+  --dynbatch-max-seq-length "$SEQ_LENGTH"
   --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH_SIZE" --dynbatch-samples-per-step "$GLOBAL_BATCH_SIZE"
   --dataloader-type external --eval-iters 0
 )

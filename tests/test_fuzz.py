@@ -205,7 +205,7 @@ def test_model_spec_hostile_field(field, value):
 
 RUN_FIELDS = ["max_tokens_per_gpu", "log_probs_max_tokens_per_gpu", "samples_per_step", "group_size", "balance_by",
               "oversize", "loss_mode", "fp8_alignment", "megatron_args", "name", "description", "model", "parallel",
-              "dynamic_cp"]
+              "dynamic_cp", "max_seq_len"]
 
 
 @SETTINGS

@@ -426,3 +426,31 @@ def test_quickstart_custom_loop_snippet_runs_on_cpu(megatron_world1):
     assert [len(x) for x in logp.per_sample] == [len(s["tokens"]) for s in samples]
     res = dynamic_forward_backward(model, samples, rc.planner_kwargs(), loss_mode=rc.loss_mode, step=0)
     assert res.loss is not None and np.isfinite(res.loss)
+
+
+def test_max_seq_len_is_checked_at_construction():
+    """A budget too small for the longest sample the run produces fails when the config is built (before step 1;
+    so also for Ray trainers that pass run_config to plan_rollout), counting the same padding as the planner."""
+    import warnings
+
+    from megatron_dynbatch import OversizeSampleError, OversizeSampleWarning
+
+    base = {"name": "t", "model": "tiny-gpt", "parallel": {"dp": 2, "cp": 2}, "max_tokens_per_gpu": 4096}
+    ok = RunConfig.from_dict({**base, "max_seq_len": 8192})  # 8192 tokens over cp=2 at 4096 per GPU: fits
+    assert ok.to_megatron_args()[-2:] == ["--dynbatch-max-seq-length", "8192"]
+    with pytest.raises(OversizeSampleError, match="max_seq_len=8193") as err:
+        RunConfig.from_dict({**base, "max_seq_len": 8193})  # 8196 after 2*cp alignment: one token slot too many
+    assert err.value.field == "max_tokens_per_gpu" and "4098" in err.value.fix
+    with pytest.raises(OversizeSampleError, match="log_probs_max_tokens_per_gpu"):
+        RunConfig.from_dict({**base, "max_seq_len": 8192, "log_probs_max_tokens_per_gpu": 2048})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        RunConfig.from_dict({**base, "max_seq_len": 10000, "oversize": "alone"})
+    assert any(issubclass(w.category, OversizeSampleWarning) for w in caught)
+    # dynamic CP: a sample may spread over the whole dp x cp pool (4 GPUs here)
+    RunConfig.from_dict({**base, "max_seq_len": 16384, "dynamic_cp": True})
+    with pytest.raises(OversizeSampleError):
+        RunConfig.from_dict({**base, "max_seq_len": 16384})
+    for bad in (0, -1, 2.5, True, "8192", 2 ** 41):
+        with pytest.raises(DynBatchConfigError, match="max_seq_len"):
+            RunConfig.from_dict({**base, "max_seq_len": bad})

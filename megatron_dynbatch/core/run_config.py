@@ -86,6 +86,10 @@ class RunConfig:
             ``docs/dynamic_cp.md``). Refused where the run cannot use it: a pool of one GPU, ``pp=2`` with
             ``vpp > 1``, ``group_size`` (GRPO groups on one DP rank), ``balance_by: tokens`` (dynamic CP balances
             the cost model's seconds) and Megatron's own ``--hybrid-context-parallel`` in ``megatron_args``.
+        max_seq_len: the longest sample the run can produce (prompt + response); checked against both budgets
+            at construction, so a budget too small for it fails before step 1 (``OversizeSampleError``, or a
+            warning under ``oversize: alone``), and passed to Megatron as ``--dynbatch-max-seq-length``.
+            ``None`` = not checked here (Megatron's flags check ``--seq-length``).
         megatron_args: extra Megatron flags appended verbatim by :meth:`to_megatron_args`.
         description: free text.
     """
@@ -105,6 +109,7 @@ class RunConfig:
     expert_tensor_parallel_size: Optional[int] = None
     moe_token_dispatcher_type: Optional[str] = None
     dynamic_cp: bool = False
+    max_seq_len: Optional[int] = None
     megatron_args: Tuple[str, ...] = ()
     description: str = ""
     _spec: Optional[ModelSpec] = field(default=None, init=False, repr=False, compare=False)
@@ -137,6 +142,7 @@ class RunConfig:
 
         self._check_budgets(par)
         self._check_choices()
+        self._check_max_seq_len(par)
         self._check_steps(par)
         self._check_layout(spec, par)
         self._check_moe(spec, par)
@@ -168,6 +174,19 @@ class RunConfig:
                     name, value, f"a micro-batch of {cap} tokens cannot hold one aligned sequence (per-sequence "
                     f"multiple {align.seq_multiple}, micro-batch multiple {align.total_multiple})",
                     f"use {name} >= {need}")
+
+    def _check_max_seq_len(self, par: ParallelConfig) -> None:
+        """The start-up check (``core/startup.py``) for both budgets, when ``max_seq_len`` is set."""
+        if self.max_seq_len is None:
+            return
+        from .startup import check_max_seq_len_fits
+
+        for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+            budget = getattr(self, name)
+            if budget is not None:
+                check_max_seq_len_fits(self.max_seq_len, max_tokens_per_gpu=budget, parallel=par,
+                                       fp8_alignment=self.fp8_alignment, oversize=self.oversize,
+                                       length_field="max_seq_len", budget_field=name, dynamic_cp=self.dynamic_cp)
 
     def _check_choices(self) -> None:
         for name, allowed in (("balance_by", BALANCE_MODES), ("oversize", OVERSIZE_POLICIES),
@@ -362,6 +381,8 @@ class RunConfig:
             out += ["--dynbatch-group-reduce", self.group_reduce]
         if self.dynamic_cp:
             out.append("--dynbatch-dynamic-cp")
+        if self.max_seq_len is not None:
+            out += ["--dynbatch-max-seq-length", str(self.max_seq_len)]
         return out + list(self.megatron_args)
 
     # ----------------------------------------------------------------------------------- serialisation

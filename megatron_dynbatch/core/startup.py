@@ -3,8 +3,9 @@
 A budget too small for the configured maximum sequence length otherwise fails only when such a sample first
 appears -- possibly at step 500, hours in. Every launch path calls :func:`check_max_seq_len_fits` before step 1:
 ``megatron/args.py`` (``--seq-length`` / ``--dynbatch-max-seq-length`` against ``--max-tokens-per-gpu`` and
-``--log-probs-max-tokens-per-gpu``, hence the Megatron-LM hook, which validates through it) and the trainer
-drop-ins of ``integrations/`` wherever their configuration names a maximum length.
+``--log-probs-max-tokens-per-gpu``, hence the Megatron-LM hook, which validates through it), ``RunConfig``
+(``max_seq_len``, checked at construction -- so the Ray driver's ``run_config`` too) and the trainer drop-ins of
+``integrations/`` wherever their configuration names a maximum length.
 
 The check counts the same padding the planner does (CP zig-zag, TP sequence parallel, FP8 tile, a trainer's
 own multiples), so it passes exactly when a sample of that length would be planned within the cap. Under the
@@ -28,15 +29,21 @@ __all__ = ["check_max_seq_len_fits"]
 def check_max_seq_len_fits(max_seq_len: int, *, max_tokens_per_gpu: int, parallel: Any = None,
                            fp8_alignment: Union[None, str, int] = None, sequence_pad_multiple: Optional[int] = None,
                            microbatch_pad_multiple: Optional[int] = None, oversize: str = "error",
-                           length_field: str = "max_seq_len", budget_field: str = "--max-tokens-per-gpu") -> bool:
+                           length_field: str = "max_seq_len", budget_field: str = "--max-tokens-per-gpu",
+                           dynamic_cp: bool = False) -> bool:
     """``True`` if a sample of ``max_seq_len`` tokens fits one micro-batch of ``max_tokens_per_gpu`` (x cp,
     padding included); else raise (``oversize="error"``) or warn and return ``False`` (``"alone"``).
 
     ``length_field`` / ``budget_field`` name the settings in the message (e.g. ``--seq-length`` and
-    ``--max-tokens-per-gpu``, or verl's ``max_token_len``)."""
+    ``--max-tokens-per-gpu``, or verl's ``max_token_len``). ``dynamic_cp``: a sample may spread over the whole
+    ``dp x cp`` pool of a stage, so the pool is its largest CP group."""
+    import dataclasses
+
     from .planner.inputs import check_budget, check_oversize_policy
 
     par = ParallelConfig.from_any(parallel)
+    if dynamic_cp:
+        par = dataclasses.replace(par, dp=1, cp=par.dp * par.cp)
     length = as_int(max_seq_len, length_field, minimum=1, maximum=MAX_TOKENS,
                     fix="pass the longest sample the run can produce (prompt + response)")
     check_oversize_policy(oversize)

@@ -265,15 +265,12 @@ def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, 
     if length is None:
         return
     field = "--dynbatch-max-seq-length" if explicit is not None else "--seq-length"
-    if getattr(args, "dynbatch_dynamic_cp", False):  # a sample may spread over the whole dp x cp pool
-        import dataclasses
-
-        par = dataclasses.replace(par, dp=1, cp=par.dp * par.cp)
     for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
                        ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu")):
         check_max_seq_len_fits(int(length), max_tokens_per_gpu=int(getattr(args, name)), parallel=par,
                                fp8_alignment=fp8, oversize=getattr(args, "dynbatch_oversize", None) or "error",
-                               length_field=field, budget_field=flag)
+                               length_field=field, budget_field=flag,
+                               dynamic_cp=bool(getattr(args, "dynbatch_dynamic_cp", False)))
 
 
 def plan_kwargs_from_args(args: Any, *, forward_only: bool = False, world_size: Optional[int] = None) -> Dict[str, Any]:
