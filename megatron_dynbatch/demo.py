@@ -42,6 +42,7 @@ CHECK_TOLERANCE = 1e-5
 PROG = "megatron-dynbatch demo"
 
 __all__ = ["main", "synthetic_rl_batch", "reference_coefficients", "unpacked_reference", "reference_log_probs",
+           "log_prob_max_diff",
            "sample_targets"]
 
 
@@ -155,6 +156,16 @@ def reference_log_probs(model: Any, samples: Sequence[Mapping[str, Any]]) -> Lis
 
     with torch.no_grad():
         return [-_sbhd_forward(model, s).float() for s in samples]
+
+
+def log_prob_max_diff(per_sample: Sequence[Any], reference: Sequence[Any],
+                      indices: Optional[Sequence[int]] = None) -> float:
+    """Largest absolute difference between per-sample log-probs and :func:`reference_log_probs`'s, entry ``k``
+    compared with reference sample ``indices[k]`` (default: the same position). Each sample's last entry
+    predicts the padding label, so it is left out."""
+    idx = range(len(per_sample)) if indices is None else indices
+    return max(float((a[:-1] - reference[i][:-1]).abs().max()) if a.shape[0] > 1 else 0.0
+               for a, i in zip(per_sample, idx))
 
 
 # ------------------------------------------------------------------------------------ the worker

@@ -139,8 +139,8 @@ def _core_attention_sbhd_cp_check(cp_rank: int, cp: int) -> dict:
 
 
 def _worker(rank: int, world_size: int, layout: str) -> dict:
-    from megatron_dynbatch.demo import (_quiet, reference_coefficients, reference_log_probs, synthetic_rl_batch,
-                                        unpacked_reference)
+    from megatron_dynbatch.demo import (_quiet, log_prob_max_diff, reference_coefficients, reference_log_probs,
+                                        synthetic_rl_batch, unpacked_reference)
 
     _quiet()
     import torch.distributed as dist
@@ -213,8 +213,7 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
         ref_lp = reference_log_probs(ref, samples)
 
         def lp_diff(per_sample, indices):
-            return max(float((a[:-1] - ref_lp[i][:-1]).abs().max()) if a.shape[0] > 1 else 0.0
-                       for a, i in zip(per_sample, indices))
+            return log_prob_max_diff(per_sample, ref_lp, indices)
 
         out["logprob_indices"] = list(lp.sample_indices)
         out["logprob_lengths"] = [int(t.shape[0]) for t in lp.per_sample]

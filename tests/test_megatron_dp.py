@@ -27,8 +27,8 @@ def plan_json(plan) -> str:
 
 
 def _dp_worker(rank: int, world_size: int) -> dict:
-    from megatron_dynbatch.demo import (_quiet, reference_coefficients, reference_log_probs, synthetic_rl_batch,
-                                        unpacked_reference)
+    from megatron_dynbatch.demo import (_quiet, log_prob_max_diff, reference_coefficients, reference_log_probs,
+                                        synthetic_rl_batch, unpacked_reference)
 
     _quiet()
 
@@ -91,8 +91,7 @@ def _dp_worker(rank: int, world_size: int) -> dict:
                                               "max_tokens_per_gpu": 96}, gather_outputs=True)
         ref_lp = reference_log_probs(ref, samples)
         out["logprob_lengths"] = [int(t.shape[0]) for t in lp.per_sample]
-        out["logprob_diff"] = max(float((a[:-1] - b[:-1]).abs().max()) if a.shape[0] > 1 else 0.0
-                                  for a, b in zip(lp.per_sample, ref_lp))
+        out["logprob_diff"] = log_prob_max_diff(lp.per_sample, ref_lp)
         out["logprob_plan_mbs"] = lp.num_microbatches
         out["lengths"] = [len(s["tokens"]) for s in samples]
         # a local-mode plan (this rank's half, dp=1) is refused: its loss would be normalised over half the tokens

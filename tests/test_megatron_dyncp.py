@@ -55,8 +55,8 @@ def _global_name(name: str, model) -> str:
 
 
 def _worker(rank: int, world_size: int, layout: str) -> dict:
-    from megatron_dynbatch.demo import (_quiet, reference_coefficients, reference_log_probs, synthetic_rl_batch,
-                                        unpacked_reference)
+    from megatron_dynbatch.demo import (_quiet, log_prob_max_diff, reference_coefficients, reference_log_probs,
+                                        synthetic_rl_batch, unpacked_reference)
 
     _quiet()
     import torch.distributed as dist
@@ -142,8 +142,7 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
                            ref_grad_max=max(float(ref_grads[k].abs().max()) for k in g))
         if out.get("lp") is not None:
             ref_lp = reference_log_probs(ref, samples)
-            out["lp_diff"] = max(float((a[:-1] - ref_lp[i][:-1]).abs().max()) if a.shape[0] > 1 else 0.0
-                                 for a, i in zip(out["lp"], out["lp_indices"]))
+            out["lp_diff"] = log_prob_max_diff(out["lp"], ref_lp, out["lp_indices"])
             out["lp_lengths"] = [int(t.shape[0]) for t in out["lp"]]
             del out["lp"]
         dist.barrier()

@@ -112,8 +112,8 @@ def _cp_path_diffs(ref, samples, spec, coef_fn) -> dict:
 
 # ------------------------------------------------------------------------------------------ worker
 def _layout_worker(rank: int, world_size: int, layout: str) -> dict:
-    from megatron_dynbatch.demo import (_quiet, reference_coefficients, reference_log_probs, synthetic_rl_batch,
-                                        unpacked_reference)
+    from megatron_dynbatch.demo import (_quiet, log_prob_max_diff, reference_coefficients, reference_log_probs,
+                                        synthetic_rl_batch, unpacked_reference)
 
     _quiet()
     from megatron.core import parallel_state
@@ -209,8 +209,7 @@ def _layout_worker(rank: int, world_size: int, layout: str) -> dict:
         if last:
             ref_lp = reference_log_probs(ref, samples)
             out["logprob_lengths"] = [int(t.shape[0]) for t in lp.per_sample]
-            out["logprob_diff"] = max(float((a[:-1] - b[:-1]).abs().max()) if a.shape[0] > 1 else 0.0
-                                      for a, b in zip(lp.per_sample, ref_lp))
+            out["logprob_diff"] = log_prob_max_diff(lp.per_sample, ref_lp)
         out["lengths"] = [len(s["tokens"]) for s in samples]
         if layout == "pp" and rank == 0:
             out["cp"] = _cp_path_diffs(ref, samples, ModelSpec.from_megatron(ref_config, vocab_size=VOCAB),
