@@ -29,6 +29,12 @@ def is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def get_arg(args: Any, name: str, default: Any = None) -> Any:
+    """``args.name`` of a Megatron-style argument namespace, ``default`` when it is missing or ``None`` (unset)."""
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
 def is_bool(value: Any) -> bool:
     return isinstance(value, (bool, np.bool_))
 

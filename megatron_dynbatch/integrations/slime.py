@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Tuple
 
 from ..core.checks import as_bool, as_int
+from ..core.checks import get_arg as _get
 from ..core.dropin.slime import slime_parallel, slime_schedule
 from ..core.errors import DynBatchConfigError
 
@@ -30,10 +31,6 @@ __all__ = ["build_dp_schedule", "check_budget", "model_from_args"]
 #: attribute set on slime's args once the start-up check ran
 _CHECKED = "_dynbatch_budget_checked"
 
-
-def _get(args: Any, name: str, default: Any = None) -> Any:
-    value = getattr(args, name, default)
-    return default if value is None else value
 
 
 def model_from_args(args: Any) -> Any:

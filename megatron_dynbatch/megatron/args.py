@@ -41,6 +41,7 @@ import os
 from typing import Any, Dict, Optional, Union
 
 from ..core.alignment import Alignment, fp8_multiple
+from ..core.checks import get_arg as _get
 from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 from .loss import GROUP_REDUCE, LOSS_MODES
@@ -96,10 +97,6 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
 
 
 # ----------------------------------------------------------------------------------------- layout
-def _get(args: Any, name: str, default: Any = None) -> Any:
-    value = getattr(args, name, default)
-    return default if value is None else value
-
 
 def parallel_from_args(args: Any, world_size: Optional[int] = None) -> ParallelConfig:
     """:class:`ParallelConfig` from Megatron's argument names.
