@@ -32,7 +32,6 @@ __all__ = ["build_dp_schedule", "check_budget", "model_from_args"]
 _CHECKED = "_dynbatch_budget_checked"
 
 
-
 def model_from_args(args: Any) -> Any:
     """The ``ModelSpec`` of slime's Megatron args, or ``None`` when they do not describe a model."""
     from ..core.model_spec import ModelSpec

@@ -97,7 +97,6 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
 
 
 # ----------------------------------------------------------------------------------------- layout
-
 def parallel_from_args(args: Any, world_size: Optional[int] = None) -> ParallelConfig:
     """:class:`ParallelConfig` from Megatron's argument names.
 
