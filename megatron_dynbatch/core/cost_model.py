@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -305,8 +305,11 @@ def simulate_1f1b(stage_times: Sequence[float], pp: int) -> float:
     return max(end)
 
 
-def simulate_1f1b_batch(stage_times: np.ndarray, pp: int) -> np.ndarray:
-    """:func:`simulate_1f1b` of every row of ``stage_times`` (``[ranks, M]``) at once."""
+def simulate_1f1b_batch(stage_times: np.ndarray, pp: int,
+                        sync: Optional[Callable[[np.ndarray, int], np.ndarray]] = None) -> np.ndarray:
+    """:func:`simulate_1f1b` of every row of ``stage_times`` (``[ranks, M]``) at once. ``sync(start, j)``, if
+    given, moves the start times of micro-batch ``j``'s forward or backward across ranks before it runs (the
+    dynamic-CP pool: the GPUs of one CP group start together, ``planner/pool_sim.py``)."""
     times = np.asarray(stage_times, dtype=np.float64)
     if times.ndim != 2 or times.shape[1] == 0:
         return np.zeros(times.shape[0] if times.ndim == 2 else 0)
@@ -319,6 +322,8 @@ def simulate_1f1b_batch(stage_times: np.ndarray, pp: int) -> np.ndarray:
         start = end[prev] if prev >= 0 else zero
         if dep >= 0:
             start = np.maximum(start, end[dep])
+        if sync is not None:
+            start = sync(start, j)
         end[k] = start + (bwd[:, j] if is_b else fwd[:, j])
     return end.max(axis=0)
 

@@ -25,7 +25,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from ..cost_model import CostModel, _schedule_1f1b
+from ..cost_model import CostModel, simulate_1f1b_batch
 
 
 def slot_blocks(group_starts: Sequence[Sequence[int]], pool: int) -> List[np.ndarray]:
@@ -77,16 +77,8 @@ def simulate_pool(times: np.ndarray, blocks: Sequence[np.ndarray], cm: CostModel
             finish = finish + (cm.pp - 1) / cm.vpp * stage.mean(axis=0)
         return finish
     stage = t / cm.pp
-    order = _schedule_1f1b(m, cm.pp)
-    end = np.zeros((len(order), pool))
-    zero = np.zeros(pool)
-    for k, (j, is_b, prev, dep) in enumerate(order):
-        start = end[prev] if prev >= 0 else zero
-        if dep >= 0:
-            start = np.maximum(start, end[dep])
-        d = dur(stage[j])
-        end[k] = sync(start, j) + (d - d / 3.0 if is_b else d / 3.0)
-    return end.max(axis=0)
+    per_gpu = np.stack([dur(stage[j]) for j in range(m)], axis=1)  # [pool, slots], expert lockstep applied
+    return simulate_1f1b_batch(per_gpu, cm.pp, sync=sync)
 
 
 __all__ = ["simulate_pool", "slot_blocks"]
