@@ -65,6 +65,14 @@ def verl_cost_model(parallel: Optional[ParallelConfig] = None) -> CostModel:
     return CostModel.from_flops(VERL_WORKLOAD_LINEAR * _VERL_FLOPS_PER_UNIT, float(_VERL_FLOPS_PER_UNIT), parallel)
 
 
+def _balance_kwargs(model: Any, cost_model: Optional[CostModel], par: ParallelConfig) -> dict:
+    """What the drop-ins balance by: the model's time when it is given, else verl's own workload estimate
+    (:func:`verl_cost_model`) as time -- so an import-only switch balances what verl balances."""
+    if model is not None:
+        return {"model": model, "cost_model": cost_model}
+    return {"balance_by": "time", "cost_model": cost_model or verl_cost_model(par)}
+
+
 def verl_sequence_pad_multiple(tp: int = 1, cp: int = 1) -> int:
     """What verl's Megatron engine pads each packed sequence to (``preprocess_packed_seqs``)."""
     return tp * cp * 2 if cp > 1 else tp
@@ -140,10 +148,7 @@ def _planner_kwargs(max_token_len: int, *, tp: int, cp: int, pp: int, model: Any
               sequence_pad_multiple=verl_sequence_pad_multiple(tp, cp) if sequence_pad_multiple is None
               else sequence_pad_multiple,
               num_microbatches_multiple=num_batches_divided_by, min_num_microbatches=min_num_micro_batch)
-    if model is not None:
-        kw.update(model=model, cost_model=cost_model)
-    else:
-        kw.update(balance_by="time", cost_model=cost_model or verl_cost_model(par))
+    kw.update(_balance_kwargs(model, cost_model, par))
     fgs = 1 if force_group_size is None else as_int(force_group_size, "force_group_size", minimum=1)
     if n % fgs:
         raise DynBatchConfigError("force_group_size", fgs, f"does not divide the batch size {n}",
@@ -201,10 +206,7 @@ def balance_partitions(lengths: Sequence[int], dp: int, *, minibatch_size: Optio
         budget = max(1, as_int(max_token_len, "max_token_len", minimum=1) // cp)
     kw: dict = dict(parallel=par, max_tokens_per_gpu=budget, equal_samples_per_rank=True, oversize="alone",
                     samples_per_step=minibatch_size, group_ids=uids, sequence_pad_multiple=pad)
-    if model is not None:
-        kw.update(model=model, cost_model=cost_model)
-    else:
-        kw.update(balance_by="time", cost_model=cost_model or verl_cost_model(par))
+    kw.update(_balance_kwargs(model, cost_model, par))
     with warnings.catch_warnings():  # an over-budget sample is the per-rank step's business (it raises there)
         warnings.simplefilter("ignore", OversizeSampleWarning)
         plan = plan_global_batch(lens, **kw)
