@@ -1,9 +1,18 @@
-"""A pure-torch core attention for Megatron's LOCAL layer spec that understands THD ``PackedSeqParams``.
+"""A core attention for Megatron's LOCAL layer spec that understands THD ``PackedSeqParams``.
 
 Megatron-core's local ``DotProductAttention`` refuses ``packed_seq_params`` (THD is a Transformer Engine
-feature), so packed micro-batches could not run on CPU. :class:`ThdDotProductAttention` is a reference
-implementation for tests, the CPU demo and debugging -- not a fast kernel; on GPU keep the TE layer spec
-(``TEDotProductAttention`` with cuDNN fused / flash attention) unchanged.
+feature), so packed micro-batches could not run without TE. :class:`ThdDotProductAttention` runs them two ways:
+
+* **fused kernel** (GPU without Transformer Engine): when its :class:`~.varlen.VarlenKernel` accepts the input
+  -- torch's ``torch.nn.attention.varlen.varlen_attn`` (flash, torch >= 2.11) on CUDA fp16/bf16 -- all
+  sequences go through ONE kernel call laid out by :mod:`megatron_dynbatch.megatron.varlen` (padding rows 0;
+  under CP every local zig-zag chunk is a query sequence against the gathered keys up to its end, which flash's
+  BOTTOM-RIGHT aligned causal mask turns into exact causal attention). ``thd_varlen_kernel`` is the seam: CPU
+  tests put :data:`~.varlen.REFERENCE_KERNEL` there to run the same dispatch and layout
+  (:func:`set_thd_varlen_kernel`). Dropout during training takes the loop below (the kernel has none);
+* **per-sequence loop** (everything else, e.g. CPU): the pure-torch reference described below, unchanged --
+  for tests, the CPU demo and debugging. With Transformer Engine installed, its layer spec
+  (``TEDotProductAttention``) remains the GPU choice.
 
 What Megatron's ``Attention.forward`` (0.16.x) hands the core attention with ``qkv_format="thd"``:
 query ``[t, heads, head_dim]``, key/value ``[t, query_groups, head_dim]`` (GQA not expanded, RoPE already
@@ -46,6 +55,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from ..core.errors import DynBatchConfigError
+from .varlen import VarlenKernel, cp_segments, default_varlen_kernel, thd_segments, varlen_attention
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _FULL = (AttnMaskType.no_mask, AttnMaskType.padding)
@@ -73,6 +83,8 @@ class ThdDotProductAttention(DotProductAttention):
         coeff = self.scale_mask_softmax.scale
         self.thd_softmax_scale = self.softmax_scale * (coeff if coeff is not None else 1.0)
         self.thd_window_size = self.scale_mask_softmax.window_size
+        #: the fused varlen kernel seam (module docstring); None: always the per-sequence loop
+        self.thd_varlen_kernel: Optional[VarlenKernel] = default_varlen_kernel()
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
@@ -136,6 +148,16 @@ class ThdDotProductAttention(DotProductAttention):
                 "(a context-parallel slice needs config.context_parallel_size = cp)",
                 "pass the full packed micro-batch, or build the model with context_parallel_size=cp",
             )
+        kernel = self._varlen_kernel_for(query)
+        if kernel is not None:
+            if causal and _lengths(cu_q) != _lengths(cu_kv):
+                raise DynBatchConfigError("cu_seqlens_kv", cu_kv, "causal self-attention needs equal q/kv lengths",
+                                          "pass the same cu_seqlens for q and kv")
+            segments = thd_segments(cu_q, cu_kv, pad_q, pad_kv)
+            if not segments:
+                return query.new_zeros(t, heads * head_dim)
+            return varlen_attention(query, key, value, segments, kernel=kernel, scale=self.thd_softmax_scale,
+                                    causal=causal)
         rep = heads // groups
         pieces = []
         cursor = 0
@@ -175,12 +197,11 @@ class ThdDotProductAttention(DotProductAttention):
 
         if group is None:
             group, expected = self._cp_group(), self.thd_cp_size
-        cp = torch.distributed.get_world_size(group)
+        cp, cp_rank = self._cp_world(group)
         if cp != expected:
             raise DynBatchConfigError("cp group size", cp, f"the micro-batch is split over {expected} GPUs",
                                       "build the model under the parallel_state it runs with (and pass the "
                                       "micro-batch's own group with dynamic CP)")
-        cp_rank = torch.distributed.get_rank(group)
         t, heads, head_dim = query.shape
         groups = key.shape[1]
         cu_q, cu_kv, pad_q, pad_kv, pad_q_t = _thd_offsets(params)
@@ -198,9 +219,16 @@ class ThdDotProductAttention(DotProductAttention):
         inverse = torch.argsort(order).to(key.device)
         # ONE collective for K and V (so every rank runs the same backward collectives in the same order)
         kv = torch.cat([key, value.to(key.dtype)], dim=-1)
-        kv_full = _AllGatherCP.apply(kv, group).index_select(0, inverse)
+        kv_full = self._cp_gather(kv, group).index_select(0, inverse)
         key_full, value_full = kv_full.split([key.shape[-1], value.shape[-1]], dim=-1)
         value_full = value_full.to(value.dtype)
+        kernel = self._varlen_kernel_for(query)
+        if kernel is not None:
+            segments = cp_segments(pad_q, cu_q, cp, cp_rank, causal)
+            if not segments:  # keep the gather in the graph (see below)
+                return query.new_zeros(t, heads * head_dim) + 0.0 * (query.sum() + kv_full.sum())
+            return varlen_attention(query, key_full, value_full, segments, kernel=kernel,
+                                    scale=self.thd_softmax_scale, causal=causal)
         rep = heads // groups
         out = query.new_zeros(t, heads * head_dim)
         rows_out = []
@@ -236,6 +264,25 @@ class ThdDotProductAttention(DotProductAttention):
             # on every CP rank); the gradients are 0
             return out + 0.0 * (query.sum() + kv_full.sum())
         return out.index_put((torch.cat(rows_out),), torch.cat(pieces, dim=0))
+
+    def _varlen_kernel_for(self, query: Tensor) -> Optional[VarlenKernel]:
+        """The fused kernel when it accepts ``query`` (and no attention dropout is active), else None."""
+        kernel = self.thd_varlen_kernel
+        if kernel is None or not kernel.accepts(query):
+            return None
+        if self.attention_dropout.p > 0 and self.training:
+            return None
+        return kernel
+
+    def _cp_world(self, group: Any) -> Tuple[int, int]:
+        """``(size, rank)`` of a CP group. With :meth:`_cp_gather`, the one place the CP path touches
+        ``torch.distributed`` -- a seam for single-process emulation of one CP member
+        (:mod:`megatron_dynbatch.measure`)."""
+        return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+
+    def _cp_gather(self, kv: Tensor, group: Any) -> Tensor:
+        """Every CP rank's ``kv`` rows, rank-major (differentiable: the gradient is reduce-scattered back)."""
+        return _AllGatherCP.apply(kv, group)
 
     def _sbhd_cp_attention(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                            attn_mask_type: Optional[AttnMaskType], attention_bias: Optional[Tensor]) -> Tensor:
@@ -294,6 +341,16 @@ class ThdDotProductAttention(DotProductAttention):
         return torch.matmul(probs, v)  # [heads, L, d]
 
 
+def set_thd_varlen_kernel(model: Any, kernel: Optional[VarlenKernel]) -> int:
+    """Point every :class:`ThdDotProductAttention` in ``model`` (a module or a list of them) at ``kernel``
+    (``None``: the per-sequence loop); returns how many were set."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    mods = [m for c in chunks for m in c.modules() if isinstance(m, ThdDotProductAttention)]
+    for m in mods:
+        m.thd_varlen_kernel = kernel
+    return len(mods)
+
+
 def _dist_fn(new: str, old: str) -> Any:
     """``torch.distributed.<new>`` when this torch has it (2.13 deprecates the ``*_tensor`` names), else ``old``."""
     return getattr(torch.distributed, new, None) or getattr(torch.distributed, old)
@@ -318,6 +375,10 @@ class _AllGatherCP(torch.autograd.Function):
         out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))
         _dist_fn("reduce_scatter_single", "reduce_scatter_tensor")(out, grad, group=ctx.group)
         return out, None
+
+
+def _lengths(cu: List[int]) -> List[int]:
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
 def _thd_offsets(params: Any) -> Tuple[List[int], List[int], List[int], List[int], Tensor]:
