@@ -156,13 +156,14 @@ def _round(items: List[Tuple[int, int]], pool: int, need, work) -> Tuple[List[Li
     return per_gpu, [gid_of[r] for r in range(pool)], leftovers
 
 
-def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_per_gpu: int, cost_model: CostModel,
-                   fp8_alignment: Any = None) -> DynamicCPPlan:
-    """Upstream's schedule of ``lengths`` over the ``dp * cp`` pool, scored with ``cost_model`` (it must carry
-    the CP communication term). Raises :class:`BaselineInfeasible` where upstream would not run."""
-    t0 = time.perf_counter()
-    par = parallel
-    pool = par.dp * par.cp
+#: one round: each pool GPU's samples in execution order, and each GPU's group id (members share an id)
+Round = Tuple[List[List[int]], List[int]]
+
+
+def hybrid_cp_rounds(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_per_gpu: int) -> List[Round]:
+    """Upstream's rounds for ``lengths`` over the ``dp * cp`` pool (module docstring; a barrier ends each round).
+    Raises :class:`BaselineInfeasible` where upstream would not run."""
+    pool = parallel.dp * parallel.cp
     lens = np.asarray(lengths, dtype=np.int64)
     need = lambda L: cp_size_needed(int(L), max_tokens_per_gpu)  # noqa: E731
     work = lambda L: float(L) * float(L) / need(L)  # noqa: E731
@@ -172,7 +173,7 @@ def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_
     if len(nonzero) < lens.size:
         raise BaselineInfeasible("upstream drops zero-length samples")
     items = sorted(nonzero, key=lambda x: (-x[1], x[0]))
-    rounds = []
+    rounds: List[Round] = []
     guard = 0
     while items:
         per_gpu, gids, items = _round(items, pool, need, work)
@@ -181,6 +182,19 @@ def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_
         guard += 1
         if guard > 10 * lens.size + 10:  # pragma: no cover - every round places at least one sample
             raise BaselineInfeasible("no progress")
+    return rounds
+
+
+def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_per_gpu: int, cost_model: CostModel,
+                   fp8_alignment: Any = None) -> DynamicCPPlan:
+    """Upstream's schedule of ``lengths`` over the ``dp * cp`` pool (:func:`hybrid_cp_rounds`), scored with
+    ``cost_model`` (it must carry the CP communication term). Raises :class:`BaselineInfeasible` where upstream
+    would not run."""
+    t0 = time.perf_counter()
+    par = parallel
+    pool = par.dp * par.cp
+    lens = np.asarray(lengths, dtype=np.int64)
+    rounds = hybrid_cp_rounds(lens, par, max_tokens_per_gpu)
     tile = fp8_multiple(fp8_alignment)
     cm = cost_model
     micro_batches: List[List[List[int]]] = [[] for _ in range(pool)]
@@ -218,4 +232,4 @@ def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_
         max_tokens_per_gpu=int(max_tokens_per_gpu), fp8_tile=tile, candidate=f"{len(rounds)} rounds")
 
 
-__all__ = ["NAME", "PROVENANCE", "cp_size_needed", "plan_hybrid_cp"]
+__all__ = ["NAME", "PROVENANCE", "Round", "cp_size_needed", "hybrid_cp_rounds", "plan_hybrid_cp"]
