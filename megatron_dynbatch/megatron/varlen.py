@@ -213,6 +213,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, segments: Sequen
             extra["enable_gqa"] = True
         else:
             k, v = k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dense rows: what the flash kernel reads
     out = kernel.fn(q, k, v, cu_q, cu_k, int(seg[:, 1].max()), int(seg[:, 3].max()), scale=scale,
                     window_size=CAUSAL if causal else FULL, **extra)
     if not whole_q:
