@@ -15,29 +15,11 @@ torch = pytest.importorskip("torch")
 
 from megatron_dynbatch.megatron import varlen  # noqa: E402
 from megatron_dynbatch.megatron.context_parallel import gather_cp_outputs, zigzag_partition_indices  # noqa: E402
+from megatron_dynbatch.testing.attention_ref import cumulative, per_sample_attention  # noqa: E402
 from megatron_dynbatch.megatron.varlen import (  # noqa: E402
     REFERENCE_KERNEL, cp_segments, reference_varlen_attn, thd_segments, varlen_attention)
 
 
-def _sdpa_per_sequence(q, k, v, cu, cu_padded, causal=True):
-    """The per-sample reference: torch's SDPA on each sequence's real rows, 0 on padding rows."""
-    t, h, d = q.shape
-    out = torch.zeros(t, h * d, dtype=q.dtype)
-    for i in range(len(cu) - 1):
-        s, n = int(cu_padded[i]), int(cu[i + 1] - cu[i])
-        if n:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[s:s + n].transpose(0, 1), k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1),
-                is_causal=causal, enable_gqa=True)
-            out[s:s + n] = o.transpose(0, 1).reshape(n, h * d)
-    return out
-
-
-def _cu(xs):
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
 
 
 def _qkv(t, heads=4, groups=2, d=8, seed=0, grad=False):
@@ -47,12 +29,12 @@ def _qkv(t, heads=4, groups=2, d=8, seed=0, grad=False):
 
 # ------------------------------------------------------------------------------------------ the kernel
 @pytest.mark.parametrize("causal", [True, False])
-def test_reference_kernel_equals_sdpa_per_sequence(causal):
+def test_reference_kernel_equals_per_sample_sdpa(causal):
     lens = [5, 1, 9]
-    cu = torch.tensor(_cu(lens), dtype=torch.int32)
+    cu = torch.tensor(cumulative(lens), dtype=torch.int32)
     q, k, v = _qkv(sum(lens), heads=4, groups=4)
     out = reference_varlen_attn(q, k, v, cu, cu, 9, 9, scale=8 ** -0.5, window_size=(-1, 0) if causal else (-1, -1))
-    torch.testing.assert_close(out.reshape(len(q), -1), _sdpa_per_sequence(q, k, v, cu, cu, causal),
+    torch.testing.assert_close(out.reshape(len(q), -1), per_sample_attention(q, k, v, cu, cu, causal),
                                rtol=0, atol=1e-6)
 
 
@@ -82,14 +64,14 @@ def test_reference_kernel_rejects_head_mismatch_without_gqa():
 @pytest.mark.parametrize("gqa_kernel", [True, False])
 def test_layout_with_padding_matches_per_sample_and_pads_are_inert(gqa_kernel):
     lens, slots = [3, 0, 6, 2], [4, 4, 8, 4]
-    cu, cu_p = _cu(lens), _cu(slots)
+    cu, cu_p = cumulative(lens), cumulative(slots)
     q, k, v = _qkv(cu_p[-1], grad=True)
     kernel = REFERENCE_KERNEL if gqa_kernel else varlen.VarlenKernel(
         lambda *a, **kw: reference_varlen_attn(*a, **kw), "expanding", cuda_only=False, gqa=False)
     segs = thd_segments(cu, cu, cu_p, cu_p)
     assert [s[1] for s in segs] == [3, 6, 2]  # the empty sample is no segment
     out = varlen_attention(q, k, v, segs, kernel=kernel, scale=8 ** -0.5, causal=True)
-    ref = _sdpa_per_sequence(q, k, v, cu, cu_p)
+    ref = per_sample_attention(q, k, v, cu, cu_p)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
     pad = torch.ones(cu_p[-1], dtype=torch.bool)
     for s, n in zip(cu_p[:-1], lens):
@@ -111,9 +93,9 @@ def test_layout_with_padding_matches_per_sample_and_pads_are_inert(gqa_kernel):
 def test_cp_segments_reproduce_full_attention_at_the_local_rows(cp, causal):
     lens = [5, 16, 0, 9]
     slots = [-(-max(n, 1) // (2 * cp)) * 2 * cp for n in lens]
-    cu, cu_p = _cu(lens), _cu(slots)
+    cu, cu_p = cumulative(lens), cumulative(slots)
     q, k, v = _qkv(cu_p[-1], seed=cp)
-    full = _sdpa_per_sequence(q, k, v, cu, cu_p, causal)
+    full = per_sample_attention(q, k, v, cu, cu_p, causal)
     parts = []
     for r in range(cp):
         idx = zigzag_partition_indices(torch.tensor(cu_p), cp, r)
@@ -189,7 +171,7 @@ def test_cpu_default_is_the_unchanged_loop_bitwise(core_factory):
     assert core.thd_varlen_kernel is varlen.default_varlen_kernel()
     lens, slots = [3, 6, 2], [4, 8, 4]
     q, k, v = _qkv(16, d=16)
-    params = _params(_cu(lens), _cu(slots))
+    params = _params(cumulative(lens), cumulative(slots))
     got = core(q, k, v, None, packed_seq_params=params)
     core.thd_varlen_kernel = None
     assert torch.equal(got, core(q, k, v, None, packed_seq_params=params))
@@ -200,7 +182,7 @@ def test_cpu_default_is_the_unchanged_loop_bitwise(core_factory):
 def test_dispatch_with_reference_kernel_matches_per_sample(core_factory, groups, qk_scaling):
     core = core_factory(groups=groups, apply_query_key_layer_scaling=qk_scaling)
     lens, slots = [3, 0, 6, 2], [4, 4, 8, 4]
-    cu, cu_p = _cu(lens), _cu(slots)
+    cu, cu_p = cumulative(lens), cumulative(slots)
     leaves = _qkv(cu_p[-1], heads=4, groups=groups, d=16, grad=True)
     out = {}
     for name, kernel in (("loop", None), ("kernel", REFERENCE_KERNEL)):
@@ -211,7 +193,7 @@ def test_dispatch_with_reference_kernel_matches_per_sample(core_factory, groups,
         for x in leaves:
             x.grad = None
     torch.testing.assert_close(out["kernel"][0], out["loop"][0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(out["kernel"][0], _sdpa_per_sequence(*[x.detach() for x in leaves], cu, cu_p),
+    torch.testing.assert_close(out["kernel"][0], per_sample_attention(*[x.detach() for x in leaves], cu, cu_p),
                                rtol=0, atol=1e-6)
     for a, b in zip(out["kernel"][1], out["loop"][1]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -250,7 +232,7 @@ def test_cp_dispatch_equals_the_full_batch(core_factory, cp, kernel):
     core.thd_varlen_kernel = kernel
     lens = [5, 16, 0, 9, 1]
     slots = [-(-max(n, 1) // (2 * cp)) * 2 * cp for n in lens]
-    cu, cu_p = _cu(lens), _cu(slots)
+    cu, cu_p = cumulative(lens), cumulative(slots)
     leaves = _qkv(cu_p[-1], d=16, grad=True, seed=cp)
     pad_t = torch.tensor(cu_p)
     idx = [zigzag_partition_indices(pad_t, cp, r) for r in range(cp)]

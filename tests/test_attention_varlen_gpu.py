@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from megatron_dynbatch.megatron import varlen  # noqa: E402
+from megatron_dynbatch.testing.attention_ref import cumulative, per_sample_attention  # noqa: E402
 
 KERNEL, WHY = varlen.torch_varlen_kernel()
 pytestmark = pytest.mark.skipif(
@@ -45,35 +46,18 @@ def _fwd_bwd(fn, leaves):
     return out.detach(), grads
 
 
-def _sdpa_per_sequence(q, k, v, cu, cu_padded, causal=True):
-    """Per-sample reference in fp32 from the bf16 inputs: SDPA on each sequence's real rows, 0 on padding."""
-    t, h, d = q.shape
-    out = torch.zeros(t, h * d, device=q.device, dtype=torch.float32)
-    for i in range(len(cu) - 1):
-        s, n = int(cu_padded[i]), int(cu[i + 1] - cu[i])
-        if n:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                *(x[s:s + n].float().transpose(0, 1) for x in (q, k, v)), is_causal=causal, enable_gqa=True)
-            out[s:s + n] = o.transpose(0, 1).reshape(n, h * d)
-    return out
-
-
-def _cu(xs):
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
 
 
 # ------------------------------------------------------------------------------------------ the kernel
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_kernel_equals_reference_kernel_bf16(causal):
     lens = [300, 1, 1024, 77]
-    cu = torch.tensor(_cu(lens), dtype=torch.int32, device=DEV)
+    c = cumulative(lens)
+    cu = torch.tensor(c, dtype=torch.int32, device=DEV)
     leaves = _leaves(sum(lens), 8, 2)
     window = (-1, 0) if causal else (-1, -1)
     got = _fwd_bwd(lambda q, k, v: varlen.varlen_attention(
-        q, k, v, varlen.thd_segments(_cu(lens), _cu(lens), _cu(lens), _cu(lens)), kernel=KERNEL, scale=0.125,
+        q, k, v, varlen.thd_segments(c, c, c, c), kernel=KERNEL, scale=0.125,
         causal=causal), leaves)
     want = _fwd_bwd(lambda q, k, v: varlen.reference_varlen_attn(
         q.float(), k.float(), v.float(), cu, cu, 1024, 1024, scale=0.125, window_size=window,
@@ -143,11 +127,11 @@ def test_thd_attention_uses_flash_and_matches_per_sample_bf16(cuda_world1, group
     core = _core(groups)
     assert core.thd_varlen_kernel is not None and core.thd_varlen_kernel.name == KERNEL.name
     lens, slots = [300, 0, 1000, 77], [304, 8, 1008, 80]
-    cu, cu_p = _cu(lens), _cu(slots)
+    cu, cu_p = cumulative(lens), cumulative(slots)
     leaves = _leaves(cu_p[-1], 8, groups)
     assert core._varlen_kernel_for(leaves[0]) is not None  # the flash path, not the loop
     got = _fwd_bwd(lambda q, k, v: core(q, k, v, None, packed_seq_params=_params(cu, cu_p)), leaves)
-    want = _fwd_bwd(lambda q, k, v: _sdpa_per_sequence(q, k, v, cu, cu_p), leaves)
+    want = _fwd_bwd(lambda q, k, v: per_sample_attention(q, k, v, cu, cu_p), leaves)
     assert _rel(got[0], want[0]) < 2e-2
     pad = torch.ones(cu_p[-1], dtype=torch.bool, device=DEV)
     for s, n in zip(cu_p[:-1], lens):
@@ -173,7 +157,7 @@ def test_cp_chunks_through_flash_equal_the_full_batch_bf16(cuda_world1, cp):
     core = _core(2, cls=OneProcessCP)
     lens = [300, 1000, 5, 640]
     slots = [-(-n // (2 * cp)) * 2 * cp for n in lens]
-    cu, cu_p = _cu(lens), _cu(slots)
+    cu, cu_p = cumulative(lens), cumulative(slots)
     leaves = _leaves(cu_p[-1], 8, 2, seed=cp)
     pad_t = torch.tensor(cu_p, device=DEV)
     idx = [zigzag_partition_indices(pad_t, cp, r) for r in range(cp)]
@@ -186,7 +170,7 @@ def test_cp_chunks_through_flash_equal_the_full_batch_bf16(cuda_world1, cp):
         return gather_cp_outputs(parts, pad_t, cp, seq_dim=0)
 
     got = _fwd_bwd(sharded, leaves)
-    want = _fwd_bwd(lambda q, k, v: _sdpa_per_sequence(q, k, v, cu, cu_p), leaves)
+    want = _fwd_bwd(lambda q, k, v: per_sample_attention(q, k, v, cu, cu_p), leaves)
     assert _rel(got[0], want[0]) < 2e-2
     for a, b in zip(got[1], want[1]):
         assert _rel(a, b) < 3e-2
