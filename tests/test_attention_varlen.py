@@ -199,11 +199,15 @@ def test_dispatch_with_reference_kernel_matches_per_sample(core_factory, groups,
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_dispatch_keeps_the_loop_for_dropout_in_training(core_factory):
+def test_dispatch_keeps_the_loop_for_dropout_in_training_and_says_so_once(core_factory, monkeypatch, caplog):
+    monkeypatch.setattr(varlen, "_NOTED", set())
     core = core_factory(attention_dropout=0.1)
     core.thd_varlen_kernel = REFERENCE_KERNEL
     q = torch.zeros(4, 4, 16)
-    assert core.train()._varlen_kernel_for(q) is None
+    with caplog.at_level(logging.WARNING, logger=varlen.__name__):
+        assert core.train()._varlen_kernel_for(q) is None
+        assert core._varlen_kernel_for(q) is None
+    assert len([r for r in caplog.records if "no attention dropout" in r.getMessage()]) == 1
     assert core.eval()._varlen_kernel_for(q) is REFERENCE_KERNEL
 
 

@@ -55,7 +55,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from ..core.errors import DynBatchConfigError
-from .varlen import VarlenKernel, cp_segments, default_varlen_kernel, thd_segments, varlen_attention
+from .varlen import VarlenKernel, cp_segments, default_varlen_kernel, note_fallback, thd_segments, varlen_attention
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _FULL = (AttnMaskType.no_mask, AttnMaskType.padding)
@@ -268,9 +268,14 @@ class ThdDotProductAttention(DotProductAttention):
     def _varlen_kernel_for(self, query: Tensor) -> Optional[VarlenKernel]:
         """The fused kernel when it accepts ``query`` (and no attention dropout is active), else None."""
         kernel = self.thd_varlen_kernel
-        if kernel is None or not kernel.accepts(query):
+        if kernel is None:
+            return None
+        if not kernel.accepts(query):
+            if query.is_cuda:
+                note_fallback(f"{kernel.name} does not take CUDA {query.dtype} with head dim {query.shape[-1]}")
             return None
         if self.attention_dropout.p > 0 and self.training:
+            note_fallback(f"{kernel.name} has no attention dropout (attention_dropout={self.attention_dropout.p})")
             return None
         return kernel
 

@@ -107,6 +107,17 @@ def default_varlen_kernel() -> Optional[VarlenKernel]:
     return _DEFAULT[0]
 
 
+_NOTED: set = set()
+
+
+def note_fallback(reason: str) -> None:
+    """Log once per process and ``reason`` that an input the fused kernel could have served takes the
+    per-sequence path instead (e.g. fp32 on CUDA, attention dropout while training)."""
+    if reason not in _NOTED:
+        _NOTED.add(reason)
+        log.warning("megatron_dynbatch: %s; THD attention runs the per-sequence pure-torch path there", reason)
+
+
 # ----------------------------------------------------------------------------------------- reference
 def reference_varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
                           max_q: int, max_k: int, *, scale: Optional[float] = None,
@@ -221,5 +232,5 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, segments: Sequen
     return out.reshape(t, heads * dv)
 
 
-__all__ = ["VarlenKernel", "Segment", "REFERENCE_KERNEL", "default_varlen_kernel", "torch_varlen_kernel",
+__all__ = ["VarlenKernel", "Segment", "REFERENCE_KERNEL", "default_varlen_kernel", "torch_varlen_kernel", "note_fallback",
            "reference_varlen_attn", "thd_segments", "cp_segments", "varlen_attention"]
