@@ -188,7 +188,7 @@ def test_gpt_model_packed_equals_per_sample_bf16(cuda_world1):
     config = megatron_cpu.tiny_gpt_config(hidden_size=256, num_attention_heads=4, num_query_groups=2,
                                           kv_channels=64, ffn_hidden_size=512, bf16=True, params_dtype=BF16,
                                           use_cpu_initialization=False, deterministic_mode=False)
-    model = megatron_cpu.build_tiny_gpt(config, vocab_size=256, max_seq_len=1024, thd=True).cuda()
+    model = megatron_cpu.build_tiny_gpt(config, vocab_size=256, max_seq_len=1024, thd=True).cuda().bfloat16()
     g = torch.Generator().manual_seed(1)
     samples = [{"tokens": torch.randint(0, 256, (n,), generator=g)} for n in (200, 17, 511)]
     pk = pack_microbatch(samples, Alignment.for_layout(ParallelConfig(cp=2)), device=DEV)

@@ -49,8 +49,8 @@ def ensure_world_of_one(device: torch.device, seed: int) -> None:
         from ..testing.megatron_cpu import install_cpu_shims  # megatron-core on CPU needs them (docs/packing.md)
 
         install_cpu_shims()
-    else:
-        torch.cuda.set_device(device)
+    elif device.index is not None:
+        torch.cuda.set_device(device.index)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
@@ -115,7 +115,7 @@ class McoreSlice:
         self.model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=max(widths.vocab, 1),
                               max_sequence_length=1 << 20, pre_process=with_vocab, post_process=with_vocab,
                               position_embedding_type="rope", share_embeddings_and_output_weights=False)
-        self.model.to(device)
+        self.model.to(device=device, dtype=dtype)  # norms too, as Megatron's Float16Module does
         self.widths, self.device, self.dtype = widths, device, dtype
 
     def prepare(self, geo: ShareGeometry, generator: torch.Generator) -> Callable[[], None]:
