@@ -232,5 +232,5 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, segments: Sequen
     return out.reshape(t, heads * dv)
 
 
-__all__ = ["VarlenKernel", "Segment", "REFERENCE_KERNEL", "default_varlen_kernel", "torch_varlen_kernel", "note_fallback",
-           "reference_varlen_attn", "thd_segments", "cp_segments", "varlen_attention"]
+__all__ = ["VarlenKernel", "Segment", "REFERENCE_KERNEL", "default_varlen_kernel", "torch_varlen_kernel",
+           "note_fallback", "reference_varlen_attn", "thd_segments", "cp_segments", "varlen_attention"]
