@@ -44,6 +44,7 @@ def _check_results(res, kind):
     assert {"dynbatch", "dynbatch-dyncp", "megatron-hybrid-cp"} <= set(dyncp["runs"][0])
     assert res["workloads"]["tiny-rl-dp2/s0"]["kind"] == "dp"
     for name, entry in res["workloads"].items():
+        assert entry["batch_source"] and entry["widths_per_tp_rank"]["hidden_size"] == 64
         for algo, r in entry["runs"][0].items():
             assert _finite(r["step_s"]) and _finite(r["tokens_per_s"]) and r["imbalance"] >= 1.0, (name, algo)
             assert _finite(r["modelled_step_s"]) and r["microbatches"] >= 1

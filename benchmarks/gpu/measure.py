@@ -196,7 +196,8 @@ def measure_workload(w: Any, seed: int, opts: Dict[str, Any], slices: _Slices) -
     from megatron_dynbatch.measure import record_key
 
     rows, plans = run_workload(w, seed, opts["algorithms"], keep_plans=True)
-    lengths = w.generate(seed).lengths
+    batch = w.generate(seed)
+    lengths = batch.lengths
     schedules = {r.algorithm: schedule_of(r.algorithm, plans[(w.name, seed, r.algorithm)], lengths, w)
                  for r in rows if r.ok}
     sid, sl, cache = slices.get(w)
@@ -226,8 +227,8 @@ def measure_workload(w: Any, seed: int, opts: Dict[str, Any], slices: _Slices) -
     records = [[k[0], list(k[1]), cache[k]] for k in dict.fromkeys(record_key(g, ls) for g, ls in items) if k in cache]
     return {"kind": "dynamic-cp" if w.dynamic_cp else "dp", "layers": opts["layers"], "model": w.model,
             "parallel": w.parallel.to_dict(), "max_tokens_per_gpu": w.max_tokens_per_gpu, "samples": int(lengths.size),
-            "tokens": tokens, "slice": sid, "widths_per_tp_rank": sl.widths.to_dict(), "runs": [run],
-            "microbatches": records}
+            "tokens": tokens, "batch_source": batch.source, "slice": sid, "widths_per_tp_rank": sl.widths.to_dict(),
+            "runs": [run], "microbatches": records}
 
 
 def _summary(workloads: Dict[str, Any]) -> Dict[str, Any]:
