@@ -104,8 +104,8 @@ def test_scheduler_class_plans_on_a_stand_in_base():
         def get_groups_and_subsamples(self, sample_id_seqlens):
             raise AssertionError("overridden")
 
-    cls = mp._scheduler_class(Base)
-    assert mp._scheduler_class(Base) is cls
+    cls = mp.scheduler_class(Base)
+    assert mp.scheduler_class(Base) is cls
     sched = cls(100, 1, 2, None)
     lengths = [90, 10, 40, 60, 30, 70, 20, 80]
     groups = sched.get_groups_and_subsamples(list(enumerate(lengths)))
