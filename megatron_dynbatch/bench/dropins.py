@@ -2,7 +2,8 @@
 workloads, scored with one cost model (``megatron-dynbatch bench --dropins``; recorded in docs/benchmarks.md).
 
 For each workload and seed, each trainer's own algorithm (re-implemented in :mod:`.baselines`: ``slime``,
-``verl``, ``nemo_rl``, ``roll``, ``megatron-rl-packing`` for Megatron RL) and the drop-in's planning half (:mod:`megatron_dynbatch.core.dropin`) plan the
+``verl``, ``nemo_rl``, ``roll``, ``megatron-rl-packing`` for Megatron RL) and the drop-in's planning half
+(:mod:`megatron_dynbatch.core.dropin`) plan the
 same batch. Drop-ins run twice where the trainer's call carries no model: as a one-line import change
 (``drop-in``: slime reads the model from its args; verl falls back to its own workload estimate, NeMo-RL and
 ROLL to tokens) and with ``model=`` passed (``drop-in+model``). Everything is scored by
