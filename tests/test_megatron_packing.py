@@ -249,3 +249,26 @@ def test_max_num_seqs_and_count_multiple_on_a_large_batch():
                                          parallel={"pp": 4, "vpp": 2}, balance_by_flops=False)
     assert len(groups) % 4 == 0 and max(len(g[0]) for g in groups) <= 16
     assert all(sum(int(lens[i]) for i in g[d * 2]) <= 8192 * 2 for g in groups for d in range(64))
+
+
+def test_planner_options_model_balances_by_flops_on_a_stand_in_base():
+    class Base:
+        def __init__(self, max_seqlen_per_dp_cp_rank, cp_size, dp_size, microbatch_group_size_per_vp_stage):
+            self.max_seqlen_per_dp_cp_rank, self.cp_size, self.dp_size = max_seqlen_per_dp_cp_rank, cp_size, dp_size
+            self.microbatch_group_size_per_vp_stage = microbatch_group_size_per_vp_stage
+
+    sched = mp.scheduler_class(Base)(4096, 1, 2, None, max_num_seqs=3, plan_options={"model": "tiny-gpt"})
+    groups = sched.get_groups_and_subsamples(list(enumerate([900, 30, 400, 600, 30, 700, 20, 800])))
+    assert sched.last_plan.balance_by_flops and max(len(g[0]) for g in groups) <= 3  # no max_num_seqs in Base
+
+
+def test_wrap_data_iterator_refuses_a_missing_budget():
+    pytest.importorskip("megatron.core")
+    groups = types.SimpleNamespace(dp_cp=None, dp=None, tp=None, pp=None)
+    with pytest.raises(DynBatchConfigError, match="pg_collection"):
+        mp.wrap_data_iterator(None, types.SimpleNamespace(), 1, groups)
+    one = types.SimpleNamespace(size=lambda: 1)
+    groups = types.SimpleNamespace(dp_cp=one, dp=one, tp=one, pp=one)
+    for bad in (None, 0, 2.5, True):
+        with pytest.raises(DynBatchConfigError, match="max_seqlen_per_dp_cp_rank"):
+            mp.wrap_data_iterator(None, types.SimpleNamespace(max_seqlen_per_dp_cp_rank=bad), 1, groups)

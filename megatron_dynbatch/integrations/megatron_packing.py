@@ -169,8 +169,8 @@ def _make_scheduler_class(base: type) -> type:
                 microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage)
             kwargs.update(self.plan_options)
             parallel = kwargs.pop("parallel")
-            if "model" in self.plan_options:
-                kwargs.setdefault("balance_by_flops", True)
+            if "model" in self.plan_options and "balance_by_flops" not in self.plan_options:
+                kwargs["balance_by_flops"] = True  # a model given here: balance its time, as with Megatron's args
             groups, self.last_plan = plan_sample_id_groups(
                 sample_id_seqlens, max_seqlen_per_dp_cp_rank=kwargs.pop("max_tokens_per_gpu"), dp=self.dp_size,
                 cp=self.cp_size, microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
@@ -218,6 +218,9 @@ def wrap_data_iterator(data_iterator: Any, config: Any, num_microbatches: int, p
     import torch
 
     budget = getattr(config, "max_seqlen_per_dp_cp_rank", None)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise DynBatchConfigError("config.max_seqlen_per_dp_cp_rank", budget, "the scheduler needs a per-GPU budget",
+                                  "set --max-seqlen-per-dp-cp-rank N (tokens one GPU holds in a micro-batch)")
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
     group = None if vpp is None else getattr(config, "microbatch_group_size_per_vp_stage", None)
     cls = scheduler_class()
