@@ -486,8 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed runs per planning-speed case (median reported; default 3)")
     b.add_argument("--list", action="store_true", help="list the workloads and algorithms and exit")
     b.add_argument("--dropins", action="store_true",
-                   help="compare each RL trainer's own batching (slime, verl, NeMo-RL, ROLL) with its drop-in "
-                        "(megatron_dynbatch.integrations) instead: modelled step time and cap violations")
+                   help="compare each RL trainer's own batching (slime, verl, NeMo-RL, ROLL, Megatron RL) with its "
+                        "drop-in (megatron_dynbatch.integrations) instead: modelled step time and cap violations")
     prog = b.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
                       help="always show the progress bar (default: only when stderr is a terminal)")

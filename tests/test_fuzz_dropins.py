@@ -167,3 +167,38 @@ def test_verl_and_roll_integrations_hostile(data):
         grpo_batch(lengths, width=200), _value(data, st.integers(1, 3)), _value(data, st.integers(64, 2048)),
         _value(data, st.sampled_from([16, 64])), _value(data, st.sampled_from([1, 2])),
         _value(data, st.sampled_from([None, 2]))))
+
+
+@SETTINGS
+@given(st.data())
+def test_megatron_packing_scheduler_groups_hostile(data):
+    from megatron_dynbatch.core.dropin.megatron_packing import plan_sample_id_groups
+
+    lengths = data.draw(st.one_of(st.lists(st.integers(0, 600), max_size=24),
+                                  st.lists(st.sampled_from(HOSTILE_SCALARS), min_size=1, max_size=3)))
+    pairs = data.draw(st.one_of(st.just(list(enumerate(lengths))), st.sampled_from(HOSTILE_SCALARS)))
+    res = _ok_or_explained(lambda: plan_sample_id_groups(
+        pairs, max_seqlen_per_dp_cp_rank=_value(data, st.integers(1, 800)), dp=_value(data, st.integers(1, 4)),
+        cp=_value(data, st.integers(1, 2)), microbatch_group_size_per_vp_stage=_value(data, st.sampled_from([None, 2])),
+        max_num_seqs=_value(data, st.sampled_from([None, 1, 4])), balance_by_flops=False))
+    if res is not None:
+        groups, plan = res
+        dp = len(plan.micro_batches)
+        cp = len(groups[0]) // dp
+        assert sorted(i for g in groups for d in range(dp) for i in g[d * cp]) == sorted(i for i, _ in pairs)
+
+
+@SETTINGS
+@given(st.data())
+def test_megatron_rl_bins_hostile(data):
+    from megatron_dynbatch.core.dropin.megatron_rl import plan_rl_bins
+
+    lengths = data.draw(st.one_of(st.lists(st.integers(0, 600), max_size=24), st.sampled_from(HOSTILE_SCALARS),
+                                  st.lists(st.sampled_from(HOSTILE_SCALARS), min_size=1, max_size=3)))
+    res = _ok_or_explained(lambda: plan_rl_bins(
+        lengths, bin_size=_value(data, st.sampled_from([64, 600, 1024])), dp=_value(data, st.integers(1, 4)),
+        seq_length_multiple=_value(data, st.sampled_from([1, 4])),
+        max_sequences_per_bin=_value(data, st.sampled_from([None, 1, 50])),
+        parallel={"cp": data.draw(st.sampled_from([1, 2]))}))
+    if res is not None:
+        assert sorted(i for b in res.bins for i in b) == list(range(len(lengths)))

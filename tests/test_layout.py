@@ -58,6 +58,12 @@ def test_no_import_cycle_between_attention_and_norms():
         assert not re.search(rf"from \.{other} import|from \.\.megatron\.{other} import", src), name
 
 
+def test_no_import_cycle_between_bench_runner_and_adversarial():
+    """The runner calls the adversarial shapes; they share SpeedResult through bench/speed.py, never the runner."""
+    src = (PKG / "bench" / "adversarial.py").read_text(encoding="utf-8")
+    assert not re.search(r"from \.runner import|from megatron_dynbatch\.bench\.runner import", src)
+
+
 def _documented_imports():
     """Every ``from megatron_dynbatch... import a, b`` written in README.md, docs/ and scripts/."""
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "scripts").rglob("*.py"))]

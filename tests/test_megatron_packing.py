@@ -104,8 +104,8 @@ def test_scheduler_class_plans_on_a_stand_in_base():
         def get_groups_and_subsamples(self, sample_id_seqlens):
             raise AssertionError("overridden")
 
-    cls = mp._scheduler_class(Base)
-    assert mp._scheduler_class(Base) is cls
+    cls = mp.scheduler_class(Base)
+    assert mp.scheduler_class(Base) is cls
     sched = cls(100, 1, 2, None)
     lengths = [90, 10, 40, 60, 30, 70, 20, 80]
     groups = sched.get_groups_and_subsamples(list(enumerate(lengths)))
@@ -174,3 +174,101 @@ def test_literal_extension_keeps_optional_literal():
     field = Derived.__dataclass_fields__["sequence_packing_scheduler"]  # the subclass shares the field
     assert typing.get_args(typing.get_args(field.type)[0]) == ("dp_balanced", "dynbatch")
     mp._allow_in_config_field("dynbatch", argparse.Namespace)  # not a dataclass: nothing to do
+
+
+# ------------------------------------------------------------------------ the planning half, hostile inputs
+def test_sample_id_groups_accept_tensors_and_numpy_scalars():
+    import torch
+
+    from megatron_dynbatch.core.dropin.megatron_packing import plan_sample_id_groups
+
+    pairs = [(torch.tensor(i), torch.tensor(n)) for i, n in enumerate([100, 20, 64, 64])] + \
+        [(np.int64(4), np.int32(10)), (5, 120)]
+    groups, plan = plan_sample_id_groups(pairs, max_seqlen_per_dp_cp_rank=np.int64(128), dp=2, cp=np.int64(1),
+                                         balance_by_flops=False)
+    assert sorted(i for g in groups for r in g for i in r) == list(range(6))
+    assert plan.cap == 128
+
+
+@pytest.mark.parametrize("pairs, field", [
+    ([], "sample_id_seqlens"),                      # empty: no rank gets a micro-batch
+    ([(0, 5)], "sample_id_seqlens"),                # fewer samples than DP ranks (dp=2)
+    ([(0, 5), (0, 6)], "sample_id_seqlens"),        # a repeated id
+    ([(0, -5), (1, 6)], "sample_id_seqlens[0]"),
+    ([(0, 5.5), (1, 6)], "sample_id_seqlens[0]"),
+    ([(0, 5, 1), (1, 6)], "sample_id_seqlens[0]"),
+    ("nope", "sample_id_seqlens"),
+])
+def test_sample_id_groups_reject_bad_input_naming_the_field(pairs, field):
+    from megatron_dynbatch.core.dropin.megatron_packing import plan_sample_id_groups
+
+    with pytest.raises(DynBatchConfigError) as exc:
+        plan_sample_id_groups(pairs, max_seqlen_per_dp_cp_rank=128, dp=2, cp=1, balance_by_flops=False)
+    assert exc.value.field == field
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(max_seqlen_per_dp_cp_rank=0), "max_seqlen_per_dp_cp_rank"),
+    (dict(max_seqlen_per_dp_cp_rank=1.5), "max_seqlen_per_dp_cp_rank"),
+    (dict(dp=0), "dp_size"),
+    (dict(cp=True), "cp_size"),
+    (dict(microbatch_group_size_per_vp_stage=0), "microbatch_group_size_per_vp_stage"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+])
+def test_sample_id_groups_reject_bad_settings(kw, field):
+    from megatron_dynbatch.core.dropin.megatron_packing import plan_sample_id_groups
+
+    args = {**dict(max_seqlen_per_dp_cp_rank=128, dp=2, cp=1, balance_by_flops=False), **kw}
+    with pytest.raises(DynBatchConfigError) as exc:
+        plan_sample_id_groups([(i, 10) for i in range(8)], **args)
+    assert exc.value.field == field
+
+
+def test_sample_id_groups_huge_and_oversize_values():
+    from megatron_dynbatch.core.dropin.megatron_packing import plan_sample_id_groups
+    from megatron_dynbatch.core.errors import OversizeSampleError
+
+    with pytest.raises(OversizeSampleError):
+        plan_sample_id_groups([(0, 10**12), (1, 5)], max_seqlen_per_dp_cp_rank=128, dp=1, cp=1,
+                              balance_by_flops=False)
+    from megatron_dynbatch.core.errors import OversizeSampleWarning
+
+    with pytest.warns(OversizeSampleWarning):
+        groups, plan = plan_sample_id_groups([(0, 10**6), (1, 5)], max_seqlen_per_dp_cp_rank=128, dp=1, cp=1,
+                                             balance_by_flops=False, oversize="alone")
+    assert [0] in [g[0] for g in groups] and plan.oversize_samples == [0]
+
+
+def test_max_num_seqs_and_count_multiple_on_a_large_batch():
+    from megatron_dynbatch.core.dropin.megatron_packing import plan_sample_id_groups
+
+    rng = np.random.default_rng(0)
+    lens = np.where(rng.random(16384) < 0.9, rng.integers(20, 200, 16384), rng.integers(2000, 8000, 16384))
+    groups, plan = plan_sample_id_groups(list(enumerate(lens.tolist())), max_seqlen_per_dp_cp_rank=8192, dp=64, cp=2,
+                                         microbatch_group_size_per_vp_stage=4, max_num_seqs=16,
+                                         parallel={"pp": 4, "vpp": 2}, balance_by_flops=False)
+    assert len(groups) % 4 == 0 and max(len(g[0]) for g in groups) <= 16
+    assert all(sum(int(lens[i]) for i in g[d * 2]) <= 8192 * 2 for g in groups for d in range(64))
+
+
+def test_planner_options_model_balances_by_flops_on_a_stand_in_base():
+    class Base:
+        def __init__(self, max_seqlen_per_dp_cp_rank, cp_size, dp_size, microbatch_group_size_per_vp_stage):
+            self.max_seqlen_per_dp_cp_rank, self.cp_size, self.dp_size = max_seqlen_per_dp_cp_rank, cp_size, dp_size
+            self.microbatch_group_size_per_vp_stage = microbatch_group_size_per_vp_stage
+
+    sched = mp.scheduler_class(Base)(4096, 1, 2, None, max_num_seqs=3, plan_options={"model": "tiny-gpt"})
+    groups = sched.get_groups_and_subsamples(list(enumerate([900, 30, 400, 600, 30, 700, 20, 800])))
+    assert sched.last_plan.balance_by_flops and max(len(g[0]) for g in groups) <= 3  # no max_num_seqs in Base
+
+
+def test_wrap_data_iterator_refuses_a_missing_budget():
+    pytest.importorskip("megatron.core")
+    groups = types.SimpleNamespace(dp_cp=None, dp=None, tp=None, pp=None)
+    with pytest.raises(DynBatchConfigError, match="pg_collection"):
+        mp.wrap_data_iterator(None, types.SimpleNamespace(), 1, groups)
+    one = types.SimpleNamespace(size=lambda: 1)
+    groups = types.SimpleNamespace(dp_cp=one, dp=one, tp=one, pp=one)
+    for bad in (None, 0, 2.5, True):
+        with pytest.raises(DynBatchConfigError, match="max_seqlen_per_dp_cp_rank"):
+            mp.wrap_data_iterator(None, types.SimpleNamespace(max_seqlen_per_dp_cp_rank=bad), 1, groups)

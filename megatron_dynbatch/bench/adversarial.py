@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from .speed import SpeedResult
+
 #: the planning-time target of every shape at full size (n <= 65,536, dp <= 1,024)
 TARGET_MS = 2000.0
 BUDGET = 4096
@@ -92,9 +94,7 @@ def time_shape(shape: Shape, n: int, repeats: int = 1) -> Tuple[List[float], int
 
 def run_adversarial(sizes: Sequence[int] = (DEFAULT_SIZE,), repeats: int = 1,
                     shapes: Sequence[Shape] = SHAPES) -> List[Any]:
-    """One :class:`~megatron_dynbatch.bench.runner.SpeedResult` per shape and size."""
-    from .runner import SpeedResult
-
+    """One :class:`~megatron_dynbatch.bench.speed.SpeedResult` per shape and size."""
     out = []
     for n in sizes:
         for shape in shapes:

@@ -17,7 +17,10 @@ Family (``BASELINES``; :func:`get_baseline` is the factory):
 * ``verl`` -- verl ``balance_batch`` + ``use_dynamic_bsz`` (``rearrange_micro_batches``);
 * ``nemo_rl`` -- NeMo-RL sequence packing with the modified first-fit-decreasing packer;
 * ``roll`` -- ROLL dynamic batching (padded ``[b, s]`` micro-batches; in ``EXTRA_BASELINES``, outside the
-  default table, compared by ``megatron-dynbatch bench --dropins``).
+  default table, compared by ``megatron-dynbatch bench --dropins``);
+* ``megatron-dp-balanced``, ``megatron-rl-packing`` (fifo), ``megatron-rl-packing-rr`` (round-robin) --
+  Megatron-LM's own packing paths (:mod:`.megatron_upstream`); Megatron RL's bins are scored as the fixed
+  ``[1, seq_length]`` rows they are (``fixed_bins``: padding and empty filler bins run).
 
 The code is ours, written from the public documentation, help texts and observable behaviour of those
 projects (cited per function); no code was copied. Every baseline is deterministic: ties break on indices.
@@ -38,6 +41,7 @@ from ..core.cost_model import CostModel
 from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 from ..core.parallel import ParallelConfig
+from .megatron_upstream import megatron_dp_balanced, megatron_rl_packing, megatron_rl_packing_rr
 from .partitioning import (BaselineInfeasible, adjust_bin_count, first_fit, karmarkar_karp,
                            modified_first_fit_decreasing, split_largest_bins)
 
@@ -347,6 +351,7 @@ class Baseline:
     fn: Callable[[np.ndarray, BaselineContext], MicroBatches]
     pad_to_longest: bool = False
     provenance: str = ""
+    fixed_bins: bool = False  # every micro-batch is a full-width row of ``cap`` tokens, empty ones included
 
     @property
     def description(self) -> str:
@@ -378,6 +383,14 @@ BASELINES: Dict[str, Baseline] = {
                             "partitions)"),
         Baseline("nemo_rl", nemo_rl,
                  provenance="NeMo-RL sequence_packing, modified_first_fit_decreasing, round-robin bins to DP"),
+        Baseline("megatron-dp-balanced", megatron_dp_balanced,
+                 provenance="Megatron-Core DpBalancedScheduler (data_schedule.py wrap_data_iterator): next-fit in "
+                            "loader order, count a multiple of dp (x N under VPP)"),
+        Baseline("megatron-rl-packing", megatron_rl_packing, fixed_bins=True,
+                 provenance="Megatron RL --rl-use-sequence-packing, fifo: longest-first next-fit bins of "
+                            "--seq-length, padded bins and empty filler bins run"),
+        Baseline("megatron-rl-packing-rr", megatron_rl_packing_rr, fixed_bins=True,
+                 provenance="Megatron RL --rl-sequence-packing-algo round-robin: the same bins dealt cyclically"),
     )
 }
 
@@ -426,9 +439,15 @@ def run_baseline(name: str, lengths: Union[Sequence[int], np.ndarray], ctx: Base
     elapsed = time.perf_counter() - t0
     plan = score_assignment(mbs, lens, model=ctx.model, parallel=ctx.parallel,
                             max_tokens_per_gpu=ctx.max_tokens_per_gpu, fp8_alignment=ctx.fp8_alignment,
-                            cost_model=cost_model, pad_to_longest=base.pad_to_longest, algorithm=name)
+                            cost_model=cost_model, pad_to_longest=base.pad_to_longest, algorithm=name,
+                            fixed_microbatch_tokens=ctx.cap if base.fixed_bins else None)
     plan.planning_time_s = elapsed
-    return BaselineRun(name, plan=plan, planning_time_s=elapsed, notes=structural_problems(plan, lens.size))
+    notes = structural_problems(plan, lens.size)
+    if base.fixed_bins and "empty micro-batch" in notes:  # by design there: filler bins that run in full
+        empty = sum(not mb for r in plan.micro_batches for mb in r)
+        notes = [f"{empty} empty filler bin{'s' if empty > 1 else ''} (executed)" if n == "empty micro-batch" else n
+                 for n in notes]
+    return BaselineRun(name, plan=plan, planning_time_s=elapsed, notes=notes)
 
 
 def structural_problems(plan: Any, num_samples: int) -> List[str]:
@@ -453,6 +472,7 @@ def structural_problems(plan: Any, num_samples: int) -> List[str]:
 __all__ = [
     "BASELINES", "Baseline", "BaselineContext", "EXTRA_BASELINES", "roll", "roll_layout", "BaselineInfeasible", "BaselineRun", "MicroBatches",
     "adjust_bin_count", "first_fit", "fixed_padded", "get_baseline", "karmarkar_karp",
+    "megatron_dp_balanced", "megatron_rl_packing", "megatron_rl_packing_rr",
     "modified_first_fit_decreasing", "nemo_rl", "run_baseline", "slime", "slime_flops", "slime_legacy",
     "split_largest_bins", "structural_problems", "verl",
 ]

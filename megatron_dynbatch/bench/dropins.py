@@ -2,7 +2,8 @@
 workloads, scored with one cost model (``megatron-dynbatch bench --dropins``; recorded in docs/benchmarks.md).
 
 For each workload and seed, each trainer's own algorithm (re-implemented in :mod:`.baselines`: ``slime``,
-``verl``, ``nemo_rl``, ``roll``) and the drop-in's planning half (:mod:`megatron_dynbatch.core.dropin`) plan the
+``verl``, ``nemo_rl``, ``roll``, ``megatron-rl-packing`` for Megatron RL) and the drop-in's planning half
+(:mod:`megatron_dynbatch.core.dropin`) plan the
 same batch. Drop-ins run twice where the trainer's call carries no model: as a one-line import change
 (``drop-in``: slime reads the model from its args; verl falls back to its own workload estimate, NeMo-RL and
 ROLL to tokens) and with ``model=`` passed (``drop-in+model``). Everything is scored by
@@ -11,6 +12,7 @@ trainer's own padding convention (slime: each CP rank's share to ``tp*128``; ver
 ``tp*cp*2``, or ``tp`` without CP; NeMo-RL and ROLL: the layout's), so a cap violation is a micro-batch over
 ``max_tokens_per_gpu * cp`` with the padding that trainer really adds. ROLL runs padded ``[b, s]``
 micro-batches cut to one shared length per index: it is scored on those padded lengths (``pad_to_longest``).
+Megatron RL runs every bin as a ``[1, seq_length]`` row, ours too (``fixed_microbatch_tokens``: the budget).
 
 The step time is MODELLED (the cost model's seconds), not measured. A trainer algorithm that would stop
 (assertion, unequal counts Megatron refuses) is reported as such, not scored.
@@ -29,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..core.cost_model import CostModel
+from ..core.dropin.megatron_rl import plan_rl_bins
 from ..core.dropin.nemo_rl import get_packer
 from ..core.dropin.roll import roll_shard
 from ..core.dropin.slime import slime_schedule
@@ -77,21 +80,25 @@ class _Trainer:
 
     name: str
     own: str
-    padding: Callable[[ParallelConfig], Dict[str, Any]]
+    padding: Callable[[ParallelConfig, int], Dict[str, Any]]  # (layout, cap) -> score_assignment padding
     dropin: Callable[[np.ndarray, Workload, Any], Tuple[MicroBatches, Optional[np.ndarray]]]
     model_variant: bool = True
 
 
-def _slime_padding(par: ParallelConfig) -> Dict[str, Any]:
+def _slime_padding(par: ParallelConfig, cap: int) -> Dict[str, Any]:
     return {"microbatch_pad_multiple": par.tp * SLIME_PAD}
 
 
-def _verl_padding(par: ParallelConfig) -> Dict[str, Any]:
+def _verl_padding(par: ParallelConfig, cap: int) -> Dict[str, Any]:
     return {"sequence_pad_multiple": verl_sequence_pad_multiple(par.tp, par.cp)}
 
 
-def _no_padding(par: ParallelConfig) -> Dict[str, Any]:
+def _no_padding(par: ParallelConfig, cap: int) -> Dict[str, Any]:
     return {}
+
+
+def _row_padding(par: ParallelConfig, cap: int) -> Dict[str, Any]:
+    return {"fixed_microbatch_tokens": cap}  # Megatron RL: every bin is a full --seq-length row
 
 
 def _slime_dropin(lengths: np.ndarray, w: Workload, model: Any):
@@ -139,11 +146,21 @@ def _roll_dropin(lengths: np.ndarray, w: Workload, model: Any):
     return mbs, _roll_padded(lengths, mbs, shard.micro_batch_lengths)
 
 
+def _megatron_rl_dropin(lengths: np.ndarray, w: Workload, model: Any):
+    par = w.parallel
+    res = plan_rl_bins(lengths, bin_size=w.max_tokens_per_gpu * par.cp, dp=par.dp,
+                       seq_length_multiple=2 * par.cp if par.cp > 1 else 1, parallel=par.to_dict(), model=w.model)
+    return [res.rank_bins(r) for r in range(par.dp)], None
+
+
 DROPIN_TRAINERS: Dict[str, _Trainer] = {
     "slime": _Trainer("slime", "slime", _slime_padding, _slime_dropin, model_variant=False),
     "verl": _Trainer("verl", "verl", _verl_padding, _verl_dropin),
     "nemo_rl": _Trainer("nemo_rl", "nemo_rl", _no_padding, _nemo_rl_dropin),
     "roll": _Trainer("roll", "roll", _no_padding, _roll_dropin),
+    # the drop-in reads the model from Megatron's args, like slime's
+    "megatron_rl": _Trainer("megatron_rl", "megatron-rl-packing", _row_padding, _megatron_rl_dropin,
+                            model_variant=False),
 }
 
 
@@ -178,7 +195,7 @@ def run_dropins(workloads: Sequence[Workload], seeds: int = 1,
             lengths = w.generate(seed).lengths
             for name in names:
                 trainer = DROPIN_TRAINERS[name]
-                padding = trainer.padding(w.parallel)
+                padding = trainer.padding(w.parallel, w.max_tokens_per_gpu * w.parallel.cp)
                 variants = [(trainer.own, None)]
                 variants.append(("drop-in", None))
                 if trainer.model_variant:

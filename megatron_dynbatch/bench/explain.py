@@ -27,6 +27,8 @@ from .runner import DYNBATCH_VARIANTS, PRIMARY, BenchResult, Row
 
 #: The baseline "how much faster" is measured against: Megatron-LM's default fixed-size, padded micro-batches.
 REFERENCE = "fixed_padded"
+#: Megatron-LM's own packing paths (bench/megatron_upstream.py): the headline says where the planner stands on each.
+UPSTREAM = ("megatron-dp-balanced", "megatron-rl-packing", "megatron-rl-packing-rr")
 WIDTH = 116
 
 #: One line per table column (keys: the column titles of :data:`.report.COLUMNS`).
@@ -104,6 +106,25 @@ def _versus_best_peer(data: Dict[str, Dict[int, Dict[str, Row]]]) -> Optional[st
     return f"vs the fastest baseline on each batch: ahead on {ahead} of {_n(len(gains), 'workload')}, every seed ({by})"
 
 
+def _versus_upstream(data: Dict[str, Dict[int, Dict[str, Row]]]) -> Optional[str]:
+    parts = []
+    for name in UPSTREAM:
+        ratios, ahead = [], 0
+        for seeds in data.values():
+            pairs = [(s[PRIMARY], s[name]) for s in seeds.values()
+                     if PRIMARY in s and name in s and s[PRIMARY].ok and s[name].ok and s[PRIMARY].step_time_s > 0]
+            if pairs:
+                ahead += all(theirs.step_time_s > mine.step_time_s for mine, theirs in pairs)
+                ratios.append(float(np.mean([theirs.step_time_s / mine.step_time_s for mine, theirs in pairs])))
+        if ratios:
+            parts.append(f"{name} on {ahead} of {_n(len(ratios), 'workload')} ({_geomean(ratios):.2f}x, "
+                         f"{min(ratios):.2f}-{max(ratios):.2f}x)")
+    if not parts:
+        return None
+    return f"vs Megatron-LM's own packing (step time theirs / {PRIMARY}'s, geometric mean): {PRIMARY} ahead of " + \
+        ", of ".join(parts)
+
+
 def _budget_breaks(rows: Sequence[Row]) -> Optional[str]:
     totals: Dict[str, int] = {}
     where: Dict[str, set] = {}
@@ -163,7 +184,8 @@ def headline(result: BenchResult) -> List[str]:
              f"Step times are MODELLED (FLOPs at assumed H100-class efficiencies: docs/cost_model.md), not "
              f"measured; plan times are measured on this machine.")
     lines = _wrap(intro, indent="", hang="")
-    for line in (_speedup_vs_reference(data), _versus_best_peer(data), _budget_breaks(result.rows),
+    for line in (_speedup_vs_reference(data), _versus_best_peer(data), _versus_upstream(data),
+                 _budget_breaks(result.rows),
                  _lower_bound(data), _speed(result)):
         if line:
             lines += _wrap(line)
@@ -200,4 +222,4 @@ def legend(result: BenchResult, columns: Sequence[str]) -> List[str]:
     return lines
 
 
-__all__ = ["COLUMN_HELP", "REFERENCE", "headline", "legend"]
+__all__ = ["COLUMN_HELP", "REFERENCE", "UPSTREAM", "headline", "legend"]

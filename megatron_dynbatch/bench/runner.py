@@ -26,6 +26,7 @@ from .adversarial import SHAPES as ADVERSARIAL_SHAPES, run_adversarial
 from .baselines import BASELINES, BaselineContext, run_baseline, structural_problems
 from .hybrid_cp import NAME as HYBRID_CP, plan_hybrid_cp
 from .partitioning import BaselineInfeasible
+from .speed import SpeedResult
 from ..core.cost_model import CostModel
 from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
@@ -96,37 +97,6 @@ class Row:
                 v = float("nan")
             kw[f.name] = list(v) if f.name == "notes" else v
         return cls(**kw)
-
-
-@dataclass
-class SpeedResult:
-    """Planning time of ``plan_global_batch`` for ``samples`` over ``dp`` ranks."""
-
-    samples: int
-    dp: int
-    runs_ms: List[float]
-    target_ms: float
-    microbatches: int = 0
-    shape: str = "GRPO"  # the input shape (see bench/adversarial.py for the adversarial ones)
-    clock: str = "wall"  # "wall" (perf_counter) or "cpu" (process_time)
-
-    @property
-    def median_ms(self) -> float:
-        return float(np.median(self.runs_ms)) if self.runs_ms else float("nan")
-
-    @property
-    def meets_target(self) -> bool:
-        return self.median_ms < self.target_ms
-
-    def to_dict(self) -> Dict[str, Any]:
-        d = asdict(self)
-        d.update(median_ms=self.median_ms, meets_target=self.meets_target)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "SpeedResult":
-        return cls(int(d["samples"]), int(d["dp"]), [float(x) for x in d["runs_ms"]], float(d["target_ms"]),
-                   int(d.get("microbatches", 0)), str(d.get("shape", "GRPO")), str(d.get("clock", "wall")))
 
 
 @dataclass

@@ -1,22 +1,24 @@
-"""This planner as a Megatron-LM packing scheduler: ``--sequence-packing-scheduler dynbatch``.
+"""This planner as Megatron-Core's sequence-packing scheduler, on every Megatron-LM that has one.
 
-Megatron-LM (dev branch, Aug 2026) packs variable-length samples itself when ``--sequence-packing-scheduler``
-names an entry of ``megatron.core.datasets.data_schedule.scheduler_map``: each step it gathers every DP rank's
-sample lengths, asks the scheduler class to group them (``get_groups_and_subsamples``), reroutes the samples
-to their ranks, packs them into THD micro-batches and runs that many micro-batches. Upstream's own
-``DpBalancedScheduler`` fills micro-batches first-fit in sample order, by tokens only.
+Megatron-Core's ``wrap_data_iterator(data_iterator, config, num_microbatches, pg_collection)``
+(``megatron/core/datasets/data_schedule.py``) builds a scheduler from ``config.max_seqlen_per_dp_cp_rank``, the DP
+and CP sizes and, under VPP, ``config.microbatch_group_size_per_vp_stage``; the scheduler's ``run()`` gathers
+every DP rank's sample lengths, asks ``get_groups_and_subsamples`` to group them, reroutes the samples, packs THD
+micro-batches and returns ``(iterator, num_micro_batches, sum(seqlen), sum(seqlen**2))``. Upstream's
+``DpBalancedScheduler`` groups next-fit in loader order, by tokens only.
 
-:func:`register_packing_scheduler` adds ``dynbatch`` to that map: a subclass of upstream's
-``DpBalancedScheduler`` (so rerouting, packing, broadcasting and VPP handling stay upstream's) whose grouping
-is :func:`megatron_dynbatch.plan_global_batch` -- FLOPs balance across DP ranks, equal micro-batch counts,
-the budget ``--max-seqlen-per-dp-cp-rank`` x CP never exceeded, Megatron's VPP rule -- converted to upstream's
-format by :func:`sample_id_groups_from_plan`. Selecting it is upstream's own flag; no wrapper, no hook.
+:func:`scheduler_class` subclasses the installed ``DpBalancedScheduler`` (so gathering, rerouting, packing,
+the PP/TP broadcasts, VPP iterators and the returned sums stay upstream's) and replaces only the grouping with
+:func:`megatron_dynbatch.core.dropin.megatron_packing.plan_sample_id_groups`: the cost model's count, FLOPs
+balance across ranks and micro-batches, the budget ``max_seqlen_per_dp_cp_rank x cp`` never exceeded,
+upstream's count rule (a multiple of ``microbatch_group_size_per_vp_stage`` when given), ``max_num_seqs``.
+Three ways in, by what the installed Megatron-LM offers (probed in :mod:`megatron_dynbatch.megatron.compat`):
 
-Feature detection, never versions (:mod:`megatron_dynbatch.megatron.compat`): the probe looks for
-``scheduler_map`` with string keys and ``DpBalancedScheduler.get_groups_and_subsamples``. megatron-core 0.15-0.19 and Megatron-LM main have
-no such extension point (main carries the classes but an enum-keyed map and no flag); there
-:func:`register_packing_scheduler` returns ``False`` and the ``pretrain()`` hook
-(:mod:`megatron_dynbatch.integrations.megatron_lm`) is the way in.
+* a name-keyed scheduler map (Megatron-LM ``dev``): :func:`register_packing_scheduler` adds ``dynbatch``;
+  ``--sequence-packing-scheduler dynbatch`` selects it (the Megatron-LM extra-args provider registers it);
+* an enum-keyed map (Megatron-LM ``main``: nothing can be added): call :func:`wrap_data_iterator` of this
+  module where upstream's would be called -- same arguments, same four results;
+* neither: the ``pretrain()`` hook (:mod:`megatron_dynbatch.integrations.megatron_lm`).
 
 Exactness: the packed micro-batches go through upstream's loss function. Only with
 ``--calculate-per-token-loss`` is that the global token mean (otherwise Megatron averages per-micro-batch
@@ -27,39 +29,31 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+from ..core.dropin.megatron_packing import plan_sample_id_groups, sample_id_groups_from_plan
 from ..core.errors import DynBatchConfigError
 
 __all__ = [
     "SCHEDULER_NAME",
+    "extend_scheduler_flag",
     "packing_scheduler_support",
     "register_packing_scheduler",
-    "extend_scheduler_flag",
     "sample_id_groups_from_plan",
+    "scheduler_class",
     "scheduler_plan_kwargs",
+    "wrap_data_iterator",
 ]
 
 #: The name upstream's ``--sequence-packing-scheduler`` selects this planner by.
 SCHEDULER_NAME = "dynbatch"
 _FLAG = "--sequence-packing-scheduler"
-_CLASS: Dict[str, type] = {}
+_CLASS: Dict[type, type] = {}
+#: Planner options every scheduler instance uses unless given its own (``model``, ``cost_model``, ...).
+_DEFAULT_OPTIONS: Dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------------------------------ pure parts
-def sample_id_groups_from_plan(plan: Any, sample_ids: Sequence[int], cp_size: int) -> List[List[List[int]]]:
-    """Upstream's grouping format from a :class:`~megatron_dynbatch.Plan`: ``groups[i][j]`` lists the sample
-    ids of micro-batch ``i`` on DP x CP index ``j``; the ``cp_size`` consecutive indices of DP rank ``d``
-    (``j // cp_size == d``) share DP rank ``d``'s micro-batch, as in upstream's ``DpBalancedScheduler``.
-    ``sample_ids[k]`` is the id of the plan's sample ``k``."""
-    if cp_size < 1:
-        raise DynBatchConfigError("cp_size", cp_size, "must be >= 1", "pass the context-parallel size")
-    dp = len(plan.micro_batches)
-    count = plan.num_microbatches
-    return [[[int(sample_ids[k]) for k in plan.micro_batches[j // cp_size][i]] for j in range(dp * cp_size)]
-            for i in range(count)]
-
-
 def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, config: Any = None,
                           args: Any = None, microbatch_group_size_per_vp_stage: Optional[int] = None) -> Dict[str, Any]:
     """:func:`plan_global_batch` arguments for the scheduler: the budget is upstream's
@@ -70,7 +64,8 @@ def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, c
     from ..core.model_spec import ModelSpec
     from ..core.parallel import ParallelConfig
 
-    if not isinstance(max_seqlen_per_dp_cp_rank, int) or max_seqlen_per_dp_cp_rank < 1:
+    if not isinstance(max_seqlen_per_dp_cp_rank, int) or isinstance(max_seqlen_per_dp_cp_rank, bool) \
+            or max_seqlen_per_dp_cp_rank < 1:
         raise DynBatchConfigError("--max-seqlen-per-dp-cp-rank", max_seqlen_per_dp_cp_rank,
                                   "the dynbatch scheduler needs a per-GPU token budget",
                                   "pass --max-seqlen-per-dp-cp-rank N (tokens one GPU can hold in a micro-batch)")
@@ -105,23 +100,52 @@ def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, c
 
 # ------------------------------------------------------------------------------------ feature detection
 def packing_scheduler_support() -> Tuple[bool, str]:
-    """``(True, "")`` when the installed megatron-core has upstream's string-keyed packing-scheduler map,
-    else ``(False, why)`` (the probe lives in :func:`megatron_dynbatch.megatron.compat.packing_scheduler_point`)."""
+    """``(True, "")`` when the installed megatron-core has upstream's NAME-keyed packing-scheduler map (a flag
+    selects entries), else ``(False, why)`` (probe: :func:`megatron_dynbatch.megatron.compat.packing_scheduler_point`).
+    :func:`wrap_data_iterator` works wherever ``DpBalancedScheduler`` exists, map or not."""
     from ..megatron.compat import packing_scheduler_point
 
     module, why = packing_scheduler_point()
     return module is not None, why
 
 
-def _scheduler_class(base: type) -> type:
-    """The ``dynbatch`` scheduler: upstream's ``DpBalancedScheduler`` pipeline with this planner's grouping."""
-    if base in _CLASS:
-        return _CLASS[base]
+def scheduler_class(base: Optional[type] = None) -> type:
+    """The ``dynbatch`` scheduler: upstream's ``DpBalancedScheduler`` pipeline with this planner's grouping.
+    ``base`` defaults to the installed megatron-core's ``DpBalancedScheduler``; one class per base."""
+    if base is None:
+        from ..megatron.compat import packing_scheduler_api
+
+        api = packing_scheduler_api()
+        if api.base is None:
+            raise DynBatchConfigError(_FLAG, SCHEDULER_NAME, api.why,
+                                      "use megatron_dynbatch.integrations.megatron_lm.install()")
+        base = api.base
+    if base not in _CLASS:
+        _CLASS[base] = _make_scheduler_class(base)
+    return _CLASS[base]
+
+
+def _make_scheduler_class(base: type) -> type:
+    from ..megatron.compat import _parameters
+
+    takes_max_num_seqs = any("max_num_seqs" in _parameters(cls.__init__) for cls in base.__mro__)
 
     class DynBatchScheduler(base):  # type: ignore[misc, valid-type]
         """Groups samples with megatron-dynbatch's planner (FLOPs-balanced, budget-safe, equal counts)."""
 
         _config: Any = None
+
+        def __init__(self, max_seqlen_per_dp_cp_rank: int, cp_size: int, dp_size: int,
+                     microbatch_group_size_per_vp_stage: Optional[int] = None, *args: Any,
+                     max_num_seqs: Optional[int] = None, plan_options: Optional[Dict[str, Any]] = None,
+                     **kwargs: Any) -> None:
+            if takes_max_num_seqs:
+                kwargs["max_num_seqs"] = max_num_seqs
+            super().__init__(max_seqlen_per_dp_cp_rank, cp_size, dp_size, microbatch_group_size_per_vp_stage,
+                             *args, **kwargs)
+            self.max_num_seqs = max_num_seqs
+            self.plan_options = dict(_DEFAULT_OPTIONS if plan_options is None else plan_options)
+            self.last_plan: Any = None
 
         def run(self, data_iterator: Any, num_microbatches: int, dp_group: Any, tp_group: Any, pp_group: Any,
                 dp_cp_group: Any, dev: Any, config: Any) -> Any:
@@ -132,24 +156,35 @@ def _scheduler_class(base: type) -> type:
                     "which depends on the grouping; only the per-token loss equals plain batching",
                     "add --calculate-per-token-loss")
             self._config = config
+            real_num_seqs = getattr(_data_schedule(), "_get_scheduler_max_real_num_seqs", None)
+            if real_num_seqs is not None and getattr(config, "thd_max_packed_sequences", None) is not None:
+                self.max_num_seqs = real_num_seqs(config)  # upstream's rule: a dummy tail sequence takes a slot
             return super().run(data_iterator, num_microbatches, dp_group, tp_group, pp_group, dp_cp_group,
                                dev, config)
 
         def get_groups_and_subsamples(self, sample_id_seqlens: Any, *unused: Any) -> List[List[List[int]]]:
-            from ..core.planner import plan_global_batch
-
-            ids = [int(i) for i, _ in sample_id_seqlens]
-            lengths = [int(n) for _, n in sample_id_seqlens]
             kwargs = scheduler_plan_kwargs(
                 max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank, dp=self.dp_size, cp=self.cp_size,
                 config=self._config, args=_megatron_args(),
                 microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage)
-            plan = plan_global_batch(lengths, **kwargs)
-            return sample_id_groups_from_plan(plan, ids, self.cp_size)
+            kwargs.update(self.plan_options)
+            parallel = kwargs.pop("parallel")
+            if "model" in self.plan_options and "balance_by_flops" not in self.plan_options:
+                kwargs["balance_by_flops"] = True  # a model given here: balance its time, as with Megatron's args
+            groups, self.last_plan = plan_sample_id_groups(
+                sample_id_seqlens, max_seqlen_per_dp_cp_rank=kwargs.pop("max_tokens_per_gpu"), dp=self.dp_size,
+                cp=self.cp_size, microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
+                max_num_seqs=self.max_num_seqs, parallel=parallel, **kwargs)
+            return groups
 
     DynBatchScheduler.__qualname__ = DynBatchScheduler.__name__
-    _CLASS[base] = DynBatchScheduler
     return DynBatchScheduler
+
+
+def _data_schedule() -> Any:
+    from ..megatron.compat import packing_scheduler_api
+
+    return packing_scheduler_api().module
 
 
 def _megatron_args() -> Any:
@@ -159,6 +194,41 @@ def _megatron_args() -> Any:
         return get_args()
     except Exception:  # noqa: BLE001 - no Megatron-LM, or args not parsed yet: plan from the config alone
         return None
+
+
+def wrap_data_iterator(data_iterator: Any, config: Any, num_microbatches: int, pg_collection: Any = None,
+                       **plan_options: Any) -> Tuple[Any, int, float, float]:
+    """Upstream's ``wrap_data_iterator`` with this planner's scheduler: same arguments (plus optional planner
+    options: ``model``, ``cost_model``, ``oversize``, ...), same four results -- the new data iterator (a list
+    under VPP), the micro-batch count, and the global batch's sum of sequence lengths and of their squares.
+    Works on every megatron-core with ``DpBalancedScheduler`` (Megatron-LM ``main``, whose scheduler map is
+    keyed by an enum, and ``dev``). ``config.max_num_seqs`` comes from ``thd_max_packed_sequences`` as upstream's
+    ``dp_balanced`` reads it."""
+    if pg_collection is None:
+        from megatron.core import parallel_state as ps
+
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        dp, tp, pp = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group(), \
+            ps.get_pipeline_model_parallel_group()
+    else:
+        dp_cp, dp, tp, pp = pg_collection.dp_cp, pg_collection.dp, pg_collection.tp, pg_collection.pp
+    if any(g is None for g in (dp_cp, dp, tp, pp)):
+        raise DynBatchConfigError("pg_collection", "incomplete", "dp_cp, dp, tp and pp groups are needed",
+                                  "initialise parallel_state or pass a full ProcessGroupCollection")
+    import torch
+
+    budget = getattr(config, "max_seqlen_per_dp_cp_rank", None)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise DynBatchConfigError("config.max_seqlen_per_dp_cp_rank", budget, "the scheduler needs a per-GPU budget",
+                                  "set --max-seqlen-per-dp-cp-rank N (tokens one GPU holds in a micro-batch)")
+    vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+    group = None if vpp is None else getattr(config, "microbatch_group_size_per_vp_stage", None)
+    cls = scheduler_class()
+    scheduler = cls(budget, dp_cp.size() // dp.size(), dp.size(), group,
+                    max_num_seqs=getattr(config, "thd_max_packed_sequences", None),
+                    plan_options={**_DEFAULT_OPTIONS, **plan_options})
+    dev = torch.cuda.current_device()
+    return scheduler.run(data_iterator, num_microbatches, dp, tp, pp, dp_cp, dev, config)
 
 
 def _allow_in_config_field(name: str, config_class: Any = None) -> None:
@@ -181,30 +251,34 @@ def _allow_in_config_field(name: str, config_class: Any = None) -> None:
     field.type = Optional[typing.Literal[choices]]  # type: ignore[valid-type]
 
 
-def extend_scheduler_flag(parser: argparse.ArgumentParser, name: str = SCHEDULER_NAME) -> bool:
-    """Let ``--sequence-packing-scheduler`` accept ``name`` on an already-built Megatron-LM parser (the flag's
-    choices come from a ``Literal``). Returns whether the parser has the flag."""
+def extend_scheduler_flag(parser: argparse.ArgumentParser, name: str = SCHEDULER_NAME, flag: str = _FLAG) -> bool:
+    """Let ``flag`` (default ``--sequence-packing-scheduler``) accept ``name`` on an already-built Megatron-LM
+    parser (the flag's choices come from a ``Literal`` or a list). Returns whether the parser has the flag."""
     for action in getattr(parser, "_actions", []):
-        if _FLAG in getattr(action, "option_strings", ()):
+        if flag in getattr(action, "option_strings", ()):
             if action.choices is not None and name not in action.choices:
                 action.choices = tuple(action.choices) + (name,)
             return True
     return False
 
 
-def register_packing_scheduler(name: str = SCHEDULER_NAME, *, strict: bool = False) -> bool:
-    """Register this planner in upstream's packing-scheduler map under ``name`` and let
+def register_packing_scheduler(name: str = SCHEDULER_NAME, *, strict: bool = False, **plan_options: Any) -> bool:
+    """Register this planner in upstream's NAME-keyed packing-scheduler map under ``name`` and let
     ``--sequence-packing-scheduler`` accept it. Call before ``pretrain()`` (the Megatron-LM extra-args
     provider :func:`megatron_dynbatch.integrations.megatron_lm.add_dynamic_batch_args` does it for you).
-    Returns False when the installed megatron-core has no such extension point (``strict``: raise
-    :class:`DynBatchConfigError` instead). Idempotent."""
+    ``plan_options`` (``model``, ``cost_model``, ``oversize``, ...) become every instance's planner options.
+    Returns False when the installed megatron-core has no such map -- Megatron-LM ``main`` keys it by an enum:
+    use :func:`wrap_data_iterator` there (``strict``: raise :class:`DynBatchConfigError` instead). Idempotent."""
     from ..megatron.compat import packing_scheduler_point
 
     ds, why = packing_scheduler_point()
     if ds is None:
         if strict:
-            raise DynBatchConfigError(_FLAG, name, why, "use megatron_dynbatch.integrations.megatron_lm.install()")
+            raise DynBatchConfigError(_FLAG, name, why, "call megatron_dynbatch.integrations.megatron_packing."
+                                      "wrap_data_iterator where upstream's is called, or use the pretrain() hook")
         return False
-    ds.scheduler_map[name] = _scheduler_class(ds.DpBalancedScheduler)
+    _DEFAULT_OPTIONS.clear()
+    _DEFAULT_OPTIONS.update(plan_options)
+    ds.scheduler_map[name] = scheduler_class(ds.DpBalancedScheduler)
     _allow_in_config_field(name)
     return True

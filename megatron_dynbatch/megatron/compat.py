@@ -8,9 +8,12 @@ release pip offers on Python 3.11 (0.16.1) and ``megatron-dynbatch demo --check`
 The rule is: probe for the feature, never compare version numbers (NGC containers and source checkouts carry
 versions pip never saw). What differs, and where it is handled:
 
-* the packing-scheduler extension point (``megatron.core.datasets.data_schedule.scheduler_map`` keyed by the
-  name ``--sequence-packing-scheduler`` takes; Megatron-LM dev, Aug 2026) -- :func:`packing_scheduler_point`,
-  used by :mod:`megatron_dynbatch.integrations.megatron_packing`;
+* Megatron-Core's sequence-packing schedulers (``datasets/data_schedule.py``): whether ``DpBalancedScheduler``
+  exists at all, whether the scheduler map is keyed by names (Megatron-LM dev, where
+  ``--sequence-packing-scheduler`` selects an entry) or by an enum (Megatron-LM main: nothing can be added, our
+  own ``wrap_data_iterator`` is the way in), and whether schedulers take ``max_num_seqs`` (dev) --
+  :func:`packing_scheduler_api` / :func:`packing_scheduler_point`, used by
+  :mod:`megatron_dynbatch.integrations.megatron_packing`;
 * upstream's own cross-rank rerouting of samples for context parallelism, named ``hybrid_context_parallel``
   (megatron-core 0.16-0.19) and ``dynamic_context_parallel`` (Megatron-LM dev) --
   :func:`upstream_cp_rerouting`, which the ``pretrain()`` hook refuses to combine with its own plan;
@@ -23,11 +26,14 @@ import fails.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import inspect
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 __all__ = [
     "UPSTREAM_CP_REROUTING_FLAGS",
     "megatron_core_version",
+    "PackingSchedulerAPI",
+    "packing_scheduler_api",
     "packing_scheduler_point",
     "upstream_cp_rerouting",
 ]
@@ -51,22 +57,53 @@ def megatron_core_version() -> Optional[str]:
             return None
 
 
-def packing_scheduler_point() -> Tuple[Any, str]:
-    """``(data_schedule_module, "")`` when megatron-core has a string-keyed packing-scheduler map with
-    ``DpBalancedScheduler.get_groups_and_subsamples`` to build on, else ``(None, why)``."""
+class PackingSchedulerAPI(NamedTuple):
+    """What the installed megatron-core offers for sequence-packing schedulers (all found by probing)."""
+
+    module: Any                 # megatron.core.datasets.data_schedule, or None
+    base: Any                   # its DpBalancedScheduler, or None
+    map_keys: Optional[str]     # "names" (a flag can select a new entry), "enum" (fixed entries) or None
+    takes_max_num_seqs: bool    # schedulers accept max_num_seqs (a cap on sequences per micro-batch)
+    why: str                    # "" when base is usable, else what is missing
+
+
+def packing_scheduler_api() -> PackingSchedulerAPI:
+    """Probe ``megatron.core.datasets.data_schedule`` for the packing-scheduler interface (never raises)."""
     try:
         from megatron.core.datasets import data_schedule
     except Exception:  # noqa: BLE001 - absent, or not importable here
-        return None, "megatron.core.datasets.data_schedule is not importable"
-    smap = getattr(data_schedule, "scheduler_map", None)
+        return PackingSchedulerAPI(None, None, None, False, "megatron.core.datasets.data_schedule is not importable")
     base = getattr(data_schedule, "DpBalancedScheduler", None)
-    if not isinstance(smap, dict) or base is None or not hasattr(base, "get_groups_and_subsamples"):
-        return None, ("this megatron-core has no packing-scheduler map (data_schedule.scheduler_map + "
-                      "DpBalancedScheduler); use the pretrain() hook (install())")
-    if smap and not all(isinstance(k, str) for k in smap):
-        return None, ("this megatron-core's scheduler map is keyed by an enum and no flag selects it; use the "
-                      "pretrain() hook (install())")
-    return data_schedule, ""
+    if base is None or not hasattr(base, "get_groups_and_subsamples") or not hasattr(base, "run"):
+        return PackingSchedulerAPI(data_schedule, None, None, False,
+                                   "this megatron-core has no DpBalancedScheduler to build on; use the pretrain() "
+                                   "hook (install())")
+    smap = getattr(data_schedule, "scheduler_map", None)
+    keys = None
+    if isinstance(smap, dict):
+        keys = "names" if all(isinstance(k, str) for k in smap) else "enum"
+    takes = any("max_num_seqs" in _parameters(cls.__init__) for cls in base.__mro__)
+    return PackingSchedulerAPI(data_schedule, base, keys, takes, "")
+
+
+def _parameters(fn: Any) -> Any:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def packing_scheduler_point() -> Tuple[Any, str]:
+    """``(data_schedule_module, "")`` when megatron-core has a NAME-keyed packing-scheduler map (a flag selects
+    entries) with ``DpBalancedScheduler`` to build on, else ``(None, why)``."""
+    api = packing_scheduler_api()
+    if api.base is None:
+        return None, api.why
+    if api.map_keys != "names":
+        return None, ("this megatron-core's scheduler map is keyed by an enum and no flag selects it; pass our "
+                      "scheduler through megatron_dynbatch.integrations.megatron_packing.wrap_data_iterator, or "
+                      "use the pretrain() hook (install())")
+    return api.module, ""
 
 
 def upstream_cp_rerouting(args_or_config: Any) -> List[str]:

@@ -188,6 +188,7 @@ def score_assignment(
     algorithm: str = "external",
     sequence_pad_multiple: Optional[int] = None,
     microbatch_pad_multiple: Optional[int] = None,
+    fixed_microbatch_tokens: Optional[int] = None,
 ) -> Plan:
     """Score any assignment (e.g. a baseline's) with the same cost model and statistics as the planner.
 
@@ -195,7 +196,9 @@ def score_assignment(
     (``plan.cap_violations`` counts them) -- so baselines are measured honestly. ``pad_to_longest`` models
     fixed-shape ``[b, s]`` micro-batches: every sample is padded to the longest in its micro-batch and attention
     runs over the padded square. ``sequence_pad_multiple`` / ``microbatch_pad_multiple`` score under a trainer's
-    own padding convention (as in :func:`plan_global_batch`).
+    own padding convention (as in :func:`plan_global_batch`). ``fixed_microbatch_tokens`` models fixed-width packed
+    buffers (Megatron RL's bins): every micro-batch, an empty one too, runs that many tokens, and its unused tail
+    runs as one more causal sequence.
     """
     par = ParallelConfig.from_any(parallel)
     lens = check_lengths(lengths)
@@ -208,6 +211,11 @@ def score_assignment(
     if pad_to_longest:
         tokens = [[len(mb) * int(aligned[mb].max()) if mb else 0 for mb in rank] for rank in mbs]
         sqs = [[len(mb) * float(aligned[mb].max()) ** 2 if mb else 0.0 for mb in rank] for rank in mbs]
+    elif fixed_microbatch_tokens is not None:
+        width = int(fixed_microbatch_tokens)
+        tokens = [[width for _ in rank] for rank in mbs]
+        sqs = [[float(sq[mb].sum()) + float(max(width - int(aligned[mb].sum()), 0)) ** 2 if mb else float(width) ** 2
+                for mb in rank] for rank in mbs]
     else:
         tokens = [[align.padded_total(int(aligned[mb].sum())) if mb else 0 for mb in rank] for rank in mbs]
         sqs = [[float(sq[mb].sum()) for mb in rank] for rank in mbs]
