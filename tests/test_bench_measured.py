@@ -12,6 +12,7 @@ import pytest
 
 from megatron_dynbatch.bench.measured import (TINY_WORKLOADS, PoolSchedule, RankSchedule, RoundsSchedule,
                                               layout_cost_model, schedule_of)
+from megatron_dynbatch.bench.baselines import BASELINES
 from megatron_dynbatch.bench.runner import run_workload
 from megatron_dynbatch.bench.workloads import WORKLOADS
 from megatron_dynbatch.core.planner.pool import group_alignment
@@ -59,6 +60,15 @@ def test_items_name_every_microbatch_once_per_group():
         timed = sorted(L for _, lens in sched.items() for L in lens)
         if row.algorithm == "fixed_padded":  # rows padded to the micro-batch's longest sample
             assert len(timed) == lengths.size
+            continue
+        if BASELINES.get(row.algorithm) and BASELINES[row.algorithm].fixed_bins:
+            # full-width rows: every sample once, plus each bin's unused tail (an empty bin: one full row)
+            width = w.max_tokens_per_gpu * w.parallel.cp
+            assert all(sum(lens) <= width for _, lens in sched.items())
+            rest = list(timed)
+            for L in lengths.tolist():
+                rest.remove(L)
+            assert len(rest) <= len(sched.items()), row.algorithm
             continue
         assert timed == sorted(lengths.tolist()), row.algorithm
 

@@ -9,7 +9,8 @@ time (``(group_size, lengths)`` per micro-batch) and whose :meth:`~Schedule.comp
   micro-batch is one ``cp``-GPU group's): each DP rank's micro-batches in turn, composed per rank by the same
   code that scores plans (``rank_times_of``: optimizer steps one after another, 1F1B when ``pp > 1``); the step
   is the slowest rank. Padded baselines (``fixed_padded``) run ``b`` full rows of the longest sample's padded length (a
-  ``[b, s]`` micro-batch attends over its padding).
+  ``[b, s]`` micro-batch attends over its padding); fixed-width bins (``megatron-rl-packing``) run their unused tail
+  as one more sequence, and an empty filler bin as one full-width sequence.
 * **Dynamic-CP plans** (:class:`PoolSchedule`): the pool simulation the planner scores with
   (``pool_sim.simulate_pool``): a group's micro-batch starts when all its members are free, 1F1B with group
   synchronisation when ``pp > 1``; per optimizer step, steps one after another.
@@ -158,11 +159,16 @@ def schedule_of(name: str, plan: Any, lengths: Sequence[int], workload: Workload
         return PoolSchedule([list(map(tuple, g)) for g in plan.groups],
                             [[[lens[i] for i in mb] for mb in rank] for rank in plan.micro_batches],
                             list(plan.microbatches_per_step), par.cp * cm.ep_group if cm.ep_group > 1 else 1)
-    padded = name in BASELINES and BASELINES[name].pad_to_longest
+    base = BASELINES.get(name)
+    padded = base is not None and base.pad_to_longest
+    width = workload.max_tokens_per_gpu * par.cp if base is not None and base.fixed_bins else None
     seq_multiple = Alignment.for_layout(par).seq_multiple
 
     def mb_lengths(mb: Sequence[int]) -> List[int]:
         ls = [lens[i] for i in mb]
+        if width is not None:  # a full-width row (Megatron RL's bins): the unused tail runs as one more sequence
+            tail = width - sum(-(-x // seq_multiple) * seq_multiple for x in ls)
+            return ls + [tail] if tail > 0 else ls
         if not (padded and ls):
             return ls
         s = -(-max(max(ls), 1) // seq_multiple) * seq_multiple  # [b, s] rows: padding is attended too
