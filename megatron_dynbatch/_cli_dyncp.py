@@ -20,6 +20,7 @@ import argparse
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ._cli_summary import token_lines
 from .core.errors import DynBatchConfigError
 
 #: balancing flags of ``plan`` that dynamic CP honours (it balances the cost model's seconds)
@@ -118,8 +119,6 @@ def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[s
 # ============================================================================================ text
 def pool_summary(plan: Any, args: argparse.Namespace, n: int) -> str:
     """The dynamic-CP plan in a few lines (module docstring)."""
-    from .cli import token_lines
-
     p = plan.parallel
     sizes = plan.group_sizes()
     used = ", ".join(f"{g} GPU{'s' if g > 1 else ''}: {k}" for g, k in sizes.items())

@@ -58,6 +58,16 @@ def test_no_import_cycle_between_attention_and_norms():
         assert not re.search(rf"from \.{other} import|from \.\.megatron\.{other} import", src), name
 
 
+def test_no_import_cycle_between_cli_modules():
+    """``cli`` imports the dynamic-CP output (``_cli_dyncp``) and the summary text (``_cli_summary``); they never
+    import ``cli`` back (the shared summary helpers live in ``_cli_summary``)."""
+    for name in ("_cli_dyncp", "_cli_summary"):
+        tree = ast.parse((PKG / f"{name}.py").read_text(encoding="utf-8"))
+        back = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and ((node.level == 1 and node.module == "cli") or node.module == "megatron_dynbatch.cli")]
+        assert not back, f"megatron_dynbatch/{name}.py imports megatron_dynbatch.cli at line(s) {back}"
+
+
 def _documented_imports():
     """Every ``from megatron_dynbatch... import a, b`` written in README.md, docs/ and scripts/."""
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "scripts").rglob("*.py"))]
