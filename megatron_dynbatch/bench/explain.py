@@ -182,9 +182,8 @@ def next_steps(result: BenchResult) -> List[str]:
     where to read on."""
     dyncp = any(r.algorithm == "dynbatch-dyncp" for r in result.rows)
     command = NEXT_DYNCP if dyncp else NEXT_PLAN
-    what = "a long-document batch with dynamic CP, next to fixed CP" if dyncp else \
-        "an example GRPO batch, every baseline scored next to it"
-    return [f"next: plan one batch -- {what}; then swap in a file of your own lengths (one per line):",
+    what = "a long-document batch, dynamic vs fixed CP" if dyncp else "an example GRPO batch, baselines alongside"
+    return [f"next: plan one batch ({what}), then a file of your own lengths (one per line):",
             f"  {command}",
             "  more: docs/quickstart.md (from Python, in a Megatron-LM launch), docs/benchmarks.md (these numbers)"]
 
