@@ -202,8 +202,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from .core.flops import per_gpu_flops
 
         per_gpu_flops(1.0, kwargs["model"], par)
-    if group_ids is None and run is not None:
-        group_ids = run.group_ids(len(lengths))
+    if run is not None:
+        from ._cli_run import check_group_ids
+
+        check_group_ids(args, run, group_ids)
+        if group_ids is None:
+            group_ids = run.group_ids(len(lengths))
     mode = kwargs["balance_by"] or ("tokens" if not kwargs["balance_by_flops"] else
                                     "flops-eff" if kwargs["model"] is not None else "flops")
     balance_by = {"flops-eff": "FLOPs at kernel efficiency", "flops": "raw FLOPs", "tokens": "tokens",
@@ -238,18 +242,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
-    """``plan_global_batch`` keyword arguments: the ``--run`` preset's first, then every flag given explicitly."""
+    """``plan_global_batch`` keyword arguments: the ``--run`` preset's (a flag must agree with it, or
+    ``--override-run`` applies it: ``_cli_run.py``), else the flags'."""
     from .core.parallel import ParallelConfig
 
-    run = None
     if args.run:
+        from ._cli_run import resolve_run
         from .core.run_config import RunConfig
 
-        run = RunConfig.from_yaml(args.run)
-        kw = run.planner_kwargs()
-    else:
-        kw = {"model": None, "parallel": ParallelConfig(), "max_tokens_per_gpu": None, "balance_by_flops": True,
-              "balance_by": None, "oversize": "error", "fp8_alignment": None, "samples_per_step": None}
+        run, extra = resolve_run(args, RunConfig.from_yaml(args.run))
+        kw = {**run.planner_kwargs(), **extra}
+        if args.dynamic_cp is not None:  # --dynamic-cp / --no-dynamic-cp override the preset (documented)
+            kw["dynamic_cp"] = args.dynamic_cp
+        if not kw.get("dynamic_cp"):
+            kw.pop("dynamic_cp", None)
+        return kw, run
+    kw = {"model": None, "parallel": ParallelConfig(), "max_tokens_per_gpu": None, "balance_by_flops": True,
+          "balance_by": None, "oversize": "error", "fp8_alignment": None, "samples_per_step": None}
     if args.model:
         kw["model"] = args.model
     if args.max_tokens_per_gpu is not None:
@@ -264,19 +273,17 @@ def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
     if args.balance_by is not None:  # --balance-by-flops | --balance-by-raw-flops | --balance-by-tokens | --balance-by-time
         kw["balance_by_flops"] = args.balance_by != "tokens"
         kw["balance_by"] = {"flops": None, "raw-flops": "flops"}.get(args.balance_by, args.balance_by)
-    elif run is None:
+    else:
         kw["balance_by_flops"] = kw["model"] is not None
     for flag, key in (("oversize", "oversize"), ("fp8", "fp8_alignment"), ("samples_per_step", "samples_per_step")):
         if getattr(args, flag) is not None:
             kw[key] = getattr(args, flag)
-    if getattr(args, "dynamic_cp", None) is not None:  # --dynamic-cp / --no-dynamic-cp override the preset
-        kw["dynamic_cp"] = args.dynamic_cp
-    if not kw.get("dynamic_cp"):
-        kw.pop("dynamic_cp", None)
+    if args.dynamic_cp:
+        kw["dynamic_cp"] = True
     if kw["max_tokens_per_gpu"] is None:
         raise DynBatchConfigError("--max-tokens-per-gpu", None, "is required",
                                   "pass --max-tokens-per-gpu N, or --run PRESET (configs/runs/*.yaml)")
-    return kw, run
+    return kw, None
 
 
 def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Tuple[str, Dict[str, Any]]:
@@ -458,7 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sample: .txt (one per line), .json (a list) or .npy")
     p.add_argument("--run", default=None, metavar="PRESET",
                    help="run preset (configs/runs/NAME.yaml or a path): model, layout, budget, balancing, oversize "
-                        "policy, FP8 alignment, samples per step and group size; flags given here override it")
+                        "policy, FP8 alignment, samples per step and group size; a flag given here must agree with "
+                        "it, or --override-run applies it")
+    p.add_argument("--override-run", action="store_true",
+                   help="with --run: the flags given here replace the preset's values where they differ (without "
+                        "it such a flag is an error naming both); the result is checked as a preset file would be")
     p.add_argument("--model", default=None,
                    help="model preset name (e.g. qwen3-8b) or a YAML/JSON/config.json path; needed to balance FLOPs")
     _add_layout_args(p)
