@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._argparse import SuggestingArgumentParser
-from ._cli_summary import plan_summary, rank_table
+from ._cli_summary import group_line, plan_summary, rank_table
 from .core.errors import DynBatchConfigError
 
 PROG = "megatron-dynbatch"
@@ -202,12 +202,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from .core.flops import per_gpu_flops
 
         per_gpu_flops(1.0, kwargs["model"], par)
+    group_source = "--group-ids" if group_ids is not None else None
     if run is not None:
         from ._cli_run import check_group_ids
 
         check_group_ids(args, run, group_ids)
         if group_ids is None:
             group_ids = run.group_ids(len(lengths))
+            group_source = f"the run preset's group_size={run.group_size}" if group_ids is not None else None
     mode = kwargs["balance_by"] or ("tokens" if not kwargs["balance_by_flops"] else
                                     "flops-eff" if kwargs["model"] is not None else "flops")
     balance_by = {"flops-eff": "FLOPs at kernel efficiency", "flops": "raw FLOPs", "tokens": "tokens",
@@ -222,7 +224,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json(indent=1))
         return 0
-    print(plan_summary(plan, args, balance_by, len(lengths)))
+    print(plan_summary(plan, args, balance_by, len(lengths), groups=group_line(group_ids, group_source)))
     print()
     print(rank_table(plan, args.max_ranks))
     baselines: Dict[str, Any] = {}

@@ -218,3 +218,43 @@ def test_plan_without_budget_or_preset_is_a_clear_error(tmp_path, capsys):
     lengths.write_text("10\n20\n")
     assert main(["plan", "--lengths", str(lengths)]) == 2
     assert "--max-tokens-per-gpu" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ every term of plan's output is said where it appears
+def test_plan_says_what_its_bounds_bound_and_why_it_needs_more(tmp_path, capsys):
+    """pp=4 vpp=2: more micro-batches than the budget needs, and the line says why; the step time says what its
+    bound is; a grouped plan says its groups were kept whole; the rank table has a legend."""
+    from megatron_dynbatch.bench.workloads import WORKLOADS
+    from megatron_dynbatch.cli import main
+
+    lengths = tmp_path / "vpp.txt"
+    lengths.write_text("\n".join(map(str, WORKLOADS["pp4-vpp2-qwen3-32b"].generate(0).lengths)))
+    assert main(["plan", "--lengths", str(lengths), "--model", "qwen3-32b", "--dp", "8", "--tp", "4", "--pp", "4",
+                 "--vpp", "2", "--max-tokens-per-gpu", "16384"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("micro-batches per rank:"))
+    assert "the budget allows as few as" in line and "pp=4 pipeline bubble" in line and "vpp=2" in line, line
+    assert "lower bound" in out and "that no plan of this batch beats" in out and "(modelled)" in out
+    assert "(mbs: micro-batches of the rank" in out
+    assert main(["plan", "--lengths", "examples/grpo_lengths.txt", "--run", "qwen3-8b-grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "groups: 32 (the run preset's group_size=8), each kept whole on one DP rank" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("micro-batches per rank:"))
+    assert "13 (the budget allows as few as 12; more here: groups stay whole on their rank)" in line, line
+
+
+def test_plan_dynamic_cp_explains_the_winning_candidate(capsys):
+    from megatron_dynbatch._cli_dyncp import describe_candidates
+    from megatron_dynbatch.cli import main
+
+    assert main(["plan", "--lengths", "examples/longdoc_lengths.txt", "--model", "llama-3.1-8b", "--dp", "8",
+                 "--tp", "2", "--max-tokens-per-gpu", "32768", "--dynamic-cp"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("winning candidate:"))
+    assert "all-root -- every micro-batch runs on the whole pool of 8 GPUs" in line and "docs/dynamic_cp.md" in line
+    assert "slots per GPU: 1 (a slot: one micro-batch" in out and "(dp.cp: the GPU's DP and CP rank" in out
+    for name in ("fixed-cp", "tree-mem", "tree-0.5", "cp2-tree-0.25", "all-root"):  # every family member in words
+        text = describe_candidates(name, 8, 2)
+        assert not text.startswith(name) and "(the candidates scored" in text, text
+    assert "at least cp=2 GPUs" in describe_candidates("cp2-tree-1", 8, 2)
+    assert describe_candidates("tree-1,all-root,tree-1", 8, 1).count("each sample on") == 1  # once per winner
