@@ -20,7 +20,7 @@ import argparse
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ._cli_summary import count_line, step_time_line, token_lines
+from ._cli_summary import count_line, first_of, step_time_line, table_end, token_lines
 from .core.errors import DynBatchConfigError
 
 #: balancing flags of ``plan`` that dynamic CP honours (it balances the cost model's seconds)
@@ -166,14 +166,11 @@ def gpu_table(plan: Any, max_ranks: int) -> str:
     rows = [head, "-" * len(head)]
     for g in range(min(plan.pool_size, max_ranks)):
         sizes = [size for _, size in plan.groups[g]]
-        shown = ", ".join(str(s) for s in sizes[:16]) + (f", ... (+{len(sizes) - 16})" if len(sizes) > 16 else "")
         rows.append(f"{g:>5}  {f'{g // cp}.{g % cp}':>6}  {len(sizes):>5}  {int(plan.rank_tokens[g]):>10,}  "
-                    f"{plan.rank_time[g]:>8.4f}  [{shown}]")
-    if plan.pool_size > max_ranks:
-        rows.append(f"... {plan.pool_size - max_ranks} more GPUs (raise --max-ranks to see them, or use --json)")
-    rows.append("(dp.cp: the GPU's DP and CP rank in the fixed layout; slots: micro-batches it takes part in; time s: "
-                "its modelled time; a slot's group size g: the micro-batch runs on g GPUs)")
-    return "\n".join(rows)
+                    f"{plan.rank_time[g]:>8.4f}  [{first_of(sizes, 16)}]")
+    return table_end(rows, plan.pool_size, max_ranks, "GPUs", "(dp.cp: the GPU's DP and CP rank in the fixed layout; "
+                     "slots: micro-batches it takes part in; time s: its modelled time; a slot's group size g: the "
+                     "micro-batch runs on g GPUs)")
 
 
 def comparison(plan: Any, fixed: Any, fixed_error: Optional[str], others: Dict[str, Any]) -> str:

@@ -78,16 +78,24 @@ def rank_table(plan: Any, max_ranks: int) -> str:
            f"micro-batch tokens (execution order)"
     rows = [head, "-" * len(head)]
     for r in range(min(plan.dp, max_ranks)):
-        mbt = plan.microbatch_tokens[r]
-        shown = ", ".join(str(t) for t in mbt[:12]) + (f", ... (+{len(mbt) - 12})" if len(mbt) > 12 else "")
         rows.append(f"{r:>5}  {len(plan.micro_batches[r]):>4}  {sum(len(m) for m in plan.micro_batches[r]):>7}  "
                     f"{int(plan.rank_tokens[r]):>10,}  {plan.rank_flops[r] / 1e12:>10.2f}  "
-                    f"{plan.rank_time[r]:>8.4f}  [{shown}]")
-    if plan.dp > max_ranks:
-        rows.append(f"... {plan.dp - max_ranks} more ranks (raise --max-ranks to see them, or use --json)")
-    rows.append("(mbs: micro-batches of the rank; tokens: with padding; fwd TFLOP: forward FLOPs of its samples; time s: "
-                "its modelled time, the step is the slowest rank's)")
-    return "\n".join(rows)
+                    f"{plan.rank_time[r]:>8.4f}  [{first_of(plan.microbatch_tokens[r], 12)}]")
+    return table_end(rows, plan.dp, max_ranks, "ranks", "(mbs: micro-batches of the rank; tokens: with padding; fwd "
+                     "TFLOP: forward FLOPs of its samples; time s: its modelled time, the step is the slowest rank's)")
 
 
-__all__ = ["count_line", "group_line", "plan_summary", "rank_table", "step_time_line", "token_lines"]
+def first_of(values: Sequence[Any], k: int) -> str:
+    """The first ``k`` values, comma-separated, and how many more there are."""
+    return ", ".join(str(v) for v in values[:k]) + (f", ... (+{len(values) - k})" if len(values) > k else "")
+
+
+def table_end(rows: List[str], count: int, max_ranks: int, noun: str, legend: str) -> str:
+    """A per-rank table's rows, the line on rows left out (over ``--max-ranks``) and its legend, as one text."""
+    if count > max_ranks:
+        rows.append(f"... {count - max_ranks} more {noun} (raise --max-ranks to see them, or use --json)")
+    return "\n".join(rows + [legend])
+
+
+__all__ = ["count_line", "first_of", "group_line", "plan_summary", "rank_table", "step_time_line", "table_end",
+           "token_lines"]
