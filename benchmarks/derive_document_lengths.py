@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dynbatch.bench.workloads import (  # noqa: E402
+from megatron_dynbatch.bench.documents import (  # noqa: E402
     BUNDLED_DOCUMENTS, BUNDLED_QUANTILES, document_statistics, load_document_lengths)
 
 SOURCE = ("hao-ai-lab/DistCA, distca/simulator/data/dist_wlbllm.json: document lengths (tokens) of a public "

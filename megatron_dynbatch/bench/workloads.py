@@ -8,7 +8,7 @@ generator. The shapes follow what is publicly known about such batches:
   to one prompt share it, so ``group_ids`` mark the GRPO groups;
 * **long-context SFT**: a real long-context document-length distribution (99,519 documents, mean 3,962, p99
   26,058, max 124,913; published with the DistCA simulator), shipped in the package as 8,192 quantiles
-  (``bench/data/``; provenance, derivation and how close it is: :data:`BUNDLED_DOCUMENTS` and
+  (``bench/data/``; provenance, derivation and how close it is: :mod:`.documents` and
   ``benchmarks/derive_document_lengths.py``). ``Workload.generate(seed, documents=...)`` draws from other
   lengths instead, e.g. the real file through :func:`load_document_lengths`;
 * **SFT mix**: short chat turns plus a minority of long documents.
@@ -19,27 +19,16 @@ workload still needs several micro-batches per rank (the regime where the planne
 
 from __future__ import annotations
 
-import functools
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..core.errors import DynBatchConfigError
 from ..core.parallel import ParallelConfig
-
-#: The real file's name (``shared/data/`` in this project; hao-ai-lab/DistCA ``distca/simulator/data/dist_wlbllm.json``).
-DOCUMENT_LENGTHS_FILE = "document_lengths_wlbllm.json"
-#: How many quantiles of the real lengths the package ships.
-BUNDLED_QUANTILES = 8192
-#: The package's derived distribution: a JSON object whose ``lengths`` are :data:`BUNDLED_QUANTILES` quantiles of
-#: the real file (``q[i] = round(Q((i + 0.5) / 8192))``, ascending), with its provenance and statistics next to
-#: them. Written by ``benchmarks/derive_document_lengths.py`` (its docstring says why quantiles and what they
-#: lose); installed with the package (``[tool.setuptools.package-data]``), so the benchmark reads nothing outside it.
-BUNDLED_DOCUMENTS = Path(__file__).resolve().parent / "data" / "document_lengths_wlbllm_q8192.json"
+from .documents import (BUNDLED_DOCUMENTS, BUNDLED_QUANTILES, DOCUMENT_LENGTHS_FILE, bundled_document_lengths,
+                        document_pool as _documents, document_statistics, load_document_lengths,
+                        pool_source as _pool_source)
 
 
 @dataclass(frozen=True)
@@ -82,72 +71,6 @@ class Workload:
 
 
 # --------------------------------------------------------------------------------------- length sources
-def load_document_lengths(path: Union[str, os.PathLike]) -> np.ndarray:
-    """Document lengths (tokens) from a JSON file: a list of whole numbers >= 1 (the format of the real
-    ``document_lengths_wlbllm.json``), or an object whose ``lengths`` is such a list (the bundled file)."""
-    p = Path(path).expanduser()
-    try:
-        with open(p, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise DynBatchConfigError("documents", str(path), f"cannot be read as JSON ({exc})",
-                                  "pass a JSON list of document lengths, e.g. shared/data/document_lengths_wlbllm.json"
-                                  ) from None
-    if isinstance(data, dict):
-        data = data.get("lengths")
-    return _as_documents(data, str(path))
-
-
-@functools.lru_cache(maxsize=1)
-def bundled_document_lengths() -> np.ndarray:
-    """The distribution shipped in the package (:data:`BUNDLED_DOCUMENTS`), read once; read-only."""
-    data = load_document_lengths(BUNDLED_DOCUMENTS)
-    data.setflags(write=False)
-    return data
-
-
-def _documents(documents: Any) -> np.ndarray:
-    """The pool a generator draws from: ``documents`` checked, or the bundled distribution when ``None``."""
-    return bundled_document_lengths() if documents is None else _as_documents(documents, "documents")
-
-
-def _as_documents(documents: Any, where: str) -> np.ndarray:
-    """``documents`` as a 1-D int64 array of lengths >= 1, else a :class:`DynBatchConfigError` naming ``where``."""
-    fix = "pass a 1-D list/array of token counts (whole numbers >= 1), e.g. load_document_lengths(path)"
-    try:
-        arr = np.asarray(documents)
-    except (TypeError, ValueError):
-        arr = np.asarray(None)
-    bools = isinstance(documents, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in documents)
-    if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iuf" or bools:
-        shown = documents if arr.ndim != 1 or arr.size <= 6 else f"<{arr.size} values of {arr.dtype}>"
-        raise DynBatchConfigError(where, shown, "is not a non-empty list of document lengths", fix)
-    bad = ~np.isfinite(arr) | (arr != np.round(arr)) | (arr < 1)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise DynBatchConfigError(f"{where}[{i}]", arr[i].item(), "is not a document length (a whole number >= 1)",
-                                  fix)
-    return arr.astype(np.int64) if arr.dtype != np.int64 else arr
-
-
-def _pool_source(pool: np.ndarray) -> str:
-    """What a batch's documents were drawn from (``Batch.source``)."""
-    if pool is bundled_document_lengths():
-        return f"bundled document lengths ({pool.size:,} quantiles of 99,519 real documents)"
-    return f"given document lengths ({pool.size:,})"
-
-
-def document_statistics(lengths: Sequence[int]) -> Dict[str, float]:
-    """Mean, median, p99 (NumPy's linear percentile), max, share of documents over 8k tokens and their share of
-    the sum of squared lengths (attention cost): how the bundled distribution is compared with the real one."""
-    x = np.asarray(lengths, dtype=np.float64)
-    sq = x * x
-    return {"mean": round(float(x.mean()), 1), "median": round(float(np.median(x)), 1),
-            "p99": round(float(np.percentile(x, 99)), 1), "max": float(x.max()),
-            "share over 8k tokens": round(float((x > 8192).mean()), 5),
-            "share of sum of squares over 8k": round(float(sq[x > 8192].sum() / sq.sum()), 5)}
-
-
 def grpo_lengths(rng: np.random.Generator, prompts: int, group: int, max_response: int,
                  median_response: float, sigma: float = 0.8, truncated: float = 0.08,
                  prompt_range: Tuple[int, int] = (100, 2048)) -> Batch:
@@ -339,3 +262,8 @@ def select_workloads(spec: Optional[str]) -> List[Workload]:
     if not out:
         raise DynBatchConfigError("--workloads", spec, "names no workload", f"use e.g. {next(iter(WORKLOADS))}")
     return out
+
+
+__all__ = ["BUNDLED_DOCUMENTS", "BUNDLED_QUANTILES", "DOCUMENT_LENGTHS_FILE", "Batch", "WORKLOADS", "Workload",
+           "bundled_document_lengths", "default_workloads", "document_sample", "document_statistics",
+           "documents_by_tokens", "grpo_lengths", "load_document_lengths", "select_workloads", "sft_mix"]
