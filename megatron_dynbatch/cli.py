@@ -259,6 +259,9 @@ def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
         if not kw.get("dynamic_cp"):
             kw.pop("dynamic_cp", None)
         return kw, run
+    if args.override_run:
+        raise DynBatchConfigError("--override-run", True, "only means something with --run PRESET (it lets the flags "
+                                  "replace the preset's values)", "drop --override-run, or add --run PRESET")
     kw = {"model": None, "parallel": ParallelConfig(), "max_tokens_per_gpu": None, "balance_by_flops": True,
           "balance_by": None, "oversize": "error", "fp8_alignment": None, "samples_per_step": None}
     if args.model:

@@ -156,6 +156,8 @@ def test_override_run_plans_the_preset_with_the_flags_values(tmp_path, capsys):
     assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--dp", "3", "--override-run"]) == 2
     err = capsys.readouterr().err
     assert "samples_per_step=16" in err and "dp=3" in err and "--override-run" in err and "--samples-per-step" in err
+    assert main(["plan", "--lengths", str(lengths), "--max-tokens-per-gpu", "320", "--override-run"]) == 2
+    assert "--override-run=True: only means something with --run PRESET" in capsys.readouterr().err
 
 
 CONTRADICTIONS = [  # tiny-cpu-demo: tiny-gpt, world_size 2 (dp 2), 160 tokens, flops, error, samples_per_step 16, groups of 4
