@@ -1,7 +1,8 @@
 """README's modelled numbers are what ``megatron-dynbatch bench`` prints on a clone, digit for digit.
 
 Each claim of README's **Results** paragraph is computed here from a benchmark run (in-process, the same
-functions the command line calls) and must appear in README.md exactly as worded below; the opening lines of
+functions the command line calls) and must appear in README.md exactly as worded below, with the digits the
+command prints (2 decimals for the headline's speed-up, 3 for the dynamic-CP verdicts and the drop-in summary); the opening lines of
 ``bench`` that docs/benchmarks.md shows must equal the ones ``bench`` prints. The runs use only what a clone
 has (the bundled document lengths), so a cost-model or planner change that moves a number fails here with the
 new figure and the command that prints it -- update README.md (and docs/benchmarks.md) to it. Measured numbers
@@ -111,7 +112,7 @@ def test_readme_dynamic_cp_claims_are_what_bench_prints():
     ahead_of_hybrid = all(b["dynbatch-dyncp"] <= b["megatron-hybrid-cp"] * (1 + TOLERANCE) for b in by_batch.values())
     assert never_slower and ahead_of_hybrid, "bench: dynamic CP lost somewhere; README must say where"
     _check(f"Dynamic CP is never slower than fixed CP on {len(by_batch)} long-tail batches, up to "
-           f"{max(speedups):.2f}x faster where one document dominates a rank, and ahead of a re-implementation of "
+           f"{max(speedups):.3f}x faster where one document dominates a rank, and ahead of a re-implementation of "
            f"megatron-core 0.16's hybrid-CP scheduler on all of them",
            r"Dynamic CP is never slower[^.]*", DYNCP_COMMAND)
 
@@ -133,9 +134,9 @@ def test_readme_dropin_claims_are_what_bench_prints():
     never_slower = all(r.vs_own <= 1 + TOLERANCE for r in rows if r.algorithm == "drop-in+model")
     assert never_slower, "bench --dropins: a drop-in with model= is slower on some batch; README must say so"
     assert sum(r.cap_violations for r in rows if r.algorithm.startswith("drop-in")) == 0
-    _check(f"Each trainer drop-in takes {min(plain.values()):.2f}-{max(plain.values()):.2f}x the step time of that "
+    _check(f"Each trainer drop-in takes {min(plain.values()):.3f}-{max(plain.values()):.3f}x the step time of that "
            f"trainer's own batching (geometric mean over {batches} batches; with model= "
-           f"{min(model.values()):.2f}-{max(model.values()):.2f}x, never slower on any batch) with none of its "
+           f"{min(model.values()):.3f}-{max(model.values()):.3f}x, never slower on any batch) with none of its "
            f"budget breaks", r"Each trainer drop-in takes[^.]*", "megatron-dynbatch bench --dropins --seeds 3")
 
 
