@@ -13,8 +13,8 @@ Batch shapes (``megatron_dynbatch.bench.workloads`` generators, one batch per se
 * ``longcot-<max>-med<m>``: GRPO rollouts, ``samples_per_step / 8`` prompts x 8 responses, lognormal responses
   around a median ``m``, clipped at ``max`` (the preset's micro-batch cap less a 2k prompt, or 64k), ~8% at
   the cap (truncated generations);
-* ``docs-real``: documents of the real length distribution (``../shared/data``, else its lognormal stand-in),
-  truncated to the micro-batch cap.
+* ``docs-real``: documents of the real length distribution (the quantiles bundled with the package,
+  ``megatron_dynbatch/bench/data/``), truncated to the micro-batch cap.
 
 This is how ``configs/runs/llama-3.1-70b-longcot.yaml`` made its ``dynamic_cp`` choice (docs/dynamic_cp.md,
 "Run presets")::

@@ -7,9 +7,12 @@ a forward over the unsplit share.
 
 In verl the change is the import in its engine and trainer::
 
-    from megatron_dynbatch.integrations.verl import (prepare_dynamic_batch, rearrange_micro_batches,
-                                                     restore_dynamic_batch)
+    from megatron_dynbatch.integrations.verl import (calculate_workload, get_seqlen_balanced_partitions,
+                                                     log_seqlen_unbalance, prepare_dynamic_batch,
+                                                     rearrange_micro_batches, restore_dynamic_batch)
     RayPPOTrainer._balance_batch = megatron_dynbatch.integrations.verl.trainer_balance_batch
+
+(the names verl imports from ``verl.utils.seqlen_balancing``; docs/migrating.md shows the same lines).
 
 verl is not installed here: DataProto is a stand-in with the same fields. Run:
 ``python examples/verl_dynamic_batch.py``.

@@ -20,6 +20,7 @@ import argparse
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ._cli_summary import count_line, first_of, step_time_line, table_end, token_lines
 from .core.errors import DynBatchConfigError
 
 #: balancing flags of ``plan`` that dynamic CP honours (it balances the cost model's seconds)
@@ -118,8 +119,6 @@ def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[s
 # ============================================================================================ text
 def pool_summary(plan: Any, args: argparse.Namespace, n: int) -> str:
     """The dynamic-CP plan in a few lines (module docstring)."""
-    from .cli import token_lines
-
     p = plan.parallel
     sizes = plan.group_sizes()
     used = ", ".join(f"{g} GPU{'s' if g > 1 else ''}: {k}" for g, k in sizes.items())
@@ -129,16 +128,35 @@ def pool_summary(plan: Any, args: argparse.Namespace, n: int) -> str:
         f"stage (tp={p.tp} pp={p.pp} ep={p.ep} vpp={p.vpp}), model {model}, balanced by the cost model's seconds",
         f"budget: max_tokens_per_gpu={plan.cap:,} per GPU; a CP group of g GPUs holds at most g x {plan.cap:,} tokens "
         f"(each sequence padded to a multiple of 2g)",
-        f"slots per GPU: {plan.num_microbatches} (lower bound {plan.lower_bound_microbatches}); per optimizer step: "
-        f"{plan.microbatches_per_step}; winning candidate: {plan.candidate}",
+        count_line(plan, "slots per GPU", note="a slot: one micro-batch, on a CP group of its own size"),
+        f"winning candidate: {plan.candidate} -- {describe_candidates(plan.candidate, plan.pool_size, p.cp)}",
         f"CP groups used (micro-batches per group size): {used}",
-        f"predicted step time: {plan.predicted_step_time:.4f} s (modelled; lower bound "
-        f"{plan.lower_bound_step_time:.4f} s, x{plan.step_time_vs_lower_bound:.4f})",
+        step_time_line(plan),
         *token_lines(plan, "largest share of one GPU"),
     ]
     if plan.oversize_samples:
         lines.append(f"samples over budget even on the whole pool, each alone there: {plan.oversize_samples}")
     return "\n".join(lines)
+
+
+def describe_candidates(names: str, pool: int, cp: int) -> str:
+    """One line on the winning candidate(s) (``plan.candidate``, one name per optimizer step): which of the
+    schedules dynamic CP scores (``core/planner/dyncp_candidates.py``) was fastest, in words."""
+    said = []
+    for name in dict.fromkeys(n for n in names.split(",") if n):
+        if name == "fixed-cp":
+            said.append(f"the fixed-CP plan (every micro-batch on its DP rank's cp={cp} GPUs) was already fastest")
+        elif name == "all-root":
+            said.append(f"every micro-batch runs on the whole pool of {pool} GPUs (best when a few sequences dominate)")
+        elif "tree-" in name:
+            floor, x = name.split("tree-")
+            widen = "the smallest CP group that holds it (memory only)" if x == "mem" else \
+                f"a CP group widened while it alone takes over {x}x the mean GPU load"
+            least = f", at least cp={floor[2:-1]} GPUs" if floor else ""
+            said.append(f"each sample on {widen}{least}")
+        else:
+            said.append(name)
+    return "; ".join(said) + " (the candidates scored: fixed-cp, tree-<x>, all-root; docs/dynamic_cp.md)"
 
 
 def gpu_table(plan: Any, max_ranks: int) -> str:
@@ -148,12 +166,11 @@ def gpu_table(plan: Any, max_ranks: int) -> str:
     rows = [head, "-" * len(head)]
     for g in range(min(plan.pool_size, max_ranks)):
         sizes = [size for _, size in plan.groups[g]]
-        shown = ", ".join(str(s) for s in sizes[:16]) + (f", ... (+{len(sizes) - 16})" if len(sizes) > 16 else "")
         rows.append(f"{g:>5}  {f'{g // cp}.{g % cp}':>6}  {len(sizes):>5}  {int(plan.rank_tokens[g]):>10,}  "
-                    f"{plan.rank_time[g]:>8.4f}  [{shown}]")
-    if plan.pool_size > max_ranks:
-        rows.append(f"... {plan.pool_size - max_ranks} more GPUs (raise --max-ranks to see them, or use --json)")
-    return "\n".join(rows)
+                    f"{plan.rank_time[g]:>8.4f}  [{first_of(sizes, 16)}]")
+    return table_end(rows, plan.pool_size, max_ranks, "GPUs", "(dp.cp: the GPU's DP and CP rank in the fixed layout; "
+                     "slots: micro-batches it takes part in; time s: its modelled time; a slot's group size g: the "
+                     "micro-batch runs on g GPUs)")
 
 
 def comparison(plan: Any, fixed: Any, fixed_error: Optional[str], others: Dict[str, Any]) -> str:
@@ -189,4 +206,5 @@ def _speedup(other: Any, plan: Any) -> str:
     return f"{other.predicted_step_time / t:.3f}x" if t > 0 else "-"
 
 
-__all__ = ["check_dynamic_cp_flags", "run_plan_dynamic_cp", "pool_summary", "gpu_table", "comparison"]
+__all__ = ["check_dynamic_cp_flags", "run_plan_dynamic_cp", "pool_summary", "gpu_table", "comparison",
+           "describe_candidates"]

@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._argparse import SuggestingArgumentParser
+from ._cli_summary import group_line, plan_summary, rank_table
 from .core.errors import DynBatchConfigError
 
 PROG = "megatron-dynbatch"
@@ -201,8 +202,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from .core.flops import per_gpu_flops
 
         per_gpu_flops(1.0, kwargs["model"], par)
-    if group_ids is None and run is not None:
-        group_ids = run.group_ids(len(lengths))
+    group_source = "--group-ids" if group_ids is not None else None
+    if run is not None:
+        from ._cli_run import check_group_ids
+
+        check_group_ids(args, run, group_ids)
+        if group_ids is None:
+            group_ids = run.group_ids(len(lengths))
+            group_source = f"the run preset's group_size={run.group_size}" if group_ids is not None else None
     mode = kwargs["balance_by"] or ("tokens" if not kwargs["balance_by_flops"] else
                                     "flops-eff" if kwargs["model"] is not None else "flops")
     balance_by = {"flops-eff": "FLOPs at kernel efficiency", "flops": "raw FLOPs", "tokens": "tokens",
@@ -217,9 +224,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json(indent=1))
         return 0
-    print(_plan_summary(plan, args, balance_by, len(lengths)))
+    print(plan_summary(plan, args, balance_by, len(lengths), groups=group_line(group_ids, group_source)))
     print()
-    print(_rank_table(plan, args.max_ranks))
+    print(rank_table(plan, args.max_ranks))
     baselines: Dict[str, Any] = {}
     if args.compare:
         print()
@@ -237,18 +244,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
-    """``plan_global_batch`` keyword arguments: the ``--run`` preset's first, then every flag given explicitly."""
+    """``plan_global_batch`` keyword arguments: the ``--run`` preset's (a flag must agree with it, or
+    ``--override-run`` applies it: ``_cli_run.py``), else the flags'."""
     from .core.parallel import ParallelConfig
 
-    run = None
     if args.run:
+        from ._cli_run import resolve_run
         from .core.run_config import RunConfig
 
-        run = RunConfig.from_yaml(args.run)
-        kw = run.planner_kwargs()
-    else:
-        kw = {"model": None, "parallel": ParallelConfig(), "max_tokens_per_gpu": None, "balance_by_flops": True,
-              "balance_by": None, "oversize": "error", "fp8_alignment": None, "samples_per_step": None}
+        run, extra = resolve_run(args, RunConfig.from_yaml(args.run))
+        kw = {**run.planner_kwargs(), **extra}
+        if args.dynamic_cp is not None:  # --dynamic-cp / --no-dynamic-cp override the preset (documented)
+            kw["dynamic_cp"] = args.dynamic_cp
+        if not kw.get("dynamic_cp"):
+            kw.pop("dynamic_cp", None)
+        return kw, run
+    if args.override_run:
+        raise DynBatchConfigError("--override-run", True, "only means something with --run PRESET (it lets the flags "
+                                  "replace the preset's values)", "drop --override-run, or add --run PRESET")
+    kw = {"model": None, "parallel": ParallelConfig(), "max_tokens_per_gpu": None, "balance_by_flops": True,
+          "balance_by": None, "oversize": "error", "fp8_alignment": None, "samples_per_step": None}
     if args.model:
         kw["model"] = args.model
     if args.max_tokens_per_gpu is not None:
@@ -263,62 +278,17 @@ def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
     if args.balance_by is not None:  # --balance-by-flops | --balance-by-raw-flops | --balance-by-tokens | --balance-by-time
         kw["balance_by_flops"] = args.balance_by != "tokens"
         kw["balance_by"] = {"flops": None, "raw-flops": "flops"}.get(args.balance_by, args.balance_by)
-    elif run is None:
+    else:
         kw["balance_by_flops"] = kw["model"] is not None
     for flag, key in (("oversize", "oversize"), ("fp8", "fp8_alignment"), ("samples_per_step", "samples_per_step")):
         if getattr(args, flag) is not None:
             kw[key] = getattr(args, flag)
-    if getattr(args, "dynamic_cp", None) is not None:  # --dynamic-cp / --no-dynamic-cp override the preset
-        kw["dynamic_cp"] = args.dynamic_cp
-    if not kw.get("dynamic_cp"):
-        kw.pop("dynamic_cp", None)
+    if args.dynamic_cp:
+        kw["dynamic_cp"] = True
     if kw["max_tokens_per_gpu"] is None:
         raise DynBatchConfigError("--max-tokens-per-gpu", None, "is required",
                                   "pass --max-tokens-per-gpu N, or --run PRESET (configs/runs/*.yaml)")
-    return kw, run
-
-
-def _plan_summary(plan: Any, args: argparse.Namespace, balance_by: str, n: int) -> str:
-    p = plan.parallel
-    a = plan.alignment
-    lines = [
-        f"plan: {n} samples over dp={p.dp} (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} vpp={p.vpp}), "
-        f"model {getattr(args.model, 'name', None) or args.model or '(none)'}, balanced by {balance_by}",
-        f"budget: max_tokens_per_gpu={args.max_tokens_per_gpu} -> at most {plan.cap:,} tokens per micro-batch "
-        f"(sequences padded to x{a.seq_multiple}, micro-batches to x{a.total_multiple})",
-        f"micro-batches per rank: {plan.num_microbatches} (lower bound {plan.lower_bound_microbatches}); "
-        f"per optimizer step: {plan.microbatches_per_step}",
-        f"predicted step time: {plan.predicted_step_time:.4f} s (lower bound {plan.lower_bound_step_time:.4f} s, "
-        f"x{plan.step_time_vs_lower_bound:.4f}); imbalance (max/mean rank time) {plan.imbalance:.4f}",
-        *token_lines(plan, "largest micro-batch"),
-    ]
-    if plan.oversize_samples:
-        lines.append(f"samples over budget, each alone: {plan.oversize_samples}")
-    return "\n".join(lines)
-
-
-def token_lines(plan: Any, largest: str) -> List[str]:
-    """The summary's token and planning-time lines (``largest``: what the largest count is of)."""
-    total = plan.real_tokens + plan.padding_tokens
-    return [f"tokens: {plan.real_tokens:,} real + {plan.padding_tokens:,} padding "
-            f"({100 * plan.padding_tokens / total if total else 0:.2f}%); {largest} "
-            f"{plan.max_microbatch_tokens:,} / {plan.cap:,}; over budget: {plan.cap_violations}",
-            f"planning time: {1e3 * plan.planning_time_s:.1f} ms"]
-
-
-def _rank_table(plan: Any, max_ranks: int) -> str:
-    head = f"{'rank':>5}  {'mbs':>4}  {'samples':>7}  {'tokens':>10}  {'fwd TFLOP':>10}  {'time s':>8}  " \
-           f"micro-batch tokens (execution order)"
-    rows = [head, "-" * len(head)]
-    for r in range(min(plan.dp, max_ranks)):
-        mbt = plan.microbatch_tokens[r]
-        shown = ", ".join(str(t) for t in mbt[:12]) + (f", ... (+{len(mbt) - 12})" if len(mbt) > 12 else "")
-        rows.append(f"{r:>5}  {len(plan.micro_batches[r]):>4}  {sum(len(m) for m in plan.micro_batches[r]):>7}  "
-                    f"{int(plan.rank_tokens[r]):>10,}  {plan.rank_flops[r] / 1e12:>10.2f}  "
-                    f"{plan.rank_time[r]:>8.4f}  [{shown}]")
-    if plan.dp > max_ranks:
-        rows.append(f"... {plan.dp - max_ranks} more ranks (raise --max-ranks to see them, or use --json)")
-    return "\n".join(rows)
+    return kw, None
 
 
 def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Tuple[str, Dict[str, Any]]:
@@ -500,7 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sample: .txt (one per line), .json (a list) or .npy")
     p.add_argument("--run", default=None, metavar="PRESET",
                    help="run preset (configs/runs/NAME.yaml or a path): model, layout, budget, balancing, oversize "
-                        "policy, FP8 alignment, samples per step and group size; flags given here override it")
+                        "policy, FP8 alignment, samples per step and group size; a flag given here must agree with "
+                        "it, or --override-run applies it")
+    p.add_argument("--override-run", action="store_true",
+                   help="with --run: the flags given here replace the preset's values where they differ (without "
+                        "it such a flag is an error naming both); the result is checked as a preset file would be")
     p.add_argument("--model", default=None,
                    help="model preset name (e.g. qwen3-8b) or a YAML/JSON/config.json path; needed to balance FLOPs")
     _add_layout_args(p)

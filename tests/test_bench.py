@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +30,7 @@ from megatron_dynbatch.bench.runner import DYNCP_ONLY
 from megatron_dynbatch.core.errors import DynBatchConfigError
 
 SMOKE = WORKLOADS["smoke"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -125,26 +130,107 @@ def test_grpo_lengths_have_a_truncation_spike():
     assert (batch.lengths == 100 + 4096).mean() >= 0.08  # the truncated generations pile up at the limit
 
 
-def test_document_lengths_fallback(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv(wl.SHARED_ENV, str(tmp_path))  # an empty shared directory: the file is absent
-    wl.document_lengths.cache_clear()
-    try:
-        data, source = wl.document_lengths()
-        assert "stand-in" in source and data.size == 99519
-        assert abs(data.mean() / wl.DOC_MEAN - 1) < 0.1
-        assert abs(np.percentile(data, 99) / wl.DOC_P99 - 1) < 0.1
-        assert "not found" in capsys.readouterr().err
-    finally:
-        wl.document_lengths.cache_clear()
+REAL_DOCUMENTS = ROOT.parent / "shared" / "data" / wl.DOCUMENT_LENGTHS_FILE  # this project's copy; a clone has none
 
 
-def test_document_lengths_read_from_env(monkeypatch, tmp_path):
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / wl.DOCUMENT_LENGTHS_FILE).write_text("[5, 7, 9]")
-    monkeypatch.setenv(wl.SHARED_ENV, str(tmp_path))
-    wl.document_lengths.cache_clear()
-    try:
-        data, source = wl.document_lengths()
-        assert data.tolist() == [5, 7, 9] and source.startswith("real")
-    finally:
-        wl.document_lengths.cache_clear()
+def test_bundled_document_lengths_are_close_to_the_real_distribution():
+    """The shipped quantiles (bench/data/) against the real file's statistics stored next to them by
+    benchmarks/derive_document_lengths.py: what docs/benchmarks.md quotes, recomputed here."""
+    meta = json.loads(wl.BUNDLED_DOCUMENTS.read_text(encoding="utf-8"))
+    docs = wl.bundled_document_lengths()
+    assert docs.size == wl.BUNDLED_QUANTILES and np.all(np.diff(docs) >= 0) and docs.min() >= 1
+    assert not docs.flags.writeable  # one cached array shared by every workload
+    ours, real = wl.document_statistics(docs), meta["statistics"]["real"]
+    assert ours == meta["statistics"]["bundled"], "rerun benchmarks/derive_document_lengths.py"
+    assert meta["documents"] == 99519 and real["max"] == 124913
+    tolerance = {"mean": 0.001, "median": 0.001, "p99": 0.01, "max": 0.005, "share over 8k tokens": 0.005,
+                 "share of sum of squares over 8k": 0.001}
+    for key, rel in tolerance.items():
+        assert abs(ours[key] / real[key] - 1) <= rel, (key, ours[key], real[key])
+    assert "DistCA" in meta["source"] and meta["derived_by"] == "benchmarks/derive_document_lengths.py"
+
+
+@pytest.mark.skipif(not REAL_DOCUMENTS.is_file(), reason="the real file is not next to this checkout (../shared)")
+def test_bundled_document_lengths_are_what_the_real_file_gives():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "derive_document_lengths.py"), str(REAL_DOCUMENTS),
+                          "--check"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_load_document_lengths_reads_a_list_or_an_object(tmp_path):
+    (tmp_path / "a.json").write_text("[5, 7, 9]")
+    (tmp_path / "b.json").write_text('{"lengths": [3, 4], "source": "x"}')
+    assert wl.load_document_lengths(tmp_path / "a.json").tolist() == [5, 7, 9]
+    assert wl.load_document_lengths(str(tmp_path / "b.json")).dtype == np.int64
+    assert np.array_equal(wl.load_document_lengths(wl.BUNDLED_DOCUMENTS), wl.bundled_document_lengths())
+
+
+@pytest.mark.parametrize("text", ["", "[1, 2", "{}", '{"lengths": 5}', "[]", "[[1, 2]]", "[0, 3]", "[-4]",
+                                  "[1.5]", '["12"]', "[true, 2]", "[1e400]", "null"])
+def test_load_document_lengths_refuses_what_is_not_document_lengths(tmp_path, text):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(DynBatchConfigError, match=r"bad\.json.*(cannot be read|not a non-empty list|not a document length)") as err:
+        wl.load_document_lengths(path)
+    assert "Fix" in str(err.value) or "fix" in str(err.value)
+
+
+def test_load_document_lengths_names_a_missing_file(tmp_path):
+    with pytest.raises(DynBatchConfigError, match="missing.json.*cannot be read"):
+        wl.load_document_lengths(tmp_path / "missing.json")
+
+
+def test_documents_override_the_bundled_distribution_in_every_long_document_workload():
+    docs = np.array([100, 2000, 40000, 70000])
+    for name, w in WORKLOADS.items():
+        default, given = w.generate(3), w.generate(3, documents=docs)
+        assert np.array_equal(default.lengths, w.generate(3, documents=None).lengths)
+        if "document" not in default.source:  # GRPO workloads draw no documents: unchanged
+            assert np.array_equal(default.lengths, given.lengths), name
+            continue
+        assert "bundled document lengths" in default.source and "given document lengths (4)" in given.source
+        # each drawn document is one of ``docs``, truncated to the workload's maximum (32k or 64k); the chats of
+        # sft-mix stay below 32k, and documents_by_tokens cuts its last document to fit
+        drawn = given.lengths[:-1] if "<=" in given.source else given.lengths
+        if name.startswith("sft-mix"):
+            drawn = drawn[np.isin(drawn, [40000, 70000, 32768])]
+            assert drawn.size == 256, name  # the 256 long documents: those of ``docs`` above 4k, truncated
+        assert set(drawn.tolist()) <= {100, 2000, 40000, 70000, 32768, 65536}, (name, sorted(set(drawn.tolist())))
+    with pytest.raises(DynBatchConfigError, match="documents"):
+        WORKLOADS["sft-longctx-70b-cp8"].generate(0, documents=[])
+
+
+
+_AUDIT = r"""
+import json, os, sys
+opened = []
+sys.addaudithook(lambda event, args: opened.append(os.path.abspath(os.fsdecode(args[0])))
+                 if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) else None)
+from megatron_dynbatch.cli import main
+rc = main(sys.argv[2:])
+seen = list(opened)
+with open(sys.argv[1], "w") as fh:
+    json.dump(seen, fh)
+sys.exit(rc)
+"""
+
+
+def test_bench_reads_nothing_outside_the_repository(tmp_path):
+    """The default workloads and every long-document one, run as a user runs them, open no file outside the
+    repository except Python's own (the interpreter's prefixes and the import path) and /dev/null: no ../shared, no
+    environment variable, no note on stderr. In this project's checkouts ../shared exists, so reading it would
+    show here."""
+    log = tmp_path / "opened.json"
+    docs = [n for n, w in WORKLOADS.items() if "document" in w.generate(0).source]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_DYNBATCH")}
+    res = subprocess.run([sys.executable, "-c", _AUDIT, str(log), "bench", "--no-speed", "--no-progress", "--workloads",
+                          ",".join(dict.fromkeys([w.name for w in default_workloads()] + docs))],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr == "", res.stderr  # no "note: ... not found"
+    allowed = [str(ROOT), "/dev"] + [os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}] + \
+        [os.path.realpath(p) for p in sys.path if p and os.path.isdir(p) and not str(ROOT).startswith(os.path.realpath(p))]
+    opened = {os.path.realpath(p) for p in json.loads(log.read_text())}
+    outside = sorted(p for p in opened if not any(p == a or p.startswith(a.rstrip(os.sep) + os.sep) for a in allowed))
+    assert not outside, f"bench opened files outside the repository: {outside}"
+    assert str(wl.BUNDLED_DOCUMENTS) in opened  # the audit sees the reads it must see

@@ -4,6 +4,7 @@ every column explained, modelled vs measured said, and a planning-speed miss on 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,25 @@ def test_a_speed_miss_on_a_busy_machine_says_so():
 def test_run_records_the_machine_load(smoke):
     assert smoke.meta["cpus"] >= 1
     assert smoke.meta["load_avg"] is None or smoke.meta["load_avg"] >= 0
+
+
+@pytest.mark.parametrize("dyncp", [False, True])
+def test_the_report_ends_with_a_next_command_that_runs(smoke, dyncp, monkeypatch, capsys):
+    """``bench`` closes with the command to try next, and that command works as printed from the repository
+    root (where README's first command leaves the user)."""
+    import shlex
+
+    from megatron_dynbatch.bench.explain import next_steps
+    from megatron_dynbatch.cli import main
+
+    result = smoke
+    if dyncp:
+        rows = [dataclasses.replace(r, algorithm="dynbatch-dyncp") for r in smoke.rows[:1]] + list(smoke.rows)
+        result = dataclasses.replace(smoke, rows=rows)
+    tail = next_steps(result)
+    assert format_report(result).splitlines()[-len(tail):] == tail and tail[0].startswith("next: ")
+    command = shlex.split(tail[1])
+    assert command[0] == "megatron-dynbatch" and ("--dynamic-cp" in command) == dyncp
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main(command[1:]) == 0
+    assert "predicted step time" in capsys.readouterr().out

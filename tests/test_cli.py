@@ -128,7 +128,7 @@ def test_console_entry_point_exit_code():
     assert "--seqlen" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_plan_accepts_a_run_preset_and_flags_override_it(tmp_path, capsys):
+def test_plan_accepts_a_run_preset_and_flags_that_agree_with_it(tmp_path, capsys):
     from megatron_dynbatch.cli import main
 
     lengths = tmp_path / "l.txt"
@@ -136,10 +136,81 @@ def test_plan_accepts_a_run_preset_and_flags_override_it(tmp_path, capsys):
     assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["parallel"]["dp"] == 2 and plan["cap"] == 160
-    assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--dp", "4",
-                 "--max-tokens-per-gpu", "320", "--samples-per-step", "32", "--json"]) == 0
+    same = ["--dp", "2", "--tp", "1", "--max-tokens-per-gpu", "160", "--model", "tiny-gpt", "--balance-by-flops",
+            "--oversize", "error", "--samples-per-step", "16", "--microbatch-group-size-per-vp-stage", "1"]
+    assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", *same, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["micro_batches"] == plan["micro_batches"] and again["parallel"] == plan["parallel"]
+
+
+def test_override_run_plans_the_preset_with_the_flags_values(tmp_path, capsys):
+    from megatron_dynbatch.cli import main
+
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(str(50 + 7 * i % 100) for i in range(32)))
+    assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--dp", "4", "--max-tokens-per-gpu",
+                 "320", "--samples-per-step", "32", "--override-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["parallel"]["dp"] == 4 and plan["cap"] == 320
+    # the preset with the flags' values is checked as a preset file is: dp=3 does not divide samples_per_step=16
+    assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--dp", "3", "--override-run"]) == 2
+    err = capsys.readouterr().err
+    assert "samples_per_step=16" in err and "dp=3" in err and "--override-run" in err and "--samples-per-step" in err
+    assert main(["plan", "--lengths", str(lengths), "--max-tokens-per-gpu", "320", "--override-run"]) == 2
+    assert "--override-run=True: only means something with --run PRESET" in capsys.readouterr().err
+
+
+CONTRADICTIONS = [  # tiny-cpu-demo: tiny-gpt, world_size 2 (dp 2), 160 tokens, flops, error, samples_per_step 16, groups of 4
+    (["--model", "qwen3-0.6b"], "--model", "model 'tiny-gpt'"),
+    (["--max-tokens-per-gpu", "320"], "--max-tokens-per-gpu", "max_tokens_per_gpu=160"),
+    (["--dp", "3"], "--dp", "dp=2 (world size 2"),
+    (["--tp", "2"], "--tp", "tp=1"),
+    (["--pp", "2"], "--pp", "pp=1"),
+    (["--cp", "2"], "--cp", "cp=1"),
+    (["--ep", "2"], "--ep", "ep=1"),
+    (["--vpp", "2"], "--vpp", "vpp=1"),
+    (["--microbatch-group-size-per-vp-stage", "2"], "--microbatch-group-size-per-vp-stage",
+     "microbatch_group_size_per_vp_stage=1"),
+    (["--sequence-parallel"], "--sequence-parallel", "sequence_parallel=false"),
+    (["--balance-by-tokens"], "--balance-by-tokens", "balance_by: flops"),
+    (["--balance-by-raw-flops"], "--balance-by-raw-flops", "balance_by: flops"),
+    (["--balance-by-time"], "--balance-by-time", "balance_by: flops"),
+    (["--oversize", "alone"], "--oversize", "oversize='error'"),
+    (["--fp8", "fp8"], "--fp8", "fp8_alignment=None"),
+    (["--samples-per-step", "32"], "--samples-per-step", "samples_per_step=16"),
+    (["--group-ids", "GROUPS"], "--group-ids", "group_size=4"),
+]
+
+
+@pytest.mark.parametrize("flags,flag,preset", CONTRADICTIONS, ids=[c[1] for c in CONTRADICTIONS])
+def test_a_flag_that_contradicts_the_run_preset_is_an_error_naming_both(flags, flag, preset, tmp_path, capsys):
+    """One meaning per flag: with --run, a flag either agrees with the preset or is refused, naming the flag, the
+    preset's value and both fixes (drop it, or --override-run)."""
+    from megatron_dynbatch.cli import main
+
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(str(50 + 7 * i % 100) for i in range(32)))
+    groups = tmp_path / "g.txt"
+    groups.write_text("\n".join(str(i % 8) for i in range(32)))  # 8 groups of 4, but not 4 consecutive samples
+    flags = [str(groups) if f == "GROUPS" else f for f in flags]
+    assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-dynbatch: error: {flag}=") and ("contradicts" in err or "differently" in err), err
+    assert preset in err and f"drop {flag}" in err and "--override-run" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_group_ids_that_agree_with_the_preset_or_override_it_plan(tmp_path, capsys):
+    from megatron_dynbatch.cli import main
+
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(str(50 + 7 * i % 100) for i in range(32)))
+    same, other = tmp_path / "same.txt", tmp_path / "other.txt"
+    same.write_text("\n".join(f"prompt-{i // 4}" for i in range(32)))  # the preset's grouping, other labels
+    other.write_text("\n".join(str(i // 8) for i in range(32)))  # groups of 8 instead of 4
+    base = ["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--json", "--group-ids"]
+    assert main(base + [str(same)]) == 0
+    assert main(base + [str(other), "--override-run"]) == 0
 
 
 def test_plan_without_budget_or_preset_is_a_clear_error(tmp_path, capsys):
@@ -149,3 +220,43 @@ def test_plan_without_budget_or_preset_is_a_clear_error(tmp_path, capsys):
     lengths.write_text("10\n20\n")
     assert main(["plan", "--lengths", str(lengths)]) == 2
     assert "--max-tokens-per-gpu" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ every term of plan's output is said where it appears
+def test_plan_says_what_its_bounds_bound_and_why_it_needs_more(tmp_path, capsys):
+    """pp=4 vpp=2: more micro-batches than the budget needs, and the line says why; the step time says what its
+    bound is; a grouped plan says its groups were kept whole; the rank table has a legend."""
+    from megatron_dynbatch.bench.workloads import WORKLOADS
+    from megatron_dynbatch.cli import main
+
+    lengths = tmp_path / "vpp.txt"
+    lengths.write_text("\n".join(map(str, WORKLOADS["pp4-vpp2-qwen3-32b"].generate(0).lengths)))
+    assert main(["plan", "--lengths", str(lengths), "--model", "qwen3-32b", "--dp", "8", "--tp", "4", "--pp", "4",
+                 "--vpp", "2", "--max-tokens-per-gpu", "16384"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("micro-batches per rank:"))
+    assert "the budget allows as few as" in line and "pp=4 pipeline bubble" in line and "vpp=2" in line, line
+    assert "lower bound" in out and "that no plan of this batch beats" in out and "(modelled)" in out
+    assert "(mbs: micro-batches of the rank" in out
+    assert main(["plan", "--lengths", "examples/grpo_lengths.txt", "--run", "qwen3-8b-grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "groups: 32 (the run preset's group_size=8), each kept whole on one DP rank" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("micro-batches per rank:"))
+    assert "13 (the budget allows as few as 12; more here: groups stay whole on their rank)" in line, line
+
+
+def test_plan_dynamic_cp_explains_the_winning_candidate(capsys):
+    from megatron_dynbatch._cli_dyncp import describe_candidates
+    from megatron_dynbatch.cli import main
+
+    assert main(["plan", "--lengths", "examples/longdoc_lengths.txt", "--model", "llama-3.1-8b", "--dp", "8",
+                 "--tp", "2", "--max-tokens-per-gpu", "32768", "--dynamic-cp"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("winning candidate:"))
+    assert "all-root -- every micro-batch runs on the whole pool of 8 GPUs" in line and "docs/dynamic_cp.md" in line
+    assert "slots per GPU: 1 (a slot: one micro-batch" in out and "(dp.cp: the GPU's DP and CP rank" in out
+    for name in ("fixed-cp", "tree-mem", "tree-0.5", "cp2-tree-0.25", "all-root"):  # every family member in words
+        text = describe_candidates(name, 8, 2)
+        assert not text.startswith(name) and "(the candidates scored" in text, text
+    assert "at least cp=2 GPUs" in describe_candidates("cp2-tree-1", 8, 2)
+    assert describe_candidates("tree-1,all-root,tree-1", 8, 1).count("each sample on") == 1  # once per winner

@@ -12,6 +12,8 @@ what the doc itself says, never by a list kept here:
   the activation even after it: the docs promise that scripts find the project's .venv themselves;
 * ``bash scripts/setup.sh [--test]`` -- the set-up this test runs after (CI: ``.ci/run``); the rest of its
   ``&&`` chain runs, and ``.venv/bin/python -m pytest`` is the suite that is running now;
+* the ```python blocks of each doc run too, in order in one interpreter (a later block may use an earlier one's
+  names), from the same mirror, unless a block's first line is a ``# needs: ...`` comment;
 * everything else runs, with bash, from a mirror of the repository root (its entries symlinked into a temp
   directory, so files a command writes land there) and must exit 0 without a traceback. The ``.venv`` of the
   mirror is the environment running this test (in CI: the project's ``.venv``), with the documented commands
@@ -161,3 +163,47 @@ def test_documented_command_runs_as_written(cmd, tmp_path):
             pytest.skip("needs the test set-up (bash scripts/setup.sh --test): megatron-core does not import")
     assert res.returncode == 0, f"{cmd.id} exited {res.returncode}:\n{out}"
     assert "Traceback" not in res.stdout + res.stderr, out
+
+
+def python_blocks(doc: str) -> List[Command]:
+    """The ```python blocks of ``doc`` in order; a block whose first line is ``# needs: ...`` is skipped."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    out = []
+    for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M):
+        code = m.group(1)
+        line = text[:m.start()].count("\n") + 2
+        needs = NEEDS.search(code.splitlines()[0]) if code.strip() else None
+        out.append(Command(doc, line, code, False, f"needs {needs.group('what').strip()}" if needs else None))
+    return out
+
+
+def test_the_docs_python_blocks_are_found_and_say_why_one_does_not_run():
+    blocks = {doc: python_blocks(doc) for doc in DOCS}
+    assert all(blocks.values()), blocks
+    assert sum(b.skip is None for bs in blocks.values() for b in bs) >= 3
+    assert any(b.skip for b in blocks["docs/quickstart.md"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", DOCS)
+def test_documented_python_runs_as_written(doc, tmp_path):
+    """Every runnable Python block of the doc, in order in one interpreter, from the repository root as a user
+    has it: no name left undefined, no file the doc does not ship."""
+    runnable = [b for b in python_blocks(doc) if b.skip is None]
+    if not runnable:
+        pytest.skip(f"{doc} has no runnable Python block")
+    script = "\n".join(f"# {doc}:{b.line}\n{b.text}" for b in runnable)
+    res = subprocess.run([sys.executable, "-c", script], cwd=_mirror(tmp_path), env=_env(), capture_output=True,
+                         text=True, timeout=TIMEOUT_S)
+    assert res.returncode == 0, f"{doc}'s Python blocks fail as written:\n{(res.stdout + res.stderr)[-4000:]}"
+
+
+def test_readme_opens_with_its_two_commands():
+    """A new user's first minute: the README's first lines are the two commands (run the job; run the tests)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    first = re.search(r"```bash\n(.*?)```", text, flags=re.S)
+    assert text.startswith("# megatron-dynbatch\n\n```bash\n"), text[:80]
+    assert first and first.group(1).splitlines() == [
+        "bash scripts/setup.sh && .venv/bin/megatron-dynbatch bench",
+        "bash scripts/setup.sh --test && .venv/bin/python -m pytest -q",
+    ]

@@ -87,7 +87,7 @@ def test_nested_input_ids_and_the_width_assertion():
     out = torch.nested.as_nested_tensor([r for mb in mbs for r in mb["input_ids"].unbind()], layout=torch.jagged)
     back = verl.restore_dynamic_batch(out, idx)
     assert [t.tolist() for t in back.unbind()] == [r.tolist() for r in rows]
-    with pytest.raises(DynBatchConfigError, match="max_token_len"):
+    with pytest.raises(OversizeSampleError, match="max_token_len"):  # the class the module docstring names
         verl.rearrange_micro_batches(grpo_batch([5, 5], width=64).batch, max_token_len=32)
 
 

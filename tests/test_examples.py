@@ -3,7 +3,9 @@ themselves (each asserts the cap, equal counts and order restoration, and prints
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def _integration_imports(text: str) -> dict:
+    """``{module: {names}}`` of every ``from megatron_dynbatch.integrations.X import ...`` in ``text``."""
+    out: dict = {}
+    for mod, names in re.findall(r"from (megatron_dynbatch\.integrations\.\w+) import (\([^)]*\)|[^\n]+)", text):
+        names = re.sub(r"#[^\n]*", "", names.strip("()"))
+        out.setdefault(mod, set()).update(n.strip() for n in names.replace("\n", " ").split(",") if n.strip())
+    return out
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_shows_the_imports_migrating_md_shows(path):
+    """The import change an example's docstring shows is the one docs/migrating.md tells users to make."""
+    shown = _integration_imports(ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "")
+    documented = _integration_imports((ROOT / "docs" / "migrating.md").read_text(encoding="utf-8"))
+    assert shown, f"{path.name}: its docstring shows no drop-in import"
+    for module, names in shown.items():
+        assert names == documented.get(module), (path.name, module, sorted(names), sorted(documented.get(module, ())))
 
 
 def test_one_example_per_trainer():

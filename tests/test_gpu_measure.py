@@ -77,6 +77,16 @@ def test_cpu_tiny_run_with_the_plain_torch_slice(measure, tmp_path):
     assert res["kernel"].startswith("reference_varlen_attn")
 
 
+def test_documents_flag_draws_the_long_document_batches_from_that_file(measure, tmp_path):
+    from megatron_dynbatch.bench.workloads import WORKLOADS
+
+    path = tmp_path / "lengths.json"
+    path.write_text("[1000, 2000, 3000, 30000]")
+    opts = measure.parse_options(["--device", "cpu", "--documents", str(path)])
+    batch = WORKLOADS["dyncp-longdoc-8b-1mb"].generate(0, documents=opts["documents"])
+    assert set(batch.lengths.tolist()) <= {1000, 2000, 3000, 30000}
+
+
 def test_help(measure, capsys):
     with pytest.raises(SystemExit) as exc:
         measure.main(["--help"])
@@ -99,6 +109,7 @@ BAD = [
     (["--vocab", "-2"], "--vocab"), (["--dtype", "fp8"], "--dtype"), (["--workloads", "nope"], "--workloads"),
     (["--workloads", " "], "--workloads"), (["--tiny", "--workloads", "grpo-longcot-8b"], "--workloads"),
     (["--algorithms", "nope"], "--algorithms"), (["--algorithms", ","], "--algorithms"),
+    (["--documents", "/nonexistent/lengths.json"], "--documents"),
 ]
 
 

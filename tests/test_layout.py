@@ -64,6 +64,16 @@ def test_no_import_cycle_between_bench_runner_and_adversarial():
     assert not re.search(r"from \.runner import|from megatron_dynbatch\.bench\.runner import", src)
 
 
+def test_no_import_cycle_between_cli_modules():
+    """``cli`` imports the dynamic-CP output (``_cli_dyncp``) and the summary text (``_cli_summary``); they never
+    import ``cli`` back (the shared summary helpers live in ``_cli_summary``)."""
+    for name in ("_cli_dyncp", "_cli_summary"):
+        tree = ast.parse((PKG / f"{name}.py").read_text(encoding="utf-8"))
+        back = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and ((node.level == 1 and node.module == "cli") or node.module == "megatron_dynbatch.cli")]
+        assert not back, f"megatron_dynbatch/{name}.py imports megatron_dynbatch.cli at line(s) {back}"
+
+
 def _documented_imports():
     """Every ``from megatron_dynbatch... import a, b`` written in README.md, docs/ and scripts/."""
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "scripts").rglob("*.py"))]
@@ -108,6 +118,22 @@ def test_old_module_paths_resolve_to_the_new_modules():
             warnings.simplefilter("always")
             mod = importlib.import_module(f"megatron_dynbatch.{old}")
         assert mod is importlib.import_module(f"megatron_dynbatch.{new}")
-    from megatron_dynbatch.planner.vpp import is_valid_microbatch_count  # a sub-module of a moved package
+    with warnings.catch_warnings(record=True):  # the move's DeprecationWarning is expected here, not news
+        warnings.simplefilter("always")
+        from megatron_dynbatch.planner.vpp import is_valid_microbatch_count  # a sub-module of a moved package
     from megatron_dynbatch.core.planner.vpp import is_valid_microbatch_count as current
     assert is_valid_microbatch_count is current
+
+
+def test_warning_filters_name_third_party_warnings_only():
+    """pyproject's pytest ``filterwarnings`` silence named third-party notices, never a whole category and never
+    this package's own warnings (which must stay visible in the suite's summary)."""
+    tomllib = pytest.importorskip("tomllib")
+    filters = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"][
+        "filterwarnings"]
+    assert filters
+    for f in filters:
+        action, message, category, module = (f.split(":") + [""] * 4)[:4]
+        assert action == "ignore" and message and category and module, f"{f}: name the message and the module"
+        assert not re.match(module, "megatron_dynbatch") and not re.match(module, "megatron_dynbatch.core.planner"), f
+        assert module.startswith(("megatron\\.core\\.", "torch\\.")), f"{f}: a third-party module, named"

@@ -122,3 +122,51 @@ def test_parallel_config_errors_at_construction():
         ParallelConfig(cp=0)
     with pytest.raises(DynBatchConfigError, match="cost_model.overhead_s"):
         CostModel(1e-9, 1e-12, overhead_s=-1.0)
+
+
+# ------------------------------------------------------------------ parallel= takes what a run preset's parallel: takes
+def test_parallel_accepts_what_presets_accept():
+    from megatron_dynbatch.core.run_config import RunConfig
+
+    lengths = [100] * 16
+    for layout in ({"world_size": 8}, {"world_size": 16, "tp": 2}, {"world_size": 8, "dp": 8},
+                   {"tensor_model_parallel_size": 2, "data_parallel_size": 4}, {"world_size": 8, "etp": 1},
+                   {"dp": 4, "expert_tensor_parallel_size": 2}):
+        plan = plan_global_batch(lengths, parallel=layout, max_tokens_per_gpu=1000, balance_by_flops=False)
+        rc = RunConfig.from_dict({"name": "t", "model": "qwen3-8b", "parallel": layout, "max_tokens_per_gpu": 1000})
+        assert plan.parallel == rc.parallel(), layout
+    assert ParallelConfig.from_any({"world_size": 16, "tp": 2, "cp": 2}).dp == 4
+
+
+HOSTILE_LAYOUTS = [
+    ({"world_size": 12, "tp": 8}, "parallel.world_size", "not divisible by tp x pp x cp"),
+    ({"world_size": 8, "dp": 3}, "parallel.dp", "gives dp=8"),
+    ({"world_size": 0}, "parallel.world_size", "positive integer"),
+    ({"world_size": -8}, "parallel.world_size", "positive integer"),
+    ({"world_size": 8.0}, "parallel.world_size", "positive integer"),
+    ({"world_size": "8"}, "parallel.world_size", "positive integer"),
+    ({"world_size": True}, "parallel.world_size", "positive integer"),
+    ({"world_size": 2 ** 40}, "parallel.world_size", "positive integer"),
+    ({"etp": 0}, "parallel.etp", "positive integer"),
+    ({"etp": 2, "expert_tensor_parallel_size": 4}, "parallel.etp", "conflicts"),
+    ({"word_size": 8}, "parallel.word_size", "did you mean 'world_size'"),
+    ({"tp": 2, "tensor_model_parallel_size": 4}, "parallel.tensor_model_parallel_size", "second time"),
+    ({1: 2}, "parallel.1", "unknown parallel field"),
+    ([("dp", 2)], "parallel", "must be a ParallelConfig or a mapping"),
+    ("dp=8", "parallel", "must be a ParallelConfig or a mapping"),
+    (8, "parallel", "must be a ParallelConfig or a mapping"),
+]
+
+
+@pytest.mark.parametrize("layout,field,problem", HOSTILE_LAYOUTS, ids=[repr(h[0])[:40] for h in HOSTILE_LAYOUTS])
+def test_parallel_refuses_what_presets_refuse_in_the_same_words(layout, field, problem):
+    """``plan_global_batch(parallel=...)`` and a run preset's ``parallel:`` go through one function: the same
+    field, value, problem and fix."""
+    from megatron_dynbatch.core.run_config import RunConfig
+
+    with pytest.raises(DynBatchConfigError) as planner:
+        plan_global_batch([100] * 8, parallel=layout, max_tokens_per_gpu=1000, balance_by_flops=False)
+    assert planner.value.field == field and problem in str(planner.value) and "Fix:" in str(planner.value)
+    with pytest.raises(DynBatchConfigError) as preset:
+        RunConfig.from_dict({"name": "t", "model": "qwen3-8b", "parallel": layout, "max_tokens_per_gpu": 1000})
+    assert str(preset.value) == str(planner.value)

@@ -189,7 +189,7 @@ def test_to_megatron_args_layout_and_batching_flags():
 
 
 def test_choice_tuples_match_the_modules_that_own_them():
-    from megatron_dynbatch import loss
+    from megatron_dynbatch.megatron import loss
     from megatron_dynbatch.core.planner import api
 
     assert set(BALANCE_MODES) <= set(api.BALANCE_MODES)

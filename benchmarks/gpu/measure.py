@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
                                                  "untimed run before its first)")
     p.add_argument("--repeats", help="timed runs per micro-batch, the minimum counts (default 2: absorbs a first "
                                      "run's allocations; 1 with --tiny)")
+    p.add_argument("--documents", help="a document-lengths JSON file (e.g. ../shared/data/"
+                                       "document_lengths_wlbllm.json) the long-document batches draw from instead "
+                                       "of the bundled distribution: the real file reproduces the shared "
+                                       "measurements' batches")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p
 
@@ -123,7 +127,16 @@ def parse_options(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     dtype = a.dtype or ("fp32" if device == "cpu" else "bf16")
     if dtype not in ("bf16", "fp16", "fp32"):
         raise DynBatchConfigError("--dtype", dtype, "unknown dtype", "use bf16, fp16 or fp32")
+    documents = None
+    if a.documents is not None:
+        from megatron_dynbatch.bench.workloads import load_document_lengths
+
+        try:
+            documents = load_document_lengths(a.documents)
+        except DynBatchConfigError as exc:
+            raise DynBatchConfigError("--documents", a.documents, exc.problem, exc.fix) from None
     opts = {
+        "documents": documents,
         "device": device, "tiny": a.tiny, "workloads": workloads, "algorithms": algorithms,
         "kind": a.model_kind, "dtype": dtype, "quiet": a.quiet,
         "seeds": _int_flag("--seeds", a.seeds, 1, "3"),
@@ -195,8 +208,8 @@ def measure_workload(w: Any, seed: int, opts: Dict[str, Any], slices: _Slices) -
     from megatron_dynbatch.bench.runner import run_workload
     from megatron_dynbatch.measure import record_key
 
-    rows, plans = run_workload(w, seed, opts["algorithms"], keep_plans=True)
-    batch = w.generate(seed)
+    rows, plans = run_workload(w, seed, opts["algorithms"], keep_plans=True, documents=opts["documents"])
+    batch = w.generate(seed, documents=opts["documents"])
     lengths = batch.lengths
     schedules = {r.algorithm: schedule_of(r.algorithm, plans[(w.name, seed, r.algorithm)], lengths, w)
                  for r in rows if r.ok}

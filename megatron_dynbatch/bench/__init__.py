@@ -1,4 +1,5 @@
-"""The benchmark: built-in workloads (:mod:`.workloads`), the re-implemented peer baselines (:mod:`.baselines`,
+"""The benchmark: built-in workloads (:mod:`.workloads`; the real document lengths they draw from, bundled:
+:mod:`.documents`), the re-implemented peer baselines (:mod:`.baselines`,
 on the primitives of :mod:`.partitioning`), the runner that plans and scores every algorithm with one cost model
 (:mod:`.runner`), text/JSON output (:mod:`.report`) and per-rank timelines (:mod:`.plot`, matplotlib imported
 only when a plot is asked for). Torch-free like the planning core. ``megatron-dynbatch bench`` drives it; see

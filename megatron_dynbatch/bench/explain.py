@@ -192,6 +192,24 @@ def headline(result: BenchResult) -> List[str]:
     return lines
 
 
+#: What ``bench`` suggests next: plan a batch of one's own (the example files are in the repository root).
+NEXT_PLAN = ("megatron-dynbatch plan --lengths examples/grpo_lengths.txt --model qwen3-8b --dp 8 "
+             "--max-tokens-per-gpu 16384 --compare")
+NEXT_DYNCP = ("megatron-dynbatch plan --lengths examples/longdoc_lengths.txt --model llama-3.1-8b --dp 8 --tp 2 "
+              "--max-tokens-per-gpu 32768 --dynamic-cp")
+
+
+def next_steps(result: BenchResult) -> List[str]:
+    """The report's closing lines: the command to try next (the planner on one batch, then on your own), and
+    where to read on."""
+    dyncp = any(r.algorithm == "dynbatch-dyncp" for r in result.rows)
+    command = NEXT_DYNCP if dyncp else NEXT_PLAN
+    what = "a long-document batch, dynamic vs fixed CP" if dyncp else "an example GRPO batch, baselines alongside"
+    return [f"next: plan one batch ({what}), then a file of your own lengths (one per line):",
+            f"  {command}",
+            "  more: docs/quickstart.md (from Python, in a Megatron-LM launch), docs/benchmarks.md (these numbers)"]
+
+
 def _algorithm_help(name: str) -> str:
     if name in DYNBATCH_VARIANTS:
         kwargs, needs_groups = DYNBATCH_VARIANTS[name]
@@ -222,4 +240,4 @@ def legend(result: BenchResult, columns: Sequence[str]) -> List[str]:
     return lines
 
 
-__all__ = ["COLUMN_HELP", "REFERENCE", "UPSTREAM", "headline", "legend"]
+__all__ = ["COLUMN_HELP", "REFERENCE", "UPSTREAM", "headline", "legend", "next_steps"]

@@ -184,7 +184,7 @@ def layout_cost_model(workload: Workload) -> CostModel:
 
 
 # --------------------------------------------------------------------------------------------- tiny batches
-def _tiny_documents(rng: np.random.Generator) -> Batch:
+def _tiny_documents(rng: np.random.Generator, _documents: Any = None) -> Batch:
     lengths = np.minimum(np.round(rng.lognormal(np.log(60), 0.8, 10)), 200).astype(np.int64)
     lengths[0] = 400 + int(rng.integers(0, 100))  # one document dominates: where dynamic CP differs
     return Batch(lengths=lengths, source="synthetic: one long document and nine short ones")
@@ -193,7 +193,7 @@ def _tiny_documents(rng: np.random.Generator) -> Batch:
 TINY_WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     Workload("tiny-rl-dp2", "tiny GRPO batch: tiny-gpt, 4 prompts x 4 responses (<= 400 tokens), dp=2",
              "tiny-gpt", ParallelConfig(dp=2), 512,
-             lambda rng: grpo_lengths(rng, prompts=4, group=4, max_response=384, median_response=96,
+             lambda rng, _: grpo_lengths(rng, prompts=4, group=4, max_response=384, median_response=96,
                                       prompt_range=(16, 64)), default=False),
     Workload("tiny-dyncp-dp2-cp2", "tiny long-document batch: tiny-gpt, one ~450-token document and nine short "
              "ones, dp=2 cp=2 (pool of 4), 256 tokens per GPU", "tiny-gpt", ParallelConfig(dp=2, cp=2), 256,

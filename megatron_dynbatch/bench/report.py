@@ -162,8 +162,8 @@ def dyncp_verdicts(result: BenchResult, variant: str = "dynbatch-dyncp", fixed: 
 
 
 def format_report(result: BenchResult) -> str:
-    """Headline, table, legend, verdicts, planning speed (what ``megatron-dynbatch bench`` prints)."""
-    from .explain import headline, legend
+    """Headline, table, legend, verdicts, planning speed, the next command (what ``megatron-dynbatch bench`` prints)."""
+    from .explain import headline, legend, next_steps
 
     parts = [*headline(result), "", format_table(result), "", *legend(result, [c for c, _ in COLUMNS]), "",
              *verdicts(result), *dyncp_verdicts(result)]
@@ -172,4 +172,5 @@ def format_report(result: BenchResult) -> str:
         parts += ["", speed]
     if result.meta.get("wall_s") is not None:
         parts += ["", f"(benchmark wall time {result.meta['wall_s']:.1f} s)"]
+    parts += ["", *next_steps(result)]
     return "\n".join(parts)

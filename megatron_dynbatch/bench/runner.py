@@ -169,13 +169,15 @@ def _row_from_plan(w: Workload, seed: int, name: str, family: str, plan: Any, pl
 
 
 def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]] = None,
-                 keep_plans: bool = False) -> Tuple[List[Row], Dict[Tuple[str, int, str], Any]]:
-    """Plan and score one workload's batch of ``seed`` with every requested algorithm."""
+                 keep_plans: bool = False, documents: Optional[Sequence[int]] = None,
+                 ) -> Tuple[List[Row], Dict[Tuple[str, int, str], Any]]:
+    """Plan and score one workload's batch of ``seed`` with every requested algorithm (``documents``: see
+    :meth:`Workload.generate`)."""
     from ..core.planner import plan_global_batch
     from ..core.planner.dyncp import score_with_cp_comm
 
     algos = list(algorithms) if algorithms else list(ALGORITHMS)
-    batch = w.generate(seed)
+    batch = w.generate(seed, documents=documents)
     lengths = batch.lengths
     cm = CostModel.from_model(w.model, w.parallel)
     dyncp = bool(getattr(w, "dynamic_cp", False))

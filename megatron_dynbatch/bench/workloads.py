@@ -6,8 +6,11 @@ generator. The shapes follow what is publicly known about such batches:
 * **long-CoT GRPO**: prompts of 100-2k tokens, ``n`` responses per prompt whose lengths are lognormal with a
   per-prompt difficulty factor and a spike at the maximum response length (truncated generations); responses
   to one prompt share it, so ``group_ids`` mark the GRPO groups;
-* **long-context SFT**: the real document-length distribution in ``../shared/data/document_lengths_wlbllm.json``
-  (99,519 documents, mean 3,962, p99 26,058, max 124,913), read in place -- see :func:`document_lengths`;
+* **long-context SFT**: a real long-context document-length distribution (99,519 documents, mean 3,962, p99
+  26,058, max 124,913; published with the DistCA simulator), shipped in the package as 8,192 quantiles
+  (``bench/data/``; provenance, derivation and how close it is: :mod:`.documents` and
+  ``benchmarks/derive_document_lengths.py``). ``Workload.generate(seed, documents=...)`` draws from other
+  lengths instead, e.g. the real file through :func:`load_document_lengths`;
 * **SFT mix**: short chat turns plus a minority of long documents.
 
 Sizes are scaled so the full default benchmark finishes in well under a minute on one CPU core while every
@@ -16,24 +19,16 @@ workload still needs several micro-batches per rank (the regime where the planne
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..core.errors import DynBatchConfigError
 from ..core.parallel import ParallelConfig
-
-#: Environment variable pointing at the shared material (a directory holding ``data/`` or the data files).
-SHARED_ENV = "MEGATRON_DYNBATCH_SHARED"
-DOCUMENT_LENGTHS_FILE = "document_lengths_wlbllm.json"
-#: Published statistics of that file, used by the stand-in when it is absent.
-DOC_MEAN, DOC_P99, DOC_MAX = 3962.0, 26058.0, 124913
+from .documents import (BUNDLED_DOCUMENTS, BUNDLED_QUANTILES, DOCUMENT_LENGTHS_FILE, bundled_document_lengths,
+                        document_pool as _documents, document_statistics, load_document_lengths,
+                        pool_source as _pool_source)
 
 
 @dataclass(frozen=True)
@@ -54,14 +49,18 @@ class Workload:
     model: str
     parallel: ParallelConfig
     max_tokens_per_gpu: int
-    generator: Callable[[np.random.Generator], Batch] = field(repr=False, compare=False)
+    #: ``generator(rng, documents)``: the batch, drawing document lengths (where it uses any) from ``documents``
+    generator: Callable[[np.random.Generator, np.ndarray], Batch] = field(repr=False, compare=False)
     default: bool = True  # part of the default benchmark run
     #: a dynamic-CP workload: ``dynbatch-dyncp`` and ``megatron-hybrid-cp`` run, and every plan is scored with
     #: the CP communication term (``score_with_cp_comm``)
     dynamic_cp: bool = False
 
-    def generate(self, seed: int = 0) -> Batch:
-        return self.generator(np.random.default_rng(seed))
+    def generate(self, seed: int = 0, documents: Optional[Sequence[int]] = None) -> Batch:
+        """The global batch of ``seed``. ``documents`` (document lengths, e.g. :func:`load_document_lengths` of
+        the real file) replaces the bundled distribution in every long-document generator; workloads without
+        documents ignore it."""
+        return self.generator(np.random.default_rng(seed), _documents(documents))
 
     def to_dict(self) -> dict:
         d = {"name": self.name, "description": self.description, "model": self.model,
@@ -72,43 +71,6 @@ class Workload:
 
 
 # --------------------------------------------------------------------------------------- length sources
-def shared_data_dir() -> Path:
-    """``$MEGATRON_DYNBATCH_SHARED`` (its ``data/`` sub-directory if present), else ``<repo>/../shared/data``."""
-    env = os.environ.get(SHARED_ENV, "").strip()
-    if env:
-        base = Path(env).expanduser()
-        return base / "data" if (base / "data").is_dir() else base
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
-
-@functools.lru_cache(maxsize=1)
-def document_lengths() -> Tuple[np.ndarray, str]:
-    """The real long-context document lengths, read in place, and where they came from.
-
-    When the file is absent (a fresh machine without ``../shared``) a seeded lognormal stand-in of 99,519
-    lengths with the same mean and p99 is returned instead, and a note is printed to stderr once.
-    """
-    path = shared_data_dir() / DOCUMENT_LENGTHS_FILE
-    if path.is_file():
-        with open(path, encoding="utf-8") as fh:
-            data = np.asarray(json.load(fh), dtype=np.int64)
-        return data, f"real ({path.name}, {data.size} documents)"
-    print(f"note: {path} not found; the long-context workloads use a lognormal stand-in with mean "
-          f"{DOC_MEAN:.0f} and p99 {DOC_P99:.0f} (set ${SHARED_ENV} to the shared directory for the real lengths)",
-          file=sys.stderr)
-    return _lognormal_standin(99519), "lognormal stand-in (shared data absent)"
-
-
-def _lognormal_standin(n: int) -> np.ndarray:
-    """Lognormal lengths whose mean and 99th percentile match the real file's."""
-    z99 = 2.3263478740408408
-    # mean = exp(mu + s^2/2), p99 = exp(mu + z s)  =>  s^2/2 - z s + ln(p99/mean) = 0 (smaller root)
-    s = z99 - np.sqrt(z99 ** 2 - 2 * np.log(DOC_P99 / DOC_MEAN))
-    mu = np.log(DOC_MEAN) - s * s / 2
-    rng = np.random.default_rng(20240601)
-    return np.clip(np.round(rng.lognormal(mu, s, n)), 1, DOC_MAX).astype(np.int64)
-
-
 def grpo_lengths(rng: np.random.Generator, prompts: int, group: int, max_response: int,
                  median_response: float, sigma: float = 0.8, truncated: float = 0.08,
                  prompt_range: Tuple[int, int] = (100, 2048)) -> Batch:
@@ -126,20 +88,25 @@ def grpo_lengths(rng: np.random.Generator, prompts: int, group: int, max_respons
     return Batch(lengths=lengths, group_ids=np.repeat(np.arange(prompts), group), source="synthetic GRPO")
 
 
-def document_sample(rng: np.random.Generator, count: int, max_len: Optional[int] = None) -> Batch:
-    """``count`` documents drawn (with replacement) from :func:`document_lengths`, optionally truncated."""
-    pool, source = document_lengths()
+def document_sample(rng: np.random.Generator, count: int, max_len: Optional[int] = None,
+                    documents: Optional[Sequence[int]] = None) -> Batch:
+    """``count`` documents drawn (with replacement) from ``documents`` (default: the bundled distribution),
+    optionally truncated to ``max_len``."""
+    pool = _documents(documents)
+    source = _pool_source(pool)
     lengths = pool[rng.integers(0, pool.size, count)]
     if max_len is not None:
         lengths = np.minimum(lengths, max_len)
     return Batch(lengths=lengths.astype(np.int64), source=source)
 
 
-def documents_by_tokens(rng: np.random.Generator, tokens: int, max_len: int, multiple: int = 1) -> Batch:
-    """Documents drawn from :func:`document_lengths` (truncated to ``max_len``) until they hold ``tokens``
-    tokens (the last one cut to fit), then the last few dropped so the count is a multiple of ``multiple``: a
-    batch sized by what the ranks can hold, e.g. one micro-batch per rank."""
-    pool, source = document_lengths()
+def documents_by_tokens(rng: np.random.Generator, tokens: int, max_len: int, multiple: int = 1,
+                        documents: Optional[Sequence[int]] = None) -> Batch:
+    """Documents drawn from ``documents`` (default: the bundled distribution; truncated to ``max_len``) until
+    they hold ``tokens`` tokens (the last one cut to fit), then the last few dropped so the count is a multiple
+    of ``multiple``: a batch sized by what the ranks can hold, e.g. one micro-batch per rank."""
+    pool = _documents(documents)
+    source = _pool_source(pool)
     out: List[int] = []
     total = 0
     while total < tokens:
@@ -152,11 +119,13 @@ def documents_by_tokens(rng: np.random.Generator, tokens: int, max_len: int, mul
     return Batch(lengths=np.asarray(out[:keep], dtype=np.int64), source=f"{source}, <= {tokens} tokens")
 
 
-def sft_mix(rng: np.random.Generator, chats: int, docs: int, max_len: int) -> Batch:
-    """Short chat samples (lognormal, median ~600) shuffled with long documents (the real distribution's
-    documents above 4k tokens, truncated to ``max_len``)."""
+def sft_mix(rng: np.random.Generator, chats: int, docs: int, max_len: int,
+            documents: Optional[Sequence[int]] = None) -> Batch:
+    """Short chat samples (lognormal, median ~600) shuffled with long documents (those of ``documents``, default
+    the bundled distribution, above 4k tokens, truncated to ``max_len``)."""
     chat = np.clip(np.round(rng.lognormal(np.log(600), 0.9, chats)), 16, max_len).astype(np.int64)
-    pool, source = document_lengths()
+    pool = _documents(documents)
+    source = _pool_source(pool)
     long_pool = pool[pool > 4096]
     doc = np.minimum(long_pool[rng.integers(0, long_pool.size, docs)], max_len)
     lengths = np.concatenate([chat, doc])
@@ -171,78 +140,85 @@ def _builtin() -> List[Workload]:
             "grpo-longcot-8b",
             "long-CoT GRPO, Qwen3-8B, 64 prompts x 8 responses (16k max response, ~8% truncated), tp=2 dp=16",
             "qwen3-8b", P(dp=16, tp=2), 32768,
-            lambda rng: grpo_lengths(rng, prompts=64, group=8, max_response=16384, median_response=3000),
+            lambda rng, _: grpo_lengths(rng, prompts=64, group=8, max_response=16384, median_response=3000),
         ),
         Workload(
             "grpo-longcot-32k",
             "long-CoT GRPO, Qwen3-8B, 32 prompts x 16 responses (32k max response), tp=2 cp=2 dp=8",
             "qwen3-8b", P(dp=8, tp=2, cp=2), 24576,
-            lambda rng: grpo_lengths(rng, prompts=32, group=16, max_response=32768, median_response=6000),
+            lambda rng, _: grpo_lengths(rng, prompts=32, group=16, max_response=32768, median_response=6000),
         ),
         Workload(
             "grpo-moe-30b-a3b",
             "GRPO on Qwen3-30B-A3B (MoE), ep=8 (EP ranks in lockstep), dp=16, 64 prompts x 8, 16k max response",
             "qwen3-30b-a3b", P(dp=16, ep=8), 24576,
-            lambda rng: grpo_lengths(rng, prompts=64, group=8, max_response=16384, median_response=2500),
+            lambda rng, _: grpo_lengths(rng, prompts=64, group=8, max_response=16384, median_response=2500),
         ),
         Workload(
             "sft-longctx-70b-cp8",
-            "long-context SFT, Llama-3.1-70B, real document lengths (up to 125k), tp=8 cp=8 dp=4",
+            "long-context SFT, Llama-3.1-70B, 1,024 documents of the real length distribution (up to 125k), tp=8 cp=8 dp=4",
             "llama-3.1-70b", P(dp=4, tp=8, cp=8), 16384,
-            lambda rng: document_sample(rng, 1024),
+            lambda rng, docs: document_sample(rng, 1024, documents=docs),
         ),
         Workload(
             "sft-longctx-70b-cp4-pp4",
-            "long-context SFT, Llama-3.1-70B, real document lengths truncated to 64k, tp=8 cp=4 pp=4 dp=4",
+            "long-context SFT, Llama-3.1-70B, 1,024 documents of the real length distribution truncated to 64k, "
+            "tp=8 cp=4 pp=4 dp=4",
             "llama-3.1-70b", P(dp=4, tp=8, cp=4, pp=4), 16384,
-            lambda rng: document_sample(rng, 1024, max_len=65536),
+            lambda rng, docs: document_sample(rng, 1024, max_len=65536, documents=docs),
         ),
         Workload(
             "pp4-vpp2-qwen3-32b",
             "GRPO on Qwen3-32B with pp=4 vpp=2 (interleaved 1F1B), tp=4 dp=8, 64 prompts x 8, 8k max response",
             "qwen3-32b", P(dp=8, tp=4, pp=4, vpp=2), 16384,
-            lambda rng: grpo_lengths(rng, prompts=64, group=8, max_response=8192, median_response=1500),
+            lambda rng, _: grpo_lengths(rng, prompts=64, group=8, max_response=8192, median_response=1500),
         ),
         Workload(
             "large-dp-256",
             "dp=256 with ~4 samples per rank: GRPO on Qwen3-8B, 128 prompts x 8, 16k max response, tp=1",
             "qwen3-8b", P(dp=256), 32768,
-            lambda rng: grpo_lengths(rng, prompts=128, group=8, max_response=16384, median_response=3000),
+            lambda rng, _: grpo_lengths(rng, prompts=128, group=8, max_response=16384, median_response=3000),
         ),
         Workload(
             "sft-mix-8b",
             "SFT mix, Llama-3.1-8B: 1,792 short chats + 256 long documents (<= 32k), tp=2 cp=2 dp=8",
             "llama-3.1-8b", P(dp=8, tp=2, cp=2), 16384,
-            lambda rng: sft_mix(rng, chats=1792, docs=256, max_len=32768),
+            lambda rng, docs: sft_mix(rng, chats=1792, docs=256, max_len=32768, documents=docs),
         ),
         # ---- dynamic context parallelism (docs/dynamic_cp.md): long tails where one sequence dominates a rank
         Workload(
             "dyncp-longdoc-8b-1mb",
-            "long documents, ONE micro-batch per rank: Llama-3.1-8B, real document lengths (<= 32k) filling "
+            "long documents, ONE micro-batch per rank: Llama-3.1-8B, documents of the real length distribution (<= 32k) "
+            "filling "
             "85% of tp=2 dp=8 x 32k, pool of 8 GPUs",
             "llama-3.1-8b", P(dp=8, tp=2), 32768,
-            lambda rng: documents_by_tokens(rng, int(0.85 * 8 * 32768), 32768, 8), dynamic_cp=True, default=False,
+            lambda rng, docs: documents_by_tokens(rng, int(0.85 * 8 * 32768), 32768, 8, documents=docs),
+            dynamic_cp=True, default=False,
         ),
         Workload(
             "dyncp-longdoc-8b-4mb",
-            "long documents, ~4 micro-batches per rank: Llama-3.1-8B, real document lengths (<= 32k), tp=2 dp=8 "
+            "long documents, ~4 micro-batches per rank: Llama-3.1-8B, documents of the real length distribution (<= 32k), "
+            "tp=2 dp=8 "
             "x 32k, pool of 8 GPUs",
             "llama-3.1-8b", P(dp=8, tp=2), 32768,
-            lambda rng: documents_by_tokens(rng, int(3.4 * 8 * 32768), 32768, 8), dynamic_cp=True, default=False,
+            lambda rng, docs: documents_by_tokens(rng, int(3.4 * 8 * 32768), 32768, 8, documents=docs),
+            dynamic_cp=True, default=False,
         ),
         Workload(
             "dyncp-longctx-70b-cp4-pp4",
-            "long-context SFT with PP: Llama-3.1-70B, 1,024 real documents truncated to 64k, tp=8 cp=4 pp=4 dp=4 "
+            "long-context SFT with PP: Llama-3.1-70B, 1,024 documents of the real length distribution truncated to 64k, "
+            "tp=8 cp=4 pp=4 dp=4 "
             "(pool of 16 GPUs per stage; the same batch as sft-longctx-70b-cp4-pp4)",
             "llama-3.1-70b", P(dp=4, tp=8, cp=4, pp=4), 16384,
-            lambda rng: document_sample(rng, 1024, max_len=65536), dynamic_cp=True, default=False,
+            lambda rng, docs: document_sample(rng, 1024, max_len=65536, documents=docs),
+            dynamic_cp=True, default=False,
         ),
         Workload(
             "dyncp-longcot-64k-8b",
             "long-CoT RL at 32k-64k: Qwen3-8B GRPO, 16 prompts x 8, responses up to 64k (median 20k, ~8% "
             "truncated), tp=2 cp=4 dp=4 (pool of 16), 20k per GPU",
             "qwen3-8b", P(dp=4, tp=2, cp=4), 20480,
-            lambda rng: grpo_lengths(rng, prompts=16, group=8, max_response=65536, median_response=20000,
+            lambda rng, _: grpo_lengths(rng, prompts=16, group=8, max_response=65536, median_response=20000,
                                      sigma=0.6), dynamic_cp=True, default=False,
         ),
         Workload(
@@ -250,14 +226,14 @@ def _builtin() -> List[Workload]:
             "long-CoT RL at 32k-64k with PP: Qwen3-32B GRPO, 8 prompts x 8, responses up to 64k, tp=4 cp=2 pp=4 "
             "dp=4 (pool of 8 per stage), 40k per GPU",
             "qwen3-32b", P(dp=4, tp=4, cp=2, pp=4), 40960,
-            lambda rng: grpo_lengths(rng, prompts=8, group=8, max_response=65536, median_response=20000,
+            lambda rng, _: grpo_lengths(rng, prompts=8, group=8, max_response=65536, median_response=20000,
                                      sigma=0.6), dynamic_cp=True, default=False,
         ),
         Workload(
             "smoke",
             "tiny smoke test for CI (tiny-gpt, dp=2, 8 prompts x 4 responses)",
             "tiny-gpt", P(dp=2), 2048,
-            lambda rng: grpo_lengths(rng, prompts=8, group=4, max_response=1024, median_response=300,
+            lambda rng, _: grpo_lengths(rng, prompts=8, group=4, max_response=1024, median_response=300,
                                      prompt_range=(16, 256)),
             default=False,
         ),
@@ -286,3 +262,8 @@ def select_workloads(spec: Optional[str]) -> List[Workload]:
     if not out:
         raise DynBatchConfigError("--workloads", spec, "names no workload", f"use e.g. {next(iter(WORKLOADS))}")
     return out
+
+
+__all__ = ["BUNDLED_DOCUMENTS", "BUNDLED_QUANTILES", "DOCUMENT_LENGTHS_FILE", "Batch", "WORKLOADS", "Workload",
+           "bundled_document_lengths", "default_workloads", "document_sample", "document_statistics",
+           "documents_by_tokens", "grpo_lengths", "load_document_lengths", "select_workloads", "sft_mix"]

@@ -4,18 +4,32 @@ Field names follow Megatron's ``ModelParallelConfig`` / argument names. Only wha
 ``dp`` (number of data-parallel replicas that split the global batch), ``tp``, ``pp``, ``cp``, ``ep``,
 ``vpp`` (virtual pipeline chunks per stage), ``microbatch_group_size_per_vp_stage`` (Megatron's ``N``;
 defaults to ``pp`` like Megatron) and ``sequence_parallel`` (tokens per micro-batch must divide by ``tp``).
+
+A mapping may say what a run preset's ``parallel:`` says (:func:`parallel_from_mapping`, one function for both,
+so both accept and refuse the same keys with the same words): Megatron's long names
+(``tensor_model_parallel_size``, ...), ``world_size`` instead of ``dp`` (``dp = world_size / (tp*pp*cp)``), and
+``etp`` / ``expert_tensor_parallel_size`` (Megatron's expert tensor-parallel size: a launch setting that does
+not change the plan; :class:`~megatron_dynbatch.core.run_config.RunConfig` keeps it for the Megatron flags).
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from .checks import as_bool, as_int, is_int
 from .errors import DynBatchConfigError
 
 #: Largest parallel size accepted (a million GPUs): guards against nonsense that would allocate per-rank arrays.
 MAX_RANKS = 2 ** 20
+#: Megatron's argument names for the layout fields.
+ALIASES: Dict[str, str] = {
+    "vp": "vpp", "virtual_pipeline_model_parallel_size": "vpp", "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp", "expert_model_parallel_size": "ep",
+    "data_parallel_size": "dp"}
+#: Keys of a layout mapping (a run preset's ``parallel:``) beyond the fields and their aliases.
+EXTRA_KEYS = ("world_size", "etp", "expert_tensor_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -68,28 +82,62 @@ class ParallelConfig:
 
     @classmethod
     def from_any(cls, parallel: Union["ParallelConfig", Mapping[str, Any], None]) -> "ParallelConfig":
-        """Accept a ``ParallelConfig`` or a dict with keys ``dp, tp, pp, cp, ep, vpp`` (missing keys = 1)."""
+        """Accept a ``ParallelConfig`` or a mapping (missing keys = 1) in the form a run preset's ``parallel:``
+        takes: the fields, Megatron's names for them, ``world_size`` and ``etp`` (:func:`parallel_from_mapping`)."""
         if parallel is None:
             return cls()
         if isinstance(parallel, cls):
             return parallel
-        if not isinstance(parallel, Mapping):
+        return parallel_from_mapping(parallel)[0]
+
+
+def _known_keys() -> List[str]:
+    return [f.name for f in fields(ParallelConfig)] + list(EXTRA_KEYS)
+
+
+def _suggest(key: str, known: List[str]) -> str:
+    close = [k for k in difflib.get_close_matches(key, known, n=3, cutoff=0.6)]
+    return f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {known}"
+
+
+def parallel_from_mapping(parallel: Any) -> Tuple[ParallelConfig, Optional[int]]:
+    """A layout mapping -> ``(ParallelConfig, etp)``. ``world_size`` derives ``dp`` (it must divide by
+    ``tp*pp*cp``, and agree with ``dp`` when both are given); ``etp`` / ``expert_tensor_parallel_size`` (the same
+    value when both are given) is validated and returned apart, ``None`` when absent. Every problem is a
+    :class:`DynBatchConfigError` naming ``parallel.<key>``, the value and the fix."""
+    if not isinstance(parallel, Mapping):
+        raise DynBatchConfigError("parallel", parallel, "must be a ParallelConfig or a mapping",
+                                  "pass e.g. {'dp': 8, 'tp': 2} or {'world_size': 16, 'tp': 2}")
+    par: Dict[str, Any] = {}
+    for key, value in parallel.items():
+        name = ALIASES.get(key, key) if isinstance(key, str) else key
+        if name not in _known_keys():
+            raise DynBatchConfigError(f"parallel.{key}", value, "unknown parallel field", _suggest(str(key), _known_keys()))
+        if name in par:
+            raise DynBatchConfigError(f"parallel.{key}", value, f"gives {name} a second time",
+                                      f"give {name} once (under one of its names)")
+        par[name] = 1 if (value is None and name == "vpp") else value
+    etp, etp2 = par.pop("etp", None), par.pop("expert_tensor_parallel_size", None)
+    if etp is not None and etp2 is not None and etp != etp2:
+        raise DynBatchConfigError("parallel.etp", etp, f"conflicts with expert_tensor_parallel_size={etp2}",
+                                  "give it once")
+    etp = etp if etp is not None else etp2
+    if etp is not None and (not is_int(etp) or etp < 1 or etp > MAX_RANKS):
+        raise DynBatchConfigError("parallel.etp", etp, "must be a positive integer", "use 1 or leave it unset (= tp)")
+    world = par.pop("world_size", None)
+    if world is not None:
+        if not is_int(world) or world < 1 or world > MAX_RANKS:
+            raise DynBatchConfigError("parallel.world_size", world, "must be a positive integer",
+                                      f"give the total GPU count, e.g. 256 (at most {MAX_RANKS})")
+        probe = ParallelConfig(**{**par, "dp": 1})  # validates tp/pp/cp first
+        mp = probe.model_parallel_size
+        if world % mp:
             raise DynBatchConfigError(
-                "parallel", parallel, "must be a ParallelConfig or a dict", "pass e.g. {'dp': 8, 'tp': 2}"
-            )
-        known = {f.name for f in fields(cls)}
-        aliases = {"vp": "vpp", "virtual_pipeline_model_parallel_size": "vpp",
-                   "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
-                   "context_parallel_size": "cp", "expert_model_parallel_size": "ep",
-                   "data_parallel_size": "dp"}
-        kwargs = {}
-        for key, value in parallel.items():
-            key = aliases.get(key, key)
-            if key not in known:
-                raise DynBatchConfigError(
-                    f"parallel.{key}", value, "unknown parallel field", f"use only {sorted(known)}"
-                )
-            if value is None and key in ("vpp",):
-                value = 1
-            kwargs[key] = value
-        return cls(**kwargs)
+                "parallel.world_size", world, f"is not divisible by tp x pp x cp = {probe.tp} x {probe.pp} x "
+                f"{probe.cp} = {mp}", f"use a world size that is a multiple of {mp}, or change the layout")
+        dp = world // mp
+        if par.get("dp") is not None and par["dp"] != dp:
+            raise DynBatchConfigError("parallel.dp", par["dp"], f"world_size={world} / (tp*pp*cp={mp}) gives dp={dp}",
+                                      "give either dp or world_size, or make them agree")
+        par["dp"] = dp
+    return ParallelConfig(**par), (int(etp) if etp is not None else None)

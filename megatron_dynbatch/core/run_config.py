@@ -34,7 +34,9 @@ from .checks import is_int as _is_int
 from .errors import DynBatchConfigError
 from .model_spec import ModelSpec
 from .presets import available_presets, available_run_presets, load_run_mapping, resolve_run_preset, run_preset_dirs
-from .parallel import ParallelConfig
+from .parallel import ALIASES as _PARALLEL_ALIASES
+from .parallel import EXTRA_KEYS as _PARALLEL_EXTRA
+from .parallel import ParallelConfig, parallel_from_mapping
 
 __all__ = ["RunConfig", "run_preset_dirs", "available_run_presets", "LOSS_MODES", "BALANCE_MODES",
            "OVERSIZE_POLICIES", "MOE_DISPATCHERS", "dynamic_cp_problem"]
@@ -48,8 +50,6 @@ GROUP_REDUCE = ("token", "sample")
 #: MoE token dispatchers that accept variable token counts per rank (``allgather`` does not).
 MOE_DISPATCHERS = ("alltoall", "flex")
 
-# Keys of the ``parallel:`` mapping beyond ParallelConfig's own fields.
-_PARALLEL_EXTRA = ("world_size", "etp", "expert_tensor_parallel_size")
 # Megatron flags that make an uneven pipeline split legal (layers not divisible by pp * vpp).
 _UNEVEN_PP_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                     "--pipeline-model-parallel-layout")
@@ -414,7 +414,10 @@ class RunConfig:
         if "parallel" in changes:
             changes["layout"] = changes.pop("parallel")
         if "layout" in changes and not isinstance(changes["layout"], ParallelConfig):
-            new = dict(changes["layout"])
+            if not isinstance(changes["layout"], Mapping):
+                raise DynBatchConfigError("parallel", changes["layout"], "must be a ParallelConfig or a mapping",
+                                          "pass e.g. parallel={'dp': 4}")
+            new = {_PARALLEL_ALIASES.get(k, k): v for k, v in changes["layout"].items()}
             merged = {**self.layout.to_dict(), **new}
             if "world_size" in new and "dp" not in new:
                 merged.pop("dp")  # dp follows the new world size
@@ -517,39 +520,6 @@ def _suggest(key: str, known: Sequence[str]) -> List[str]:
 
 
 def _parallel_from_mapping(par: Any) -> Tuple[ParallelConfig, Optional[int]]:
-    """ParallelConfig from the YAML ``parallel:`` mapping: ``world_size`` derives ``dp``; ``etp`` is split off."""
-    if not isinstance(par, Mapping):
-        raise DynBatchConfigError("parallel", par, "must be a mapping", "write parallel: {world_size: 8, tp: 1, ...}")
-    par = dict(par)
-    for k in list(par):
-        if k not in {f.name for f in fields(ParallelConfig)} and k not in (
-                "vp", "virtual_pipeline_model_parallel_size", "tensor_model_parallel_size",
-                "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-                "data_parallel_size") + _PARALLEL_EXTRA:
-            known = [f.name for f in fields(ParallelConfig)] + list(_PARALLEL_EXTRA)
-            close = _suggest(str(k), known)
-            fix = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {known}"
-            raise DynBatchConfigError(f"parallel.{k}", par[k], "unknown parallel field", fix)
-    etp = par.pop("etp", None)
-    etp2 = par.pop("expert_tensor_parallel_size", None)
-    if etp is not None and etp2 is not None and etp != etp2:
-        raise DynBatchConfigError("parallel.etp", etp, f"conflicts with expert_tensor_parallel_size={etp2}",
-                                  "give it once")
-    etp = etp if etp is not None else etp2
-    world = par.pop("world_size", None)
-    if world is not None:
-        if not _is_int(world) or world < 1:
-            raise DynBatchConfigError("parallel.world_size", world, "must be a positive integer",
-                                      "give the total GPU count, e.g. 256")
-        probe = ParallelConfig.from_any({**par, "dp": 1})  # validates tp/pp/cp first
-        mp = probe.model_parallel_size
-        if world % mp:
-            raise DynBatchConfigError(
-                "parallel.world_size", world, f"is not divisible by tp x pp x cp = {probe.tp} x {probe.pp} x "
-                f"{probe.cp} = {mp}", f"use a world size that is a multiple of {mp}, or change the layout")
-        dp = world // mp
-        if "dp" in par and par["dp"] is not None and par["dp"] != dp:
-            raise DynBatchConfigError("parallel.dp", par["dp"], f"world_size={world} / (tp*pp*cp={mp}) gives dp={dp}",
-                                      "give either dp or world_size, or make them agree")
-        par["dp"] = dp
-    return ParallelConfig.from_any(par), etp
+    """ParallelConfig from the YAML ``parallel:`` mapping (``world_size`` derives ``dp``; ``etp`` is split off):
+    :func:`~megatron_dynbatch.core.parallel.parallel_from_mapping`, which ``plan_global_batch(parallel=...)`` uses too."""
+    return parallel_from_mapping(par)

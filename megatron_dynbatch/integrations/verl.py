@@ -1,8 +1,8 @@
 """Drop-in for ``verl.utils.seqlen_balancing`` (verl's Megatron backend): change the import ::
 
     from megatron_dynbatch.integrations.verl import (calculate_workload, get_seqlen_balanced_partitions,
-                                                     log_seqlen_unbalance, rearrange_micro_batches,
-                                                     restore_dynamic_batch)
+                                                     log_seqlen_unbalance, prepare_dynamic_batch,
+                                                     rearrange_micro_batches, restore_dynamic_batch)
     # was: from verl.utils.seqlen_balancing import ...
 
 and, for the DP-level balance, one assignment in the trainer module::
@@ -21,8 +21,8 @@ efficiency; default verl's workload ``24576*L + L**2``), ``cost_model``, ``tp_si
 (default: Megatron's ``parallel_state`` when it is initialised, else 1), ``sequence_pad_multiple`` (default
 verl's convention for that layout).
 
-Oversize: verl asserts ``max_token_len`` >= the padded sequence width; so does this module (a
-``DynBatchConfigError`` naming ``max_token_len``), on the first batch -- before the first step's compute -- and
+Oversize: verl asserts ``max_token_len`` >= the padded sequence width; so does this module (an
+``OversizeSampleError``, a ``DynBatchConfigError``, naming ``max_token_len``), on the first batch -- before the first step's compute -- and
 :func:`check_budget` runs the same check from the config at start-up. Data types: TensorDict / DataProto as verl
 passes them (verl's own ``index_select_tensor_dict`` is used when verl is installed; plain dicts of tensors,
 lists and NumPy arrays work too); torch is imported lazily.

@@ -86,7 +86,9 @@ def plan_global_batch(
     Args:
         lengths: tokens per sample (non-negative integers; 0 is allowed and takes one padding slot).
         model: ``ModelSpec``, a dict of Megatron field names or a preset name; needed to balance by FLOPs.
-        parallel: ``ParallelConfig`` or dict with ``dp, tp, pp, cp, ep, vpp`` (missing = 1).
+        parallel: ``ParallelConfig`` or a mapping with ``dp, tp, pp, cp, ep, vpp`` (missing = 1) -- or anything a
+            run preset's ``parallel:`` takes: ``world_size`` for ``dp``, Megatron's long names, ``etp``
+            (``core.parallel.parallel_from_mapping``; the same checks and error messages as a preset).
         max_tokens_per_gpu: the per-GPU budget; a micro-batch holds at most ``max_tokens_per_gpu * cp``.
         balance_by_flops: balance compute (True) or tokens (False) across ranks and micro-batches. Compute is
             the model's FLOPs per sample, linear and attention terms each at their kernel efficiency (the
