@@ -174,15 +174,15 @@ def _select_value(value: Any, idx: List[int]) -> Any:
 
 
 def _index_select(batch: Any, idx: List[int]) -> Any:
-    """verl's ``tu.index_select_tensor_dict`` when verl is installed; else per-key selection for mappings, and
-    ``batch[index_tensor]`` for other TensorDict-like objects."""
+    """verl's ``tu.index_select_tensor_dict`` when verl is installed; else per-key selection for plain mappings,
+    and ``batch[index_tensor]`` for a TensorDict (which keeps its batch size)."""
     try:
         from verl.utils import tensordict_utils as tu  # type: ignore
     except ImportError:
         tu = None
     if tu is not None:
         return tu.index_select_tensor_dict(batch, idx)
-    if isinstance(batch, Mapping):
+    if isinstance(batch, Mapping) and not hasattr(batch, "batch_size"):  # a TensorDict indexes itself, below
         return type(batch)({k: _select_value(v, idx) for k, v in batch.items()}) if type(batch) is not dict \
             else {k: _select_value(v, idx) for k, v in batch.items()}
     import torch
