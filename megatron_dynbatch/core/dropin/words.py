@@ -30,8 +30,8 @@ __all__ = ["NEMO_RL_WORDS", "ROLL_WORDS", "SLIME_WORDS", "VERL_WORDS", "reword",
 
 #: planner argument -> the trainer's name for it
 VERL_WORDS = {"--max-tokens-per-gpu": "max_token_len", "min_num_microbatches": "min_num_micro_batch",
-              "num_microbatches_multiple": "num_batches_divided_by", "microbatch_group_ids": "force_group_size",
-              "group_ids": "uid", "lengths": "seqlen_list"}
+              "num_microbatches_multiple": "num_batches_divided_by", "num_microbatches": "num_micro_batches",
+              "microbatch_group_ids": "force_group_size", "group_ids": "uid", "lengths": "seqlen_list"}
 SLIME_WORDS = {"lengths": "total_lengths", "rollout_ids": "rollout_indices", "rollouts_per_step": "global_batch_size"}
 NEMO_RL_WORDS = {"--max-tokens-per-gpu": "bin_capacity", "min_num_microbatches": "min_bin_count",
                  "num_microbatches_multiple": "bin_count_multiple", "lengths": "sequence_lengths"}
