@@ -1,11 +1,14 @@
-"""Drop-in for ``verl.utils.seqlen_balancing`` (verl's Megatron backend): change the import ::
+"""Drop-in for ``verl.utils.seqlen_balancing`` (verl's Megatron backend): change the import in each file that has
+one (docs/migrating.md lists them) ::
 
     from megatron_dynbatch.integrations.verl import (calculate_workload, get_seqlen_balanced_partitions,
                                                      log_seqlen_unbalance, rearrange_micro_batches,
                                                      restore_dynamic_batch)
     # was: from verl.utils.seqlen_balancing import ...
 
-and, for the DP-level balance, one assignment in the trainer module::
+That alone runs verl's own call sites as they are (``_balance_batch`` hands ``get_seqlen_balanced_partitions``
+a tensor of workloads; the engine passes ``max_token_len`` as a 0-d tensor). Optionally, for a DP-level
+balance that respects the budget, one assignment in the trainer module::
 
     RayPPOTrainer._balance_batch = megatron_dynbatch.integrations.verl.trainer_balance_batch
 
@@ -21,11 +24,14 @@ efficiency; default verl's workload ``24576*L + L**2``), ``cost_model``, ``tp_si
 (default: Megatron's ``parallel_state`` when it is initialised, else 1), ``sequence_pad_multiple`` (default
 verl's convention for that layout).
 
-Oversize: verl asserts ``max_token_len`` >= the padded sequence width; so does this module (a
-``DynBatchConfigError`` naming ``max_token_len``), on the first batch -- before the first step's compute -- and
-:func:`check_budget` runs the same check from the config at start-up. Data types: TensorDict / DataProto as verl
-passes them (verl's own ``index_select_tensor_dict`` is used when verl is installed; plain dicts of tensors,
-lists and NumPy arrays work too); torch is imported lazily.
+Oversize: verl asserts ``max_token_len`` >= the padded sequence width; so does this module (an
+``OversizeAssertionError`` naming ``max_token_len``), on the first batch -- before the first step's compute -- and
+:func:`check_budget` runs the same check from the config at start-up; a ``force_group_size`` group over the
+budget runs alone with a warning (verl's policy). Errors are ``AssertionError``s where verl asserts (and
+``DynBatchConfigError``s), in verl's words; an empty batch, a missing or NaN ``attention_mask`` get a clear
+error, and with ``dp_group`` a failing rank still joins the count all-reduce so that no rank waits. Data types:
+TensorDict / DataProto as verl passes them (verl's own ``index_select_tensor_dict`` is used when verl is
+installed; plain dicts of tensors, lists and NumPy arrays work too); torch is imported lazily.
 """
 
 from __future__ import annotations

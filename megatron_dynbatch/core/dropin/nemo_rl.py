@@ -14,7 +14,10 @@ deals bin ``j`` to rank ``j % shards``. Its packers only fill bins, so ranks get
 them. This packer plans ``bin_count_multiple`` ranks at once (equal counts, time or token balance across ranks
 and bins, under the same capacity) and returns the bins *interleaved* -- bin ``j*dp + r`` is rank ``r``'s
 ``j``-th micro-batch -- so NeMo-RL's own round-robin dealing hands every rank exactly its planned share.
-Every algorithm name NeMo-RL accepts selects this packer (the name is kept on ``packer.algorithm``).
+Every algorithm name NeMo-RL accepts selects this packer (the name is kept on ``packer.algorithm``) -- NeMo-RL's
+own ``PackingAlgorithm`` members included (any enum member whose name or value is one of NeMo-RL's algorithms,
+:func:`algorithm_name`). Lengths may be a list, an array or a tensor; errors are ``ValueError`` naming NeMo-RL's
+arguments (``bin_capacity``, ``min_bin_count``, ``bin_count_multiple``, ``sequence_lengths``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ global_batch_sizes)`` with ``partitions[r]`` rank ``r``'s global sample indices 
 ``micro_batch_indices[r]`` consecutive local index ranges tiling ``range(len(partitions[r]))``,
 ``num_microbatches[s]`` the per-rank count of step ``s``, ``global_batch_sizes[s] == global_batch_size``.
 Config keys ``dp_size, cp_size, vpp_size, microbatch_group_size_per_vp_stage``. A sample over the budget is
-placed alone (slime's policy; a warning here).
+placed alone (slime's policy; a warning here). Where slime asserts, the error is a
+:class:`~megatron_dynbatch.core.errors.DropinAssertionError` (an ``AssertionError`` too), naming slime's
+arguments; a budget under the padding multiple says where the multiple comes from (:func:`check_pad_budget`).
 
 What changes (dynamic batch size): slime packs first-fit in sample order, then deals whole micro-batches to
 ranks; its ``--balance-by-flops`` fixes the count at ``ceil(tokens / cap)`` and does not enforce the cap; its

@@ -16,15 +16,20 @@ Contracts kept (verl, read Aug 2026):
   first one at which this rank's samples pack under the cap -- verl's per-sequence padding (``tp*cp*2``, or
   ``tp`` without CP) included -- with the same floor, multiple and MAX (:func:`local_count`), and the plan for
   the agreed count never breaks the cap (:func:`local_partitions`). ``force_group_size`` keeps consecutive
-  groups in one micro-batch. Micro-batches are ordered for the pipeline by the cost model
-  (``use_dynamic_bsz_balance``; verl puts small ones at both ends) or left in index order.
+  groups in one micro-batch; a group over the cap runs as a micro-batch of its own (verl's policy for groups,
+  with a warning; :func:`local_plan`'s ``oversize_samples`` / ``cap_violations`` count it), while a single
+  sample over the cap is an error (verl asserts on the padded width). Micro-batches are ordered for the
+  pipeline by the cost model (``use_dynamic_bsz_balance``; verl puts small ones at both ends) or left in index
+  order.
 * ``_balance_batch``: reorder the batch so that dispatching equal chunks gives every DP rank the same number of
   samples (of every mini-batch with ``keep_minibatch``; keeping uid groups together with the prefix grouper),
   balanced. Here :func:`balance_partitions` balances the cost model's time under the budget (verl: its fixed
   ``24576*L + L**2``).
 
 Without a model, balancing uses verl's own workload estimate ``24576*L + L**2`` (:func:`verl_cost_model`); pass
-the trained model (``model=``) to balance its real FLOPs at kernel efficiency.
+the trained model (``model=``) to balance its real FLOPs at kernel efficiency. Errors are
+:class:`~megatron_dynbatch.core.errors.DropinAssertionError` (verl asserts on its input) naming verl's arguments
+(:data:`~megatron_dynbatch.core.dropin.words.VERL_WORDS`); lengths and workloads may be lists, arrays or tensors.
 """
 
 from __future__ import annotations
