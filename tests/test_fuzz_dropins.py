@@ -24,13 +24,17 @@ from test_fuzz import HOSTILE_SCALARS
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _ok_or_explained(fn):
+def _ok_or_explained(fn, trainer_asserts=None):
+    """A result, or a DynBatchConfigError naming a field with a fix -- never another exception type. With
+    ``trainer_asserts`` given, the error is also an AssertionError exactly where the trainer's own function
+    asserts (slime, verl, ROLL; not NeMo-RL)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             return fn()
         except DynBatchConfigError as exc:
             assert "Fix:" in str(exc) and exc.field, str(exc)
+            assert trainer_asserts is None or isinstance(exc, AssertionError) == trainer_asserts, str(exc)
             return None
 
 
@@ -211,19 +215,6 @@ def _hostile_batch(data, lengths, width):
     return batch
 
 
-def _dropin_ok_or_explained(fn, trainer_asserts):
-    """A result, or a DynBatchConfigError naming a field with a fix -- which is also an AssertionError where the
-    trainer's own function asserts (slime, verl, ROLL). Never another exception type."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            return fn()
-        except DynBatchConfigError as exc:
-            assert "Fix:" in str(exc) and exc.field, str(exc)
-            assert isinstance(exc, AssertionError) == trainer_asserts, (type(exc), str(exc))
-            return None
-
-
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from(["slime", "verl.rearrange", "verl.prepare", "verl.partitions", "verl.groups",
                                    "verl.balance", "nemo_rl", "roll"]))
@@ -238,7 +229,7 @@ def test_every_dropin_entry_point_with_what_trainers_pass(data, entry):
     n = len(lengths)
     if entry == "slime":
         rids = data.draw(st.sampled_from([list(range(n)), [i // 2 for i in range(n)]]))
-        _dropin_ok_or_explained(lambda: slime.build_dp_schedule(
+        _ok_or_explained(lambda: slime.build_dp_schedule(
             slime_args(max_tokens_per_gpu=_value(data, st.sampled_from([512, 1024.0])), data_pad_size_multiplier=1),
             {"dp_size": data.draw(st.integers(1, 3)), "cp_size": 1, "vpp_size": 1,
              "microbatch_group_size_per_vp_stage": 1}, _as_passed(data, lengths),
@@ -253,27 +244,27 @@ def test_every_dropin_entry_point_with_what_trainers_pass(data, entry):
         kw = dict(min_num_micro_batch=_value(data, st.sampled_from([None, 2])),
                   num_batches_divided_by=_value(data, st.sampled_from([None, 2])))
         if entry == "verl.rearrange":
-            _dropin_ok_or_explained(lambda: verl.rearrange_micro_batches(
+            _ok_or_explained(lambda: verl.rearrange_micro_batches(
                 batch.batch, budget, force_group_size=_value(data, st.sampled_from([1, 2])), **kw), True)
         elif entry == "verl.prepare":
-            _dropin_ok_or_explained(lambda: verl.prepare_dynamic_batch(batch, budget, **kw), True)
+            _ok_or_explained(lambda: verl.prepare_dynamic_batch(batch, budget, **kw), True)
         elif entry == "verl.partitions":
-            parts = _dropin_ok_or_explained(lambda: verl.get_seqlen_balanced_partitions(
+            parts = _ok_or_explained(lambda: verl.get_seqlen_balanced_partitions(
                 _as_passed(data, lengths), _value(data, st.integers(1, 4)), _value(data, st.booleans())), True)
             assert parts is None or all(parts)
         elif entry == "verl.groups":
-            _dropin_ok_or_explained(lambda: verl.get_group_balanced_partitions(
+            _ok_or_explained(lambda: verl.get_group_balanced_partitions(
                 _as_passed(data, lengths), _as_passed(data, [i // 2 for i in range(n)]),
                 _value(data, st.integers(1, 3))), True)
         else:
-            _dropin_ok_or_explained(lambda: verl.balance_batch(batch, _value(data, st.integers(1, 4))), True)
+            _ok_or_explained(lambda: verl.balance_batch(batch, _value(data, st.integers(1, 4))), True)
     elif entry == "nemo_rl":
         packer = get_packer("modified_first_fit_decreasing", 1024, min_bin_count=2, bin_count_multiple=2)
-        bins = _dropin_ok_or_explained(lambda: packer.pack(_as_passed(data, lengths)), False)
+        bins = _ok_or_explained(lambda: packer.pack(_as_passed(data, lengths)), False)
         assert bins is None or sorted(i for b in bins for i in b) == list(range(n))
     else:
         batch = _hostile_batch(data, lengths, 300)
-        _dropin_ok_or_explained(lambda: roll.dynamic_batching_shard(
+        _ok_or_explained(lambda: roll.dynamic_batching_shard(
             batch, _value(data, st.integers(1, 2)), _value(data, st.sampled_from([512, 1024.0])), 64,
             _value(data, st.sampled_from([1, 2])), _value(data, st.sampled_from([None, 1, 2])),
             ga_steps=_value(data, st.sampled_from([None, 2]))), True)
