@@ -5,14 +5,16 @@
 per micro-batch and puts the per-token outputs back in order (``restore_dynamic_batch``). The outputs must equal
 a forward over the unsplit share.
 
-In verl the change is the import in its engine and trainer::
+In verl the change is the ``verl.utils.seqlen_balancing`` import in each file that has one (docs/migrating.md
+names the files; the names, together)::
 
-    from megatron_dynbatch.integrations.verl import (calculate_workload, get_seqlen_balanced_partitions,
+    from megatron_dynbatch.integrations.verl import (calculate_workload, get_group_balanced_partitions,
+                                                     get_reverse_idx, get_seqlen_balanced_partitions,
                                                      log_seqlen_unbalance, prepare_dynamic_batch,
                                                      rearrange_micro_batches, restore_dynamic_batch)
-    RayPPOTrainer._balance_batch = megatron_dynbatch.integrations.verl.trainer_balance_batch
 
-(the names verl imports from ``verl.utils.seqlen_balancing``; docs/migrating.md shows the same lines).
+verl's own ``_balance_batch`` then runs unchanged; optionally ``RayPPOTrainer._balance_batch =
+megatron_dynbatch.integrations.verl.trainer_balance_batch`` balances DP ranks under the budget too.
 
 verl is not installed here: DataProto is a stand-in with the same fields. Run:
 ``python examples/verl_dynamic_batch.py``.

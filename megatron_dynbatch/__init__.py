@@ -19,7 +19,8 @@ from typing import Any
 
 from .core.alignment import Alignment
 from .core.cost_model import CostModel, fit_cost_model, fit_cp_comm, load_cost_model
-from .core.errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
+from .core.errors import (DropinAssertionError, DynBatchConfigError, OversizeAssertionError, OversizeSampleError,
+                          OversizeSampleWarning)
 from .core.flops import FlopsCoefficients, calculate_fwd_flops, flops_coefficients, per_gpu_flops
 from .core.memory import estimate_max_tokens_per_gpu
 from .core.model_spec import ModelSpec
@@ -50,10 +51,12 @@ _LAZY = {
 __all__ = [
     "Alignment",
     "CostModel",
+    "DropinAssertionError",
     "DynBatchConfigError",
     "DynamicCPPlan",
     "FlopsCoefficients",
     "ModelSpec",
+    "OversizeAssertionError",
     "OversizeSampleError",
     "OversizeSampleWarning",
     "ParallelConfig",

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from megatron_dynbatch import DynBatchConfigError, OversizeSampleError  # noqa: E402
+from megatron_dynbatch import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning  # noqa: E402
 from megatron_dynbatch.core.parallel import ParallelConfig  # noqa: E402
 from megatron_dynbatch.core.planner.vpp import is_valid_microbatch_count  # noqa: E402
 from megatron_dynbatch.integrations.roll import dynamic_batching_shard  # noqa: E402
-from megatron_dynbatch.testing.peer_types import grpo_batch  # noqa: E402
+from megatron_dynbatch.testing.peer_types import DataProto, grpo_batch  # noqa: E402
 
 
 def consume(batch, dp):
@@ -78,7 +78,7 @@ def test_exact_vpp_rule():
 
 def test_errors():
     with pytest.raises(OversizeSampleError, match="max_tokens_per_microbatch_in_train to at least 1024"):
-        dynamic_batching_shard(grpo_batch([10, 20], width=1000), 1, 512, 64)
+        dynamic_batching_shard(grpo_batch([10, 1000], width=1000), 1, 512, 64)
     with pytest.raises(DynBatchConfigError, match="equal"):
         dynamic_batching_shard(grpo_batch([10, 20, 30], width=64), 2, 512, 64)
 
@@ -100,3 +100,107 @@ def test_contract_on_random_batches(dp, per_rank, cap, rnd, pipe, seed):
     if vpp:
         m = batch.meta_info["num_micro_batchs"]
         assert is_valid_microbatch_count(m, ParallelConfig(pp=pp, vpp=vpp, microbatch_group_size_per_vp_stage=n_group))
+
+
+# ------------------------------------------------------------------ issue 20: ROLL's own call shapes and types
+def _mini_batches(meta, ga_steps):
+    """ROLL's ``make_mini_batch_iter_for_dynamic_batching``: ``ga_steps`` consecutive micro-batches per optimizer
+    step."""
+    ranges = meta["global_micro_batch_indices"]
+    return [ranges[i:i + ga_steps] for i in range(0, len(ranges), ga_steps)]
+
+
+def test_the_count_never_adds_an_optimizer_step():
+    """``[6144, 128]``, width 6144, one rank, budget 12288, round 128, ``ga_steps=1``: ROLL makes ONE micro-batch
+    (one optimizer step); the drop-in used to make two."""
+    data = grpo_batch([6144, 128], width=6144)
+    batch, _ = dynamic_batching_shard(data, 1, 12288, 128)
+    assert batch.meta_info["micro_batch_indices"] == [[0, 2]] and len(_mini_batches(batch.meta_info, 1)) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2, 8]), st.integers(1, 64), st.sampled_from([256, 768]), st.sampled_from([8, 16]),
+       st.sampled_from([(1, None), (2, 1), (2, 2), (4, 2)]), st.sampled_from([None, 1, 4, 16]),
+       st.integers(0, 2 ** 31 - 1))
+def test_same_structure_as_roll_s_own_shard(dp, per_rank, cap, rnd, pipe, ga_steps, seed):
+    """Random batches through the drop-in and through a model of ROLL's own ``dynamic_batching_shard``
+    (:mod:`megatron_dynbatch.testing.peer_models`): the same rows (row ``i`` = the ``dp`` samples of sorted rank
+    ``i*dp..``, one per shard), every sample once, equal shards, shared ranges tiling them, ``rows x length`` within
+    the budget, the same refusals (AssertionError) -- and ROLL's micro-batch count, hence ROLL's optimizer steps
+    for every ``ga_steps`` (with ``ga_steps`` passed, any count with as many steps). Where they differ: where the
+    micro-batches are cut for that count (by modelled time), which shard gets which sample of a row."""
+    from megatron_dynbatch.testing.peer_models import roll_dynamic_batching_shard
+
+    pp, vpp = pipe
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.lognormal(3.5, 1.2, dp * per_rank).astype(int), cap).tolist()  # GRPO-like, scaled
+    try:
+        theirs = roll_dynamic_batching_shard(lengths, dp, cap, rnd, pp, vpp)
+    except AssertionError:
+        theirs = None
+    try:
+        batch, _ = dynamic_batching_shard(grpo_batch(lengths), dp, cap, rnd, pp, vpp, ga_steps=ga_steps)
+    except DynBatchConfigError as err:
+        assert isinstance(err, AssertionError) and theirs is None, str(err)
+        return
+    check(batch, lengths, dp, cap, rnd)
+    ours = batch.meta_info["micro_batch_indices"]
+    if theirs is None:  # ROLL cannot split enough micro-batches for its pipeline rounding; ours cut to the count
+        assert pp > 1 and vpp and len(ours) % pp == 0
+        return
+    m = len(theirs.ranges)
+    if ga_steps is None:
+        assert len(ours) == m
+    else:
+        assert m <= len(ours) and -(-len(ours) // ga_steps) == -(-m // ga_steps)
+    ids = batch.non_tensor_batch["sample_id"].tolist()
+    n = len(lengths) // dp
+    shards = [ids[r * n:(r + 1) * n] for r in range(dp)]
+    assert [sorted(row) for row in zip(*shards)] == [sorted(row) for row in theirs.rows]
+
+
+def test_start_up_check_warns_where_roll_plans_and_the_count_follows_roll_s_pipeline_rounding():
+    """ROLL plans ``[900, 1000, 700, 800]`` at width 8192 over 2 ranks with a budget of 4096 (every sample
+    fits): so does the drop-in, warning that an 8192-token sample would not. ``pp=2, vpp=1``: ROLL (and
+    megatron-core 0.16.1) treat a virtual size of 1 as interleaved and round the count to a multiple of pp."""
+    with pytest.warns(OversizeSampleWarning, match="configured sequence length 8192"):
+        batch, _ = dynamic_batching_shard(grpo_batch([900, 1000, 700, 800], width=8192), 2, 4096, 128)
+    check(batch, [900, 1000, 700, 800], 2, 4096, 128)
+    batch, _ = dynamic_batching_shard(grpo_batch([2, 2, 2, 6, 6], width=6), 1, 8, 2, 2, 1)
+    assert batch.meta_info["num_micro_batchs"] == 4
+    batch, _ = dynamic_batching_shard(grpo_batch([2, 2, 2, 6, 6], width=6), 1, 8, 2, 2, None)
+    assert batch.meta_info["num_micro_batchs"] == 3  # no virtual pipeline: no rounding
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_the_caller_s_meta_info_is_not_written(dp):
+    """ROLL's ``slice()`` shares ``meta_info`` with the caller's batch (so do the stand-ins): the result carries a
+    new one, the caller's is untouched."""
+    data = grpo_batch([10, 20, 30, 40], width=40)
+    data.meta_info["temperature"] = 0.7
+    batch, _ = dynamic_batching_shard(data, dp, 64, 16)
+    assert data.meta_info == {"temperature": 0.7}
+    assert batch.meta_info["temperature"] == 0.7 and "num_micro_batchs" in batch.meta_info
+
+
+def test_budgets_and_errors_as_roll_passes_and_catches_them():
+    """A whole-number float budget from a config and a 0-d tensor work; a sample over the budget is an
+    AssertionError as ROLL's; an empty batch, a missing or NaN mask get a clear error naming the field."""
+    lengths = [100, 200, 300, 400]
+    ref, _ = dynamic_batching_shard(grpo_batch(lengths, width=400), 2, 1024, 64)
+    for budget in (1024.0, torch.tensor(1024), np.int32(1024)):
+        batch, _ = dynamic_batching_shard(grpo_batch(lengths, width=400), 2, budget, 64)
+        assert batch.meta_info["micro_batch_indices"] == ref.meta_info["micro_batch_indices"]
+    with pytest.raises(DynBatchConfigError, match="max_tokens_per_microbatch=1024.5: must be an integer"):
+        dynamic_batching_shard(grpo_batch(lengths, width=400), 2, 1024.5, 64)
+    with pytest.raises(AssertionError, match="sample 1 has 1000 tokens"):
+        dynamic_batching_shard(grpo_batch([10, 1000], width=1000), 1, 512, 64)
+    with pytest.raises(AssertionError, match="origin_batch='0 samples': an empty batch"):
+        dynamic_batching_shard(grpo_batch([], width=8), 1, 512, 64)
+    with pytest.raises(DynBatchConfigError, match=r"origin_batch.batch\["):
+        dynamic_batching_shard(DataProto({"input_ids": torch.ones(2, 4)}), 1, 512, 64)
+    nan = grpo_batch([3, 4], width=4)
+    nan.batch["attention_mask"] = nan.batch["attention_mask"].float()
+    nan.batch["attention_mask"][0, 0] = float("nan")
+    with pytest.raises(DynBatchConfigError, match=r"attention_mask.sum\(-1\)\[0\]=nan"):
+        dynamic_batching_shard(nan, 1, 512, 64)

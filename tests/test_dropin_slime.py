@@ -219,3 +219,109 @@ def test_contract_and_cap_on_random_rollouts(dp, cp, tp, vpp_n, per_rollout, ste
     assert len(res[2]) == steps and res[3] == [gbs] * steps
     if vpp > 1:
         assert all(m % n == 0 for m in res[2])
+
+
+# ------------------------------------------------------------------ issue 20: slime's own call shapes and types
+def test_rollout_indices_as_a_tensor_group_by_value():
+    """``rollout_indices=tensor([0,0,0,0,1,1,1,1])``, ``global_batch_size=2``: two rollouts, ONE step (iterating a
+    tensor gives 0-d tensors that hash by identity: it used to plan 4 steps)."""
+    torch = pytest.importorskip("torch")
+    args = slime_args(max_tokens_per_gpu=64, data_pad_size_multiplier=1)
+    res = build_dp_schedule(args, tpc(dp=2), [8] * 8, global_batch_size=2,
+                            rollout_indices=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+    assert res[3] == [2] and len(res[2]) == 1
+    check_contract(res, dp=2, kept=range(8), lengths=[8] * 8)
+    np_ids = build_dp_schedule(args, tpc(dp=2), np.full(8, 8.0), global_batch_size=2,
+                               rollout_indices=np.repeat(np.arange(2), 4))  # whole floats, NumPy ids
+    assert np_ids[2] == res[2]
+
+
+def test_slime_s_asserts_stay_assertion_errors_in_slime_s_words():
+    """slime asserts ``num_rollouts >= global_batch_size`` and a sample per rank in every step; its callers and
+    tests catch ``AssertionError``. Ours are both that and a DynBatchConfigError naming slime's argument."""
+    args = slime_args(max_tokens_per_gpu=12, data_pad_size_multiplier=1)
+    with pytest.raises(AssertionError, match="num_rollouts") as exc:
+        build_dp_schedule(args, tpc(dp=1), [3] * 6, global_batch_size=4, rollout_indices=[0, 0, 1, 1, 2, 2])
+    assert isinstance(exc.value, DynBatchConfigError) and exc.value.field == "global_batch_size"
+    with pytest.raises(AssertionError, match="dp=4") as exc:
+        build_dp_schedule(args, tpc(dp=4), [3] * 3, global_batch_size=3, rollout_indices=[0, 1, 2])
+    with pytest.raises(AssertionError, match=r"total_lengths\[1\]=2\.5") as exc:
+        build_dp_schedule(args, tpc(dp=1), [3, 2.5], global_batch_size=2, rollout_indices=[0, 1])
+    with pytest.raises(AssertionError, match=r"rollout_indices\[1\]=None"):
+        build_dp_schedule(args, tpc(dp=1), [3, 2], global_batch_size=2, rollout_indices=[0, None])
+
+
+def test_a_budget_under_the_padding_multiple_names_data_pad_size_multiplier():
+    """slime's unit tests build ``args`` without ``data_pad_size_multiplier``: 128 (slime's default) is assumed,
+    and a budget of 10 tokens cannot hold one padded micro-batch -- the message says where 128 comes from."""
+    args = slime_args(max_tokens_per_gpu=10)
+    del args.data_pad_size_multiplier
+    with pytest.raises(AssertionError, match=r"tp x data_pad_size_multiplier = 1 x 128 = 128 \(slime's default "
+                       r"128, assumed because args has no data_pad_size_multiplier\)") as exc:
+        build_dp_schedule(args, tpc(dp=2), [5] * 8, global_batch_size=8, rollout_indices=list(range(8)))
+    assert "--data-pad-size-multiplier" in exc.value.fix and exc.value.field == "--max-tokens-per-gpu"
+    args.data_pad_size_multiplier = 1  # the fix
+    assert build_dp_schedule(args, tpc(dp=2), [5] * 8, global_batch_size=8, rollout_indices=list(range(8)))[3] == [8]
+    with pytest.raises(DynBatchConfigError, match=r"2 x 128 = 256 \(args.data_pad_size_multiplier\)"):
+        check_budget(slime_args(max_tokens_per_gpu=100, tensor_model_parallel_size=2, seq_length=50), tpc(dp=1))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 4), st.sampled_from([(1, 1), (2, 2), (2, 3)]), st.integers(1, 3), st.integers(1, 4),
+       st.integers(0, 2 ** 31 - 1))
+def test_same_structure_as_slime_s_own_schedule(dp, vpp_n, per_rollout, steps, seed):
+    """Random rollouts through the drop-in and through a model of slime's own ``build_dp_schedule``
+    (:mod:`megatron_dynbatch.testing.peer_models`): the same kept samples in the same steps (so the same optimizer
+    steps -- slime counts them in rollouts, the micro-batch count never changes them), every kept sample once,
+    equal counts per rank, the count a multiple of ``N`` under VPP, a sample over the budget alone in both. Ours
+    plans whenever slime does; where slime's first fit cannot be split to an aligned count ours may still plan,
+    and where ours refuses too it is an AssertionError as slime's. (slime halves a bin of zero-length samples
+    into one with all of them and an EMPTY one -- a micro-batch with no sample -- which counts as a refusal.) Where they differ: slime's micro-batches can
+    be over the budget once its padding is counted (the multiplier is 1 here, so the caps agree), and ours
+    balance time."""
+    from megatron_dynbatch.testing.peer_models import slime_build_dp_schedule
+
+    vpp, n = vpp_n
+    rng = np.random.default_rng(seed)
+    gbs = dp * int(rng.integers(1, 4))
+    n_rollouts = gbs * steps + int(rng.integers(0, gbs))  # a partial trailing step is dropped
+    rids = np.repeat(np.arange(n_rollouts), rng.integers(1, per_rollout + 1, n_rollouts)).tolist()
+    rng.shuffle(rids)
+    budget = int(rng.choice([64, 256, 1024]))
+    lengths = rng.integers(0, int(budget * 1.3), len(rids)).tolist()
+    order = list(dict.fromkeys(rids))  # rollouts in first-occurrence order, gbs per step
+    expected = [sorted(i for i, r in enumerate(rids) if r in order[s * gbs:(s + 1) * gbs]) for s in range(steps)]
+    try:
+        theirs = slime_build_dp_schedule(lengths, rids, gbs, dp, budget, dp * (n if vpp > 1 else 1))
+    except AssertionError:
+        theirs = None
+    if theirs is not None and not all(mb for rank in theirs.micro_batches for mb in rank):
+        event("slime emits an empty micro-batch")  # halving a bin of empty samples: a broken plan, not a plan
+        theirs = None
+    args = slime_args(max_tokens_per_gpu=budget, data_pad_size_multiplier=1, pipeline_model_parallel_size=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        try:
+            ours = build_dp_schedule(args, tpc(dp, 1, vpp, n), lengths, global_batch_size=gbs, rollout_indices=rids)
+        except DynBatchConfigError as err:
+            assert theirs is None and isinstance(err, AssertionError), str(err)
+            event("both refuse")
+            return
+    event("both plan" if theirs is not None else "only ours plans")
+    partitions, mbi, nmb, gbs_out = ours
+    assert gbs_out == [gbs] * steps and len(nmb) == steps
+    cursor = [0] * dp
+    for s, (m, samples) in enumerate(zip(nmb, expected)):
+        got = []
+        for r in range(dp):
+            got += [partitions[r][i] for mb in mbi[r][cursor[r]:cursor[r] + m] for i in mb]
+            cursor[r] += m
+        assert sorted(got) == samples, f"step {s}"
+        assert vpp == 1 or m % n == 0
+    over = {i for i in range(len(lengths)) if lengths[i] > budget}
+    check_contract(ours, dp=dp, kept=[i for st_ in expected for i in st_], lengths=lengths, cap=budget,
+                   align=Alignment(), oversize=over)
+    if theirs is not None:
+        assert theirs.steps == expected
+        for rank in theirs.micro_batches:  # slime, too, runs an over-budget sample alone
+            assert all(len(mb) == 1 for mb in rank if over & set(mb))

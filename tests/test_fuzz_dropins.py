@@ -24,13 +24,17 @@ from test_fuzz import HOSTILE_SCALARS
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _ok_or_explained(fn):
+def _ok_or_explained(fn, trainer_asserts=None):
+    """A result, or a DynBatchConfigError naming a field with a fix -- never another exception type. With
+    ``trainer_asserts`` given, the error is also an AssertionError exactly where the trainer's own function
+    asserts (slime, verl, ROLL; not NeMo-RL)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             return fn()
         except DynBatchConfigError as exc:
             assert "Fix:" in str(exc) and exc.field, str(exc)
+            assert trainer_asserts is None or isinstance(exc, AssertionError) == trainer_asserts, str(exc)
             return None
 
 
@@ -202,3 +206,100 @@ def test_megatron_rl_bins_hostile(data):
         parallel={"cp": data.draw(st.sampled_from([1, 2]))}))
     if res is not None:
         assert sorted(i for b in res.bins for i in b) == list(range(len(lengths)))
+
+
+# ------------------------------------------------------------------ every drop-in entry point, as trainers call it
+def _as_passed(data, values):
+    """``values`` as a trainer may hand them: a list, a NumPy array or a torch tensor of a drawn dtype, a list of
+    0-d tensors, or (now and then) something hostile."""
+    import torch
+
+    kind = data.draw(st.sampled_from(["list", "array", "tensor", "tensor", "0-d list", "hostile"]))
+    if kind == "list":
+        return list(values)
+    if kind == "array":
+        return np.asarray(values).astype(data.draw(st.sampled_from([np.int64, np.int32, np.uint16, np.float64])))
+    dtype = data.draw(st.sampled_from([torch.int64, torch.int32, torch.int16, torch.float32, torch.float64]))
+    if kind == "tensor":
+        return torch.tensor(values, dtype=dtype)
+    if kind == "0-d list":
+        return list(torch.tensor(values, dtype=dtype))
+    return data.draw(st.sampled_from(HOSTILE_SCALARS + [torch.tensor(3), [float("nan")] * len(values),
+                                                        [2 ** 41] * len(values), torch.tensor([[1, 2]])]))
+
+
+def _hostile_batch(data, lengths, width):
+    """A verl / ROLL batch (a DataProto stand-in) -- or an empty one, one without ``attention_mask``, one whose
+    mask is bool / float / has NaN."""
+    import torch
+
+    from megatron_dynbatch.testing.peer_types import DataProto, grpo_batch
+
+    kind = data.draw(st.sampled_from(["ok", "ok", "ok", "empty", "no mask", "bool", "float", "nan"]))
+    batch = grpo_batch([] if kind == "empty" else lengths, width=width)
+    mask = batch.batch["attention_mask"]
+    if kind == "no mask":
+        del batch.batch["attention_mask"]
+    elif kind == "bool":
+        batch.batch["attention_mask"] = mask.bool()
+    elif kind in ("float", "nan"):
+        batch.batch["attention_mask"] = mask.float()
+        if kind == "nan" and len(lengths):
+            batch.batch["attention_mask"][0, 0] = float("nan")
+    assert isinstance(batch, DataProto)
+    return batch
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data(), st.sampled_from(["slime", "verl.rearrange", "verl.prepare", "verl.partitions", "verl.groups",
+                                   "verl.balance", "nemo_rl", "roll"]))
+def test_every_dropin_entry_point_with_what_trainers_pass(data, entry):
+    """Tensors of every integer and float dtype, 0-d tensors in lists, NumPy arrays, hostile scalars, empty
+    batches, masks that are bool / float / NaN / missing, values past any sequence: a plan or a clear error (of
+    the trainer's type), through the integration each trainer imports."""
+    pytest.importorskip("torch")
+    from megatron_dynbatch.integrations import nemo_rl, roll, slime, verl
+
+    lengths = data.draw(st.lists(st.integers(0, 300), min_size=1, max_size=16))
+    n = len(lengths)
+    if entry == "slime":
+        rids = data.draw(st.sampled_from([list(range(n)), [i // 2 for i in range(n)]]))
+        _ok_or_explained(lambda: slime.build_dp_schedule(
+            slime_args(max_tokens_per_gpu=_value(data, st.sampled_from([512, 1024.0])), data_pad_size_multiplier=1),
+            {"dp_size": data.draw(st.integers(1, 3)), "cp_size": 1, "vpp_size": 1,
+             "microbatch_group_size_per_vp_stage": 1}, _as_passed(data, lengths),
+            global_batch_size=_value(data, st.integers(1, 4)), rollout_indices=_as_passed(data, rids)), True)
+    elif entry.startswith("verl."):
+        batch = _hostile_batch(data, lengths, 300)
+        budget = _value(data, st.sampled_from([300, 600, 600.0, "torch"]))
+        if budget == "torch":
+            import torch
+
+            budget = torch.tensor(600)
+        kw = dict(min_num_micro_batch=_value(data, st.sampled_from([None, 2])),
+                  num_batches_divided_by=_value(data, st.sampled_from([None, 2])))
+        if entry == "verl.rearrange":
+            _ok_or_explained(lambda: verl.rearrange_micro_batches(
+                batch.batch, budget, force_group_size=_value(data, st.sampled_from([1, 2])), **kw), True)
+        elif entry == "verl.prepare":
+            _ok_or_explained(lambda: verl.prepare_dynamic_batch(batch, budget, **kw), True)
+        elif entry == "verl.partitions":
+            parts = _ok_or_explained(lambda: verl.get_seqlen_balanced_partitions(
+                _as_passed(data, lengths), _value(data, st.integers(1, 4)), _value(data, st.booleans())), True)
+            assert parts is None or all(parts)
+        elif entry == "verl.groups":
+            _ok_or_explained(lambda: verl.get_group_balanced_partitions(
+                _as_passed(data, lengths), _as_passed(data, [i // 2 for i in range(n)]),
+                _value(data, st.integers(1, 3))), True)
+        else:
+            _ok_or_explained(lambda: verl.balance_batch(batch, _value(data, st.integers(1, 4))), True)
+    elif entry == "nemo_rl":
+        packer = get_packer("modified_first_fit_decreasing", 1024, min_bin_count=2, bin_count_multiple=2)
+        bins = _ok_or_explained(lambda: packer.pack(_as_passed(data, lengths)), False)
+        assert bins is None or sorted(i for b in bins for i in b) == list(range(n))
+    else:
+        batch = _hostile_batch(data, lengths, 300)
+        _ok_or_explained(lambda: roll.dynamic_batching_shard(
+            batch, _value(data, st.integers(1, 2)), _value(data, st.sampled_from([512, 1024.0])), 64,
+            _value(data, st.sampled_from([1, 2])), _value(data, st.sampled_from([None, 1, 2])),
+            ga_steps=_value(data, st.sampled_from([None, 2]))), True)

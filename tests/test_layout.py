@@ -74,6 +74,16 @@ def test_no_import_cycle_between_cli_modules():
         assert not back, f"megatron_dynbatch/{name}.py imports megatron_dynbatch.cli at line(s) {back}"
 
 
+def test_ray_shards_are_plain_data_and_import_no_behaviour():
+    """shards.py (RankShard, RolloutPlan, ShardResult) is what the driver ships to actors: it must not import the
+    actor side (which imports it), so the two never form an import circle."""
+    src = PKG / "integrations" / "ray" / "shards.py"
+    tree = ast.parse(src.read_text(encoding="utf-8"))
+    bad = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+           and (n.module or "").split(".")[-1] in ("actor", "driver")]
+    assert not bad, f"shards.py imports the actor / driver side at lines {bad}"
+
+
 def _documented_imports():
     """Every ``from megatron_dynbatch... import a, b`` written in README.md, docs/ and scripts/."""
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "scripts").rglob("*.py"))]

@@ -375,6 +375,8 @@ def _errors_quoted_in_troubleshooting():
         lambda: RunConfig.from_dict(_base(model="qwen3-30b-a3b", parallel={"world_size": 8, "pp": 2, "ep": 8})),
         lambda: RunConfig.from_dict(_base(max_token_per_gpu=1)),
         lambda: RunConfig.from_dict(_base(tp=8)),
+        lambda: plan([10, 2.5], parallel={"dp": 1}, max_tokens_per_gpu=100),
+        *_dropin_error_cases(),
     ]
     out = []
     for case in cases:
@@ -384,6 +386,46 @@ def _errors_quoted_in_troubleshooting():
                 case()
         out.append(f"{type(exc.value).__name__}: {exc.value}")
     return out
+
+
+def _dropin_error_cases():
+    """The trainer drop-ins' errors docs/troubleshooting.md quotes (issue 20)."""
+    from megatron_dynbatch.core.dropin.nemo_rl import get_packer
+    from megatron_dynbatch.core.dropin.roll import roll_shard
+    from megatron_dynbatch.core.dropin.verl import local_count
+    from megatron_dynbatch.integrations.slime import build_dp_schedule
+    from megatron_dynbatch.testing.peer_types import slime_args
+
+    args = slime_args(max_tokens_per_gpu=10)
+    del args.data_pad_size_multiplier  # as slime's unit tests build args
+    cases = [lambda: build_dp_schedule(args, {"dp_size": 2}, [5] * 8, global_batch_size=8,
+                                       rollout_indices=list(range(8))),
+             lambda: local_count([60, 40, 30], 128, min_num_micro_batch=5),
+             lambda: roll_shard([10, 1000], 1, 512, 64),
+             lambda: get_packer("best_fit", 100)]
+    try:
+        from megatron_dynbatch.integrations import verl
+        from megatron_dynbatch.testing.peer_types import grpo_batch
+
+        cases += [lambda: verl.rearrange_micro_batches(grpo_batch([], width=8).batch, 64),
+                  lambda: verl.rearrange_micro_batches(grpo_batch([5], width=4096).batch, 2048)]
+    except ImportError:  # torch
+        pass
+    return cases
+
+
+def _dropin_warnings():
+    import warnings
+
+    from megatron_dynbatch.core.dropin.verl import local_plan
+    from megatron_dynbatch.integrations.roll import dynamic_batching_shard
+    from megatron_dynbatch.testing.peer_types import grpo_batch
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        local_plan([50, 60, 80, 90, 40, 45, 100, 110], 200, 3, force_group_size=2)
+        dynamic_batching_shard(grpo_batch([900, 1000, 700, 800], width=8192), 2, 4096, 128)
+    return [f"{r.category.__name__}: {r.message}" for r in rec]
 
 
 def test_troubleshooting_quotes_the_real_messages():
@@ -405,6 +447,7 @@ def test_troubleshooting_quotes_the_real_messages():
         plan_global_batch([100, 40000, 50, 60], parallel={"dp": 1}, max_tokens_per_gpu=16384,
                           balance_by_flops=False, oversize="alone")
     messages.append(f"{rec[0].category.__name__}: {rec[0].message}")
+    messages += _dropin_warnings()
     for msg in messages:
         assert " ".join(msg.split()) in doc, f"docs/troubleshooting.md does not quote: {msg}"
 

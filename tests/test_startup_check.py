@@ -59,7 +59,7 @@ def test_agrees_with_the_planner(length, budget, cp, tp, sp, fp8, seq_mult, mb_m
             plan_global_batch([length], **kw, balance_by_flops=False)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, "4096", None, True, np.float64(3.0)])
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4096", None, True, np.float64(3.5)])
 def test_bad_length_is_named(bad):
     with pytest.raises(DynBatchConfigError, match="max_seq_len"):
         check_max_seq_len_fits(bad, max_tokens_per_gpu=4096)

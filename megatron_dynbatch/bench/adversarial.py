@@ -11,7 +11,10 @@ Each :class:`Shape` builds one batch (deterministic) and the planner arguments f
 * ``GRPO MoE ep8`` -- expert-parallel lockstep (global bins dealt by size tier);
 * ``groups of 8`` -- GRPO groups of spike samples (units, not samples, are placed);
 * ``1% at cap`` / ``1% oversize`` -- a few huge samples among tiny ones (``oversize='alone'`` for the latter);
-* ``all zeros`` / ``all at cap`` -- degenerate batches.
+* ``all zeros`` / ``all at cap`` -- degenerate batches;
+* ``one giant group`` -- every sample but one in one ``group_ids`` group over 2 ranks (token mode): the other
+  rank can fill one micro-batch, so the batch is refused; a refusal is an answer too and is timed like a plan
+  (``M=0`` in the report). It used to search for minutes.
 
 The default ``megatron-dynbatch bench`` times them at 4,096 samples; ``bench --adversarial`` at 65,536 samples
 over up to 1,024 ranks, where the target is < 2 s on one core, and at 4,096 / 16,384 / 65,536 samples to show the
@@ -72,24 +75,34 @@ SHAPES: Tuple[Shape, ...] = (
                                                     {"oversize": "alone"})),
     Shape("all zeros", 1024, lambda n, r: (np.zeros(n, dtype=np.int64), {})),
     Shape("all at cap", 8, lambda n, r: (np.full(n, BUDGET), {})),
+    Shape("one giant group (refused)", 2, lambda n, r: (r.integers(1, 100, n), {
+        "group_ids": np.r_[np.zeros(n - 1, dtype=np.int64), 1]})),
 )
 
 
 def time_shape(shape: Shape, n: int, repeats: int = 1) -> Tuple[List[float], int]:
     """CPU milliseconds of ``repeats`` plans of ``shape`` at ``n`` samples (after one untimed warm-up), and the
-    plan's micro-batch count."""
-    from ..core.planner import plan_global_batch
-
+    plan's micro-batch count (0: the planner refused the batch)."""
     lengths, kwargs = shape.build(n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # oversize='alone' warns by design
-        plan = plan_global_batch(lengths, **kwargs)
+        m = _plan_count(lengths, kwargs)
         runs = []
         for _ in range(repeats):
             t0 = time.process_time()
-            plan_global_batch(lengths, **kwargs)
+            _plan_count(lengths, kwargs)
             runs.append(1e3 * (time.process_time() - t0))
-    return runs, plan.num_microbatches
+    return runs, m
+
+
+def _plan_count(lengths: np.ndarray, kwargs: Dict[str, Any]) -> int:
+    from ..core.errors import DynBatchConfigError
+    from ..core.planner import plan_global_batch
+
+    try:
+        return plan_global_batch(lengths, **kwargs).num_microbatches
+    except DynBatchConfigError:
+        return 0
 
 
 def run_adversarial(sizes: Sequence[int] = (DEFAULT_SIZE,), repeats: int = 1,

@@ -1,9 +1,13 @@
 """The scalar checks every config object and entry point shares, so each kind of value is accepted and refused
 the same way everywhere.
 
-* integers: Python ``int`` and every NumPy integer scalar (``np.int64(8)``, ``np.uint32(3)``) are accepted and
-  returned as a Python ``int``; ``bool`` (a subclass of ``int``) and ``np.bool_`` are refused, and so are floats,
-  even integral ones (a float token count or rank count is almost always a bug upstream);
+* integers: every exact whole number is accepted and returned as a Python ``int`` -- Python ``int``, NumPy integer
+  scalars (``np.int64(8)``, ``np.uint32(3)``), whole floats in any dtype (``12.0``, ``np.float32(4096)``: what
+  ``np.loadtxt`` and config files produce) and 0-d arrays or tensors holding one (a CUDA ``tensor(8192)``, read
+  through ``.item()``); ``bool`` (a subclass of ``int``) and ``np.bool_`` are refused, and so are fractions,
+  NaN and infinities (with the message ``must be an integer``);
+* tensors: never imported here -- duck-typed by ``.detach().cpu().numpy()`` (:func:`as_array`) and ``.item()``
+  (:func:`scalar`), so ``core/`` stays torch-free and takes any device and dtype;
 * booleans: ``bool`` and ``np.bool_`` only -- never a string (``"no"`` is truthy) or ``0``/``1``;
 * magnitudes: every integer :func:`as_int` accepts is at most :data:`MAX_TOKENS` unless the caller names a
   smaller maximum -- token counts, budgets, counts, multiples alike -- so no arithmetic downstream can overflow an
@@ -13,6 +17,7 @@ the same way everywhere.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -27,6 +32,51 @@ MAX_TOKENS = 2 ** 40
 def is_int(value: Any) -> bool:
     """An integer that is not a boolean (Python or NumPy)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def scalar(value: Any) -> Any:
+    """The Python scalar held by a NumPy scalar or a 0-d array / tensor (any device); anything else unchanged."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        try:
+            return value.item()
+        except (TypeError, ValueError, RuntimeError):
+            return value
+    return value
+
+
+def whole_number(value: Any) -> Optional[int]:
+    """``value`` as a Python int when it is an exact whole number of any numeric type (see the module docstring),
+    else ``None`` (booleans, fractions, NaN, infinities, strings, containers)."""
+    value = scalar(value)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
+
+
+def as_array(values: Any) -> Any:
+    """A tensor (duck-typed: ``.detach().cpu().numpy()``, any device; dtypes NumPy lacks, like bfloat16, through
+    ``.double()``) or another object with ``__array__`` as a NumPy array; lists, tuples, arrays and everything
+    else unchanged (so the caller's own checks name what is wrong)."""
+    if isinstance(values, (np.ndarray, list, tuple, range, str, bytes)) or values is None:
+        return values
+    if all(hasattr(values, a) for a in ("detach", "cpu", "numpy")):
+        t = values.detach().cpu()
+        try:
+            return t.numpy()
+        except (TypeError, RuntimeError):
+            return t.double().numpy() if hasattr(t, "double") else values
+    if hasattr(values, "__array__"):
+        try:
+            return np.asarray(values)
+        except (TypeError, ValueError):
+            return values
+    return values
 
 
 def get_arg(args: Any, name: str, default: Any = None) -> Any:
@@ -45,11 +95,11 @@ def as_int(value: Any, field: str, *, minimum: Optional[int] = None, maximum: Op
     ``maximum`` defaults to :data:`MAX_TOKENS` (see the module docstring)."""
     if maximum is None:
         maximum = MAX_TOKENS
-    if not is_int(value):
+    out = whole_number(value)
+    if out is None:
         bound = f" >= {minimum}" if minimum is not None else ""
         raise DynBatchConfigError(field, value, f"must be an integer{bound}",
                                   fix or f"pass a whole number{bound}")
-    out = int(value)
     if minimum is not None and out < minimum:
         raise DynBatchConfigError(field, out, f"must be >= {minimum}", fix or f"pass a whole number >= {minimum}")
     if maximum is not None and out > maximum:

@@ -23,7 +23,9 @@ def karmarkar_karp(weights: Sequence[float], k: int, equal_size: bool = False) -
 
     Every item starts as a *state* of ``k`` sets (the item alone, the rest empty); the two states with the
     largest spread (max set sum - min set sum) are merged repeatedly, pairing the heaviest set of one with the
-    lightest of the other, until one state remains. With ``equal_size`` the initial states are ``k``
+    lightest of the other, until one state remains. Sets of equal sum are ordered fullest first, so ties (zero
+    weights, equal lengths) spread items instead of stacking them: with ``n >= k`` non-negative weights no set
+    ends empty (verl's contract; its own implementation breaks ties by item count too). With ``equal_size`` the initial states are ``k``
     consecutive items of the ascending order, one per set, so every final set holds ``n / k`` items (when ``k``
     does not divide ``n``, zero-weight placeholders make up the difference and are dropped, so sizes differ by
     at most one).
@@ -31,7 +33,7 @@ def karmarkar_karp(weights: Sequence[float], k: int, equal_size: bool = False) -
     Implementation: a set is a singly linked list over the items (head/tail arrays), so merging two states is
     ``O(k log k)`` vectorised work regardless of how many items they hold; a heap orders states by
     ``(-spread, -largest sum, creation id)``, which makes the result deterministic. Returns ``k`` lists of item
-    indices (each ascending), heaviest set first; sets may be empty only when ``n < k``.
+    indices (each ascending), heaviest set first; sets are empty only when ``n < k`` (or with negative weights).
     """
     w = np.asarray(weights, dtype=np.float64)
     n = w.size
@@ -43,11 +45,11 @@ def karmarkar_karp(weights: Sequence[float], k: int, equal_size: bool = False) -
     heap: list = []
     counter = 0
 
-    def push(sums: np.ndarray, heads: np.ndarray, tails: np.ndarray) -> None:
+    def push(sums: np.ndarray, sizes: np.ndarray, heads: np.ndarray, tails: np.ndarray) -> None:
         nonlocal counter
-        order = np.lexsort((np.arange(k), -sums))  # heaviest first, ties by position
-        sums, heads, tails = sums[order], heads[order], tails[order]
-        heapq.heappush(heap, (-(sums[0] - sums[-1]), -sums[0], counter, sums, heads, tails))
+        order = np.lexsort((np.arange(k), -sizes, -sums))  # heaviest first, then fullest, then by position
+        sums, sizes, heads, tails = sums[order], sizes[order], heads[order], tails[order]
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), -sums[0], counter, sums, sizes, heads, tails))
         counter += 1
 
     order = np.lexsort((np.arange(n), w))  # ascending weight, ties by index
@@ -57,27 +59,29 @@ def karmarkar_karp(weights: Sequence[float], k: int, equal_size: bool = False) -
         for start in range(0, items.size, k):
             chunk = items[start:start + k]
             sums = np.array([w[i] if i < n else 0.0 for i in chunk])
-            push(sums, chunk.copy(), chunk.copy())
+            push(sums, np.ones(k, dtype=np.int64), chunk.copy(), chunk.copy())
     else:
         for i in order:
             sums = np.zeros(k)
             sums[0] = w[i]
+            sizes = np.zeros(k, dtype=np.int64)
+            sizes[0] = 1
             heads = np.full(k, -1, dtype=np.int64)
             heads[0] = i
-            push(sums, heads, heads.copy())
+            push(sums, sizes, heads, heads.copy())
     while len(heap) > 1:
         a = heapq.heappop(heap)
         b = heapq.heappop(heap)
-        sa, ha, ta = a[3], a[4], a[5]
-        sb, hb, tb = b[3][::-1], b[4][::-1], b[5][::-1]  # heaviest of a meets lightest of b
+        sa, za, ha, ta = a[3], a[4], a[5], a[6]
+        sb, zb, hb, tb = b[3][::-1], b[4][::-1], b[5][::-1], b[6][::-1]  # heaviest of a meets lightest of b
         both = (ha >= 0) & (hb >= 0)
         nxt[ta[both]] = hb[both]
         heads = np.where(ha >= 0, ha, hb)
         tails = np.where(tb >= 0, tb, ta)
-        push(sa + sb, heads, tails)
+        push(sa + sb, za + zb, heads, tails)
     if not heap:
         return [[] for _ in range(k)]
-    _, _, _, _, heads, _ = heap[0]
+    heads = heap[0][5]
     out: List[List[int]] = []
     for h in heads:
         members = []

@@ -179,8 +179,11 @@ class RunConfig:
         """The start-up check (``core/startup.py``) for both budgets, when ``max_seq_len`` is set."""
         if self.max_seq_len is None:
             return
+        from .checks import as_int
         from .startup import check_max_seq_len_fits
 
+        object.__setattr__(self, "max_seq_len", as_int(  # stored as the plain int it is (also when given as 8192.0)
+            self.max_seq_len, "max_seq_len", minimum=1, fix="set the longest sample the run can produce"))
         for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
             budget = getattr(self, name)
             if budget is not None:

@@ -8,35 +8,46 @@ pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, log_p
 ``(batch, metrics)``: the batch reordered into ``dp_size`` equal shards with ``meta_info`` keys
 ``global_micro_batch_indices``, ``global_micro_batch_lengths``, ``micro_batch_indices``, ``micro_batch_lengths``,
 ``num_micro_batchs`` as ROLL's ``make_mini_batch_iter_for_dynamic_batching`` / ``make_micro_batch_iter_...``
-read them, and ROLL's metric names. What changes -- a cost-model cut of the micro-batches, Megatron's exact VPP
-rule, a snake deal of real tokens over ranks, a clear error for a sample over the budget -- is in
-:mod:`megatron_dynbatch.core.dropin.roll`.
+read them, and ROLL's metric names, and ROLL's micro-batch count (so ROLL's optimizer steps). What changes -- a
+cost-model cut of the micro-batches for that count, a snake deal of real tokens over ranks, a clear error for a
+sample over the budget -- is in :mod:`megatron_dynbatch.core.dropin.roll`.
 
-Extra keyword-only arguments (optional): ``microbatch_group_size_per_vp_stage`` (Megatron's ``N``; default
-``pp``), ``model`` (cost model of the trained model; default tokens), ``cost_model``.
+Extra keyword-only arguments (optional): ``ga_steps`` (the training batch's ``gradient_accumulation_steps``: lets
+the count grow while the optimizer steps, ``ceil(M / ga_steps)``, stay ROLL's; without it the count is ROLL's),
+``microbatch_group_size_per_vp_stage`` (Megatron's ``N``; default ``pp``), ``model`` (cost model of the trained
+model; default tokens), ``cost_model``.
 
 Start-up check: the padded width of the batch (ROLL's ``sequence_length``, the configured maximum), rounded to
-``sequence_length_round``, must fit ``max_tokens_per_microbatch`` -- checked on the first batch, before any
-compute, rather than when the first long sample arrives. Needs only the DataProto methods ROLL's own function
-uses (``batch["attention_mask"]``, ``slice()``, ``reorder()``, ``meta_info``); torch is imported lazily.
+``sequence_length_round``, should fit ``max_tokens_per_microbatch``; when it does not, an ``OversizeSampleWarning``
+says a long sample would fail later (ROLL plans such batches, and so does this drop-in while every sample
+fits). Errors are :class:`~megatron_dynbatch.core.errors.DropinAssertionError` (ROLL asserts) naming ROLL's
+arguments. The caller's ``meta_info`` is never written: the returned batch carries a new one. Needs only the
+DataProto methods ROLL's own function uses (``batch["attention_mask"]``, ``slice()``, ``reorder()``,
+``meta_info``); torch is imported lazily.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Tuple
+
+import numpy as np
 
 from ..core.checks import as_int
 from ..core.dropin.roll import roll_shard
-from ..core.errors import OversizeSampleError
+from ..core.dropin.words import ROLL_WORDS, speaks
+from ..core.errors import DynBatchConfigError, OversizeSampleWarning
+from ..core.planner.inputs import check_lengths
 
 __all__ = ["dynamic_batching_shard"]
 
 
+@speaks(ROLL_WORDS, assertion=True)
 def dynamic_batching_shard(origin_batch: Any, dp_size: int, max_tokens_per_microbatch: int,
                            sequence_length_round: int, pipeline_model_parallel_size: int = 1,
                            virtual_pipeline_model_parallel_size: Optional[int] = None, log_prefix: Optional[str] = None,
-                           *, microbatch_group_size_per_vp_stage: Optional[int] = None, model: Any = None,
-                           cost_model: Any = None) -> Tuple[Any, dict]:
+                           *, ga_steps: Optional[int] = None, microbatch_group_size_per_vp_stage: Optional[int] = None,
+                           model: Any = None, cost_model: Any = None) -> Tuple[Any, dict]:
     """ROLL's ``dynamic_batching_shard`` with this project's guarantees (see the module docstring)."""
     import torch
 
@@ -44,37 +55,54 @@ def dynamic_batching_shard(origin_batch: Any, dp_size: int, max_tokens_per_micro
                                        fix="pass max_tokens_per_microbatch_in_train")
     rnd = as_int(sequence_length_round, "sequence_length_round", minimum=1,
                  fix="pass sequence_length_round_in_train (e.g. 64)")
-    mask = origin_batch.batch["attention_mask"]
-    batch_size = int(mask.shape[0])
-    width = int(mask.shape[-1])
+    seq_lens, width = _lengths(origin_batch)
+    batch_size = seq_lens.size
     padded_width = max(-(-width // rnd) * rnd, rnd)
     if padded_width > max_tokens_per_microbatch:
-        raise OversizeSampleError(
-            "max_tokens_per_microbatch", int(max_tokens_per_microbatch),
-            f"the configured sequence length {width} ({padded_width} rounded to {rnd}) does not fit one micro-batch",
-            f"raise max_tokens_per_microbatch_in_train to at least {padded_width}, or lower the sequence length")
-    seq_lens = [int(x) for x in mask.reshape(batch_size, -1).sum(-1).tolist()]
-    shard = roll_shard(seq_lens, dp_size, max_tokens_per_microbatch, sequence_length_round,
-                       pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
-                       microbatch_group_size_per_vp_stage, model=model, cost_model=cost_model)
+        warnings.warn(f"max_tokens_per_microbatch={max_tokens_per_microbatch}: the configured sequence length "
+                      f"{width} ({padded_width} rounded to {rnd}) does not fit one micro-batch; this batch plans "
+                      f"because its samples are shorter, but a sample that long would fail. Raise "
+                      f"max_tokens_per_microbatch_in_train to at least {padded_width}, or lower the sequence length",
+                      OversizeSampleWarning, stacklevel=3)
+    shard = roll_shard(seq_lens, dp_size, max_tokens_per_microbatch, rnd, pipeline_model_parallel_size,
+                       virtual_pipeline_model_parallel_size, microbatch_group_size_per_vp_stage, ga_steps=ga_steps,
+                       model=model, cost_model=cost_model)
     batch = origin_batch.slice()
     batch.reorder(torch.tensor(shard.order))
     indices = [list(r) for r in shard.micro_batch_indices]
     lengths = list(shard.micro_batch_lengths)
-    batch.meta_info["global_micro_batch_indices"] = indices
-    batch.meta_info["global_micro_batch_lengths"] = lengths
-    batch.meta_info["micro_batch_indices"] = [list(r) for r in indices]
-    batch.meta_info["micro_batch_lengths"] = list(lengths)
-    batch.meta_info["num_micro_batchs"] = len(indices)
+    batch.meta_info = {  # a new dict: ROLL's slice() shares the caller's meta_info
+        **origin_batch.meta_info, "global_micro_batch_indices": indices, "global_micro_batch_lengths": lengths,
+        "micro_batch_indices": [list(r) for r in indices], "micro_batch_lengths": list(lengths),
+        "num_micro_batchs": len(indices)}
 
     padded_tokens = sum((b - a) * s for (a, b), s in zip(indices, lengths)) * len(shard.order) // shard.shard_size
     origin_tokens = batch_size * width
     prefix = f"dynamic_batching/{log_prefix}" if log_prefix else "dynamic_batching"
     metrics = {
-        f"{prefix}/valid_tokens": sum(seq_lens),
+        f"{prefix}/valid_tokens": int(seq_lens.sum()),
         f"{prefix}/actual_tokens_origin": origin_tokens,
         f"{prefix}/actual_tokens": padded_tokens,
         f"{prefix}/removed_padding_tokens": origin_tokens - padded_tokens,
         f"{prefix}/removed_padding_ratio": (origin_tokens - padded_tokens) / origin_tokens if origin_tokens else 0.0,
     }
     return batch, metrics
+
+
+def _lengths(origin_batch: Any) -> Tuple[np.ndarray, int]:
+    """Each sample's real length (``attention_mask`` row sums) and the padded width; an empty batch, a missing
+    or misshapen mask, or one whose rows are not whole counts (NaN) is an error naming it."""
+    try:
+        mask = origin_batch.batch["attention_mask"]
+    except (KeyError, TypeError, AttributeError):
+        raise DynBatchConfigError('origin_batch.batch["attention_mask"]', "missing", "ROLL reads each sample's "
+                                  "length from the attention mask", "pass the batch with its attention_mask "
+                                  "[batch, seq_len]") from None
+    shape = tuple(int(d) for d in getattr(mask, "shape", ()))
+    if len(shape) < 2:
+        raise DynBatchConfigError("attention_mask", f"shape {shape}", "must be [batch, seq_len]",
+                                  "pass the padded batch's attention mask (1 for real tokens, 0 for padding)")
+    if shape[0] == 0:
+        raise DynBatchConfigError("origin_batch", "0 samples", "an empty batch has nothing to shard (ROLL's own "
+                                  "function fails on it too)", "skip dynamic batching for an empty batch")
+    return check_lengths(mask.reshape(shape[0], -1).sum(-1), field="attention_mask.sum(-1)"), shape[-1]

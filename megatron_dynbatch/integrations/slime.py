@@ -23,7 +23,8 @@ from typing import Any, List, Optional, Tuple
 
 from ..core.checks import as_bool, as_int
 from ..core.checks import get_arg as _get
-from ..core.dropin.slime import slime_parallel, slime_schedule
+from ..core.dropin.slime import check_pad_budget, slime_parallel, slime_schedule
+from ..core.dropin.words import SLIME_WORDS, speaks
 from ..core.errors import DynBatchConfigError
 
 __all__ = ["build_dp_schedule", "check_budget", "model_from_args"]
@@ -78,15 +79,17 @@ def check_budget(args: Any, train_parallel_config: dict) -> Optional[bool]:
     from ..core.startup import check_max_seq_len_fits
 
     par = _parallel(args, train_parallel_config)
-    mult = as_int(_get(args, "data_pad_size_multiplier", 128), "--data-pad-size-multiplier", minimum=1)
+    pad = check_pad_budget(args.max_tokens_per_gpu, par, _get(args, "data_pad_size_multiplier", 128),
+                           assumed=_get(args, "data_pad_size_multiplier") is None)
     return check_max_seq_len_fits(longest, max_tokens_per_gpu=args.max_tokens_per_gpu, parallel=par,
-                                  microbatch_pad_multiple=par.tp * mult,
+                                  microbatch_pad_multiple=pad,
                                   oversize=_get(args, "dynbatch_oversize", "alone"),
                                   length_field="rollout_max_prompt_len + rollout_max_response_len" if both
                                   else "seq_length",
                                   budget_field="--max-tokens-per-gpu")
 
 
+@speaks(SLIME_WORDS, assertion=True)
 def build_dp_schedule(args: Any, train_parallel_config: dict, total_lengths: List[int], *, global_batch_size: int,
                       rollout_indices: List[int]) -> Tuple[List[List[int]], List[List[List[int]]], List[int], List[int]]:
     """slime's ``build_dp_schedule`` on megatron-dynbatch's planner: ``(partitions, micro_batch_indices,
@@ -104,5 +107,6 @@ def build_dp_schedule(args: Any, train_parallel_config: dict, total_lengths: Lis
         max_tokens_per_gpu=_get(args, "max_tokens_per_gpu"), use_dynamic_batch_size=dynamic,
         micro_batch_size=_get(args, "micro_batch_size"), balance_data=_get(args, "balance_data", False),
         model=model_from_args(args), data_pad_size_multiplier=_get(args, "data_pad_size_multiplier", 128),
+        pad_multiplier_assumed=_get(args, "data_pad_size_multiplier") is None,
         oversize=_get(args, "dynbatch_oversize", "alone"))
     return schedule.as_tuple()

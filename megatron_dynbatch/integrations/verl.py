@@ -1,11 +1,14 @@
-"""Drop-in for ``verl.utils.seqlen_balancing`` (verl's Megatron backend): change the import ::
+"""Drop-in for ``verl.utils.seqlen_balancing`` (verl's Megatron backend): change the import in each file that has
+one (docs/migrating.md lists them) ::
 
     from megatron_dynbatch.integrations.verl import (calculate_workload, get_seqlen_balanced_partitions,
                                                      log_seqlen_unbalance, prepare_dynamic_batch,
                                                      rearrange_micro_batches, restore_dynamic_batch)
     # was: from verl.utils.seqlen_balancing import ...
 
-and, for the DP-level balance, one assignment in the trainer module::
+That alone runs verl's own call sites as they are (``_balance_batch`` hands ``get_seqlen_balanced_partitions``
+a tensor of workloads; the engine passes ``max_token_len`` as a 0-d tensor). Optionally, for a DP-level
+balance that respects the budget, one assignment in the trainer module::
 
     RayPPOTrainer._balance_batch = megatron_dynbatch.integrations.verl.trainer_balance_batch
 
@@ -22,10 +25,13 @@ efficiency; default verl's workload ``24576*L + L**2``), ``cost_model``, ``tp_si
 verl's convention for that layout).
 
 Oversize: verl asserts ``max_token_len`` >= the padded sequence width; so does this module (an
-``OversizeSampleError``, a ``DynBatchConfigError``, naming ``max_token_len``), on the first batch -- before the first step's compute -- and
-:func:`check_budget` runs the same check from the config at start-up. Data types: TensorDict / DataProto as verl
-passes them (verl's own ``index_select_tensor_dict`` is used when verl is installed; plain dicts of tensors,
-lists and NumPy arrays work too); torch is imported lazily.
+``OversizeAssertionError`` naming ``max_token_len``), on the first batch -- before the first step's compute -- and
+:func:`check_budget` runs the same check from the config at start-up; a ``force_group_size`` group over the
+budget runs alone with a warning (verl's policy). Errors are ``AssertionError``s where verl asserts (and
+``DynBatchConfigError``s), in verl's words; an empty batch, a missing or NaN ``attention_mask`` get a clear
+error, and with ``dp_group`` a failing rank still joins the count all-reduce so that no rank waits. Data types:
+TensorDict / DataProto as verl passes them (verl's own ``index_select_tensor_dict`` is used when verl is
+installed; plain dicts of tensors, lists and NumPy arrays work too); torch is imported lazily.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ import numpy as np
 
 from ..core.checks import as_int
 from ..core.dropin import verl as core
-from ..core.errors import DynBatchConfigError, OversizeSampleError
+from ..core.dropin.words import VERL_WORDS, trainer_terms
+from ..core.errors import DropinAssertionError, DynBatchConfigError, OversizeSampleError
+from ..core.planner.inputs import check_lengths
 
 __all__ = [
     "balance_batch", "calculate_workload", "ceildiv", "check_budget", "get_group_balanced_partitions",
@@ -126,15 +134,27 @@ def check_budget(max_token_len: int, max_seq_len: int, *, tp_size: Optional[int]
 
 
 # ----------------------------------------------------------------------------------------- data types
-def _seq_lengths(batch: Any) -> Tuple[List[int], int]:
-    """Per-sample lengths and the padded width (verl: nested ``input_ids`` or ``attention_mask`` sums)."""
+def _seq_lengths(batch: Any) -> Tuple[np.ndarray, int]:
+    """Per-sample lengths and the padded width, read as verl reads them: nested ``input_ids`` (their offsets),
+    else ``attention_mask`` sums. An empty batch gives no lengths; a missing mask, a mask that is not
+    ``[batch, seq_len]`` or one whose rows do not sum to whole token counts (NaN) is an error naming it."""
     input_ids = batch["input_ids"] if _has(batch, "input_ids") else None
     if input_ids is not None and getattr(input_ids, "is_nested", False):
-        lens = [int(x) for x in input_ids.offsets().diff().tolist()]
-        return lens, max(lens) if lens else 0
+        diff = input_ids.offsets().diff()
+        lens = check_lengths(diff, field="input_ids.offsets().diff()") if len(diff) else np.zeros(0, np.int64)
+        return lens, int(lens.max()) if lens.size else 0
+    if not _has(batch, "attention_mask"):
+        raise DynBatchConfigError('batch["attention_mask"]', "missing", "verl reads each sample's length from the "
+                                  "attention mask (or from nested input_ids)", "pass the batch with its "
+                                  "attention_mask of shape [batch, seq_len], or nested input_ids")
     mask = batch["attention_mask"]
-    width = int(mask.shape[-1])
-    return [int(x) for x in mask.reshape(mask.shape[0], -1).sum(-1).tolist()], width
+    shape = tuple(int(d) for d in getattr(mask, "shape", ()))
+    if len(shape) < 2:
+        raise DynBatchConfigError("attention_mask", f"shape {shape}", "must be [batch, seq_len]",
+                                  "pass the padded batch's attention mask (1 for real tokens, 0 for padding)")
+    if shape[0] == 0:
+        return np.zeros(0, np.int64), shape[-1]
+    return check_lengths(mask.reshape(shape[0], -1).sum(-1), field="attention_mask.sum(-1)"), shape[-1]
 
 
 def _has(batch: Any, key: str) -> bool:
@@ -160,15 +180,15 @@ def _select_value(value: Any, idx: List[int]) -> Any:
 
 
 def _index_select(batch: Any, idx: List[int]) -> Any:
-    """verl's ``tu.index_select_tensor_dict`` when verl is installed; else per-key selection for mappings, and
-    ``batch[index_tensor]`` for other TensorDict-like objects."""
+    """verl's ``tu.index_select_tensor_dict`` when verl is installed; else per-key selection for plain mappings,
+    and ``batch[index_tensor]`` for a TensorDict (which keeps its batch size)."""
     try:
         from verl.utils import tensordict_utils as tu  # type: ignore
     except ImportError:
         tu = None
     if tu is not None:
         return tu.index_select_tensor_dict(batch, idx)
-    if isinstance(batch, Mapping):
+    if isinstance(batch, Mapping) and not hasattr(batch, "batch_size"):  # a TensorDict indexes itself, below
         return type(batch)({k: _select_value(v, idx) for k, v in batch.items()}) if type(batch) is not dict \
             else {k: _select_value(v, idx) for k, v in batch.items()}
     import torch
@@ -185,23 +205,47 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None
     """verl's ``rearrange_micro_batches``: ``(micro_batches, micro_bsz_idx)`` -- this rank's micro-batches and,
     for each, the sorted indices into ``batch``. The count is the first at which this rank packs under the cap
     (with ``min_num_micro_batch``), the MAX over ``dp_group`` when ``same_micro_num_in_dp`` (one all-reduce),
-    a multiple of ``num_batches_divided_by``."""
-    max_token_len = as_int(max_token_len, "max_token_len", minimum=1,
-                           fix="pass the token budget of one micro-batch (ppo_max_token_len_per_gpu * cp)")
-    lens, width = _seq_lengths(batch)
-    if max_token_len < width:
-        raise OversizeSampleError("max_token_len", int(max_token_len),
-                                  f"is smaller than the sequence length {width} (verl asserts max_token_len >= "
-                                  "the padded width)", f"raise ppo_max_token_len_per_gpu so that max_token_len >= "
-                                  f"{width}, or lower max_prompt_length + max_response_length")
-    tp, cp, pp = _layout(tp_size, cp_size, pp_size)
-    layout = dict(tp=tp, cp=cp, pp=pp, model=model, cost_model=cost_model, force_group_size=force_group_size,
-                  num_batches_divided_by=num_batches_divided_by, sequence_pad_multiple=sequence_pad_multiple)
-    count = core.local_count(lens, max_token_len, min_num_micro_batch=min_num_micro_batch, **layout)
-    if same_micro_num_in_dp and dp_group is not None:
+    a multiple of ``num_batches_divided_by``.
+
+    Errors are :class:`~megatron_dynbatch.core.errors.DropinAssertionError` (verl asserts on its input) in verl's
+    words. With ``dp_group`` a rank that cannot plan -- an empty batch, a sample over ``max_token_len``, a bad
+    argument -- still joins the all-reduce with a failure flag, so every rank raises instead of the others
+    waiting forever."""
+    sync = same_micro_num_in_dp and dp_group is not None
+    layout: Dict[str, Any] = {}
+    lens = np.zeros(0, np.int64)
+    count, failure = 0, None
+    try:
+        with trainer_terms(VERL_WORDS, assertion=True):
+            max_token_len = as_int(max_token_len, "max_token_len", minimum=1,
+                                   fix="pass the token budget of one micro-batch (ppo_max_token_len_per_gpu * cp)")
+            lens, width = _seq_lengths(batch)
+            if lens.size == 0:
+                raise DynBatchConfigError("batch", "0 samples", "an empty batch has no micro-batches (verl's own "
+                                          "function fails on it too)", "dispatch at least one sample to every "
+                                          "DP rank, or skip the call for an empty batch")
+            if max_token_len < width:
+                raise OversizeSampleError(
+                    "max_token_len", max_token_len, f"is smaller than the sequence length {width} (verl asserts "
+                    "max_token_len >= the padded width)", f"raise ppo_max_token_len_per_gpu so that max_token_len "
+                    f">= {width}, or lower max_prompt_length + max_response_length")
+            tp, cp, pp = _layout(tp_size, cp_size, pp_size)
+            layout = dict(tp=tp, cp=cp, pp=pp, model=model, cost_model=cost_model, force_group_size=force_group_size,
+                          num_batches_divided_by=num_batches_divided_by, sequence_pad_multiple=sequence_pad_multiple)
+            count = core.local_count(lens, max_token_len, min_num_micro_batch=min_num_micro_batch, **layout)
+    except DynBatchConfigError as exc:
+        if not sync:
+            raise
+        failure = exc
+    if sync:
         from ..megatron.local import all_reduce_max
 
-        count = all_reduce_max([count], dp_group)[0]
+        flag, count = all_reduce_max([failure is not None, count], dp_group)
+        if failure is not None:
+            raise failure
+        if flag:
+            raise DropinAssertionError("dp_group", "another DP rank", "a DP rank could not plan its micro-batches, "
+                                       "so no count was agreed", "see that rank's error (its batch or the budget)")
     parts = core.local_partitions(lens, max_token_len, count, use_dynamic_bsz_balance=use_dynamic_bsz_balance,
                                   **layout)
     return [_index_select(batch, p) for p in parts], parts
@@ -230,7 +274,7 @@ def restore_dynamic_batch(data: Any, batch_idx_list: List[List[int]]) -> Any:
 
     indices = list(chain.from_iterable(batch_idx_list))
     if len(indices) != data.shape[0] or sorted(indices) != list(range(len(indices))):
-        raise DynBatchConfigError("batch_idx_list", f"{len(indices)} indices",
+        raise DropinAssertionError("batch_idx_list", f"{len(indices)} indices",
                                   f"must be a permutation of the {data.shape[0]} rows",
                                   "pass the index lists prepare_dynamic_batch / rearrange_micro_batches returned")
     revert = torch.tensor(get_reverse_idx(indices), dtype=torch.long)
@@ -252,8 +296,8 @@ def balance_batch(batch: Any, dp_size: int, metrics: Optional[dict] = None, logg
     ``metrics``; returns the partitions (global indices per rank)."""
     import torch
 
-    mask = batch.batch["attention_mask"]
-    lens = [int(x) for x in mask.reshape(mask.shape[0], -1).sum(-1).tolist()]
+    with trainer_terms(VERL_WORDS, assertion=True):
+        lens = _seq_lengths(batch.batch)[0]
     uids = None
     if use_prefix_grouper and uid_key in getattr(batch, "non_tensor_batch", {}):
         uids = list(batch.non_tensor_batch[uid_key])
@@ -263,7 +307,7 @@ def balance_batch(batch: Any, dp_size: int, metrics: Optional[dict] = None, logg
                                     cost_model=cost_model)
     batch.reorder(torch.tensor([i for p in parts for i in p]))
     if metrics is not None:
-        metrics.update(log_seqlen_unbalance(lens, parts, logging_prefix))
+        metrics.update(log_seqlen_unbalance(lens.tolist(), parts, logging_prefix))
     return parts
 
 

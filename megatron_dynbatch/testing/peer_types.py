@@ -3,7 +3,8 @@ NeMo-RL are not installable here). Written from their public interfaces -- only 
 
 * :class:`DataProto`: ``batch`` (a mapping of tensors with a leading batch dimension, standing in for a
   ``TensorDict``), ``non_tensor_batch`` (NumPy object arrays), ``meta_info``; ``from_dict``,
-  ``from_single_dict``, ``slice``, ``reorder`` (in place), ``len`` -- verl's and ROLL's DataProto agree on these;
+  ``from_single_dict``, ``slice`` (sharing ``meta_info``), ``reorder`` (in place), ``len`` -- verl's and
+  ROLL's DataProto agree on these;
 * :func:`grpo_batch`: a right-padded ``[b, s]`` batch (``input_ids``, ``attention_mask``) with a ``uid`` per
   prompt group, like the rollouts both trainers hand to their batching;
 * :func:`slime_args`: a namespace with the fields slime's ``build_dp_schedule`` reads.
@@ -11,7 +12,6 @@ NeMo-RL are not installable here). Written from their public interfaces -- only 
 
 from __future__ import annotations
 
-import copy
 from types import SimpleNamespace
 from typing import Any, Dict, Optional, Sequence
 
@@ -48,9 +48,12 @@ class DataProto:
         return 0
 
     def slice(self, start: Optional[int] = None, end: Optional[int] = None) -> "DataProto":
+        """Rows ``start:end``; like verl's and ROLL's, the slice SHARES ``meta_info`` with this batch (a write
+        into the slice's ``meta_info`` is a write into the caller's)."""
         sl = slice(start, end)
-        return DataProto({k: v[sl] for k, v in self.batch.items()},
-                         {k: v[sl] for k, v in self.non_tensor_batch.items()}, copy.deepcopy(self.meta_info))
+        out = DataProto({k: v[sl] for k, v in self.batch.items()}, {k: v[sl] for k, v in self.non_tensor_batch.items()})
+        out.meta_info = self.meta_info
+        return out
 
     def reorder(self, indices: Any) -> None:
         idx = np.asarray(indices.tolist() if hasattr(indices, "tolist") else indices, dtype=np.int64)

@@ -5,5 +5,6 @@ benchmark (:mod:`megatron_dynbatch.bench.dropins`) scores against the trainers' 
 One module per trainer -- :mod:`.slime`, :mod:`.verl`, :mod:`.nemo_rl`, :mod:`.roll` -- each stating in its
 docstring the contract it keeps (read from the trainer's public source) and the guarantees it adds: the hard
 cap with the trainer's own padding counted, equal micro-batch counts, FLOPs balance, Megatron's exact VPP rule.
-Torch-free like the rest of ``core/``.
+Each takes what its trainer passes (lists, arrays, tensors of any device and dtype, whole-number floats) and
+raises in its trainer's words and exception type (:mod:`.words`). Torch-free like the rest of ``core/``.
 """

@@ -28,7 +28,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..checks import as_int
+from ..checks import as_int, whole_number
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .sequence_limit import plan_with_sequence_limit
@@ -52,7 +52,8 @@ def sample_id_groups_from_plan(plan: Any, sample_ids: Sequence[int], cp_size: in
 def split_sample_id_seqlens(sample_id_seqlens: Any) -> Tuple[List[int], List[int]]:
     """``(ids, lengths)`` of upstream's ``[(global_id, seqlen), ...]`` (ints, NumPy scalars or 0-d tensors);
     a malformed entry raises :class:`DynBatchConfigError` naming it."""
-    if isinstance(sample_id_seqlens, (str, bytes)) or not hasattr(sample_id_seqlens, "__len__"):
+    if (isinstance(sample_id_seqlens, (str, bytes)) or not hasattr(sample_id_seqlens, "__len__")
+            or getattr(sample_id_seqlens, "ndim", None) == 0):
         raise DynBatchConfigError("sample_id_seqlens", type(sample_id_seqlens).__name__,
                                   "must be a list of (global_id, seqlen) pairs", "pass what upstream gathers")
     ids: List[int] = []
@@ -74,11 +75,10 @@ def split_sample_id_seqlens(sample_id_seqlens: Any) -> Tuple[List[int], List[int
 
 
 def _as_index(value: Any) -> int:
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    index = whole_number(value)  # ints, NumPy scalars, whole floats, 0-d arrays / tensors (core/checks.py)
+    if index is None or index < 0:
         raise ValueError(value)
-    return int(value)
+    return index
 
 
 def plan_sample_id_groups(sample_id_seqlens: Any, *, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int,

@@ -14,7 +14,10 @@ deals bin ``j`` to rank ``j % shards``. Its packers only fill bins, so ranks get
 them. This packer plans ``bin_count_multiple`` ranks at once (equal counts, time or token balance across ranks
 and bins, under the same capacity) and returns the bins *interleaved* -- bin ``j*dp + r`` is rank ``r``'s
 ``j``-th micro-batch -- so NeMo-RL's own round-robin dealing hands every rank exactly its planned share.
-Every algorithm name NeMo-RL accepts selects this packer (the name is kept on ``packer.algorithm``).
+Every algorithm name NeMo-RL accepts selects this packer (the name is kept on ``packer.algorithm``) -- NeMo-RL's
+own ``PackingAlgorithm`` members included (any enum member whose name or value is one of NeMo-RL's algorithms,
+:func:`algorithm_name`). Lengths may be a list, an array or a tensor; errors are ``ValueError`` naming NeMo-RL's
+arguments (``bin_capacity``, ``min_bin_count``, ``bin_count_multiple``, ``sequence_lengths``).
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from ..checks import as_bool, as_int
+from ..checks import as_array, as_bool, as_int
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from ..planner import plan_global_batch
 from ..planner.inputs import check_lengths
+from .words import NEMO_RL_WORDS, speaks, trainer_terms
 
-__all__ = ["DynBatchSequencePacker", "PackingAlgorithm", "get_packer", "packing_stats"]
+__all__ = ["DynBatchSequencePacker", "PackingAlgorithm", "algorithm_name", "get_packer", "packing_stats"]
 
 
 class PackingAlgorithm(enum.Enum):
@@ -76,12 +80,15 @@ class DynBatchSequencePacker:
             check_max_seq_len_fits(max_seq_len, max_tokens_per_gpu=self.bin_capacity, length_field="max_seq_len",
                                    budget_field="bin_capacity")
 
+    @speaks(NEMO_RL_WORDS)
     def pack(self, sequence_lengths: Sequence[int]) -> List[List[int]]:
-        """Bins of indices into ``sequence_lengths`` (interleaved by rank; see the module docstring)."""
-        if isinstance(sequence_lengths, (list, tuple, range)) and len(sequence_lengths) == 0 or \
-                isinstance(sequence_lengths, np.ndarray) and sequence_lengths.ndim == 1 and sequence_lengths.size == 0:
+        """Bins of indices into ``sequence_lengths`` (a list, array or tensor; interleaved by rank, see the module
+        docstring). Errors are ``ValueError`` (``DynBatchConfigError``) in NeMo-RL's words, as NeMo-RL raises."""
+        seqs = as_array(sequence_lengths)
+        if isinstance(seqs, (list, tuple, range)) and len(seqs) == 0 or \
+                isinstance(seqs, np.ndarray) and seqs.ndim == 1 and seqs.size == 0:
             return []  # NeMo-RL: no sequences, no bins (anything else, 0-d arrays included, goes to check_lengths)
-        lens = check_lengths(sequence_lengths)
+        lens = check_lengths(seqs, field="sequence_lengths")
         if int(lens.max()) > self.bin_capacity:
             i = int(np.argmax(lens))
             from ..errors import OversizeSampleError
@@ -102,9 +109,11 @@ class DynBatchSequencePacker:
             kw.update(balance_by_flops=False)
         if lens.size < max(dp, self.min_bin_count or 0):
             raise DynBatchConfigError("sequence_lengths", f"{lens.size} sequences",
-                                      f"cannot fill {max(dp, self.min_bin_count or 0)} bins with one sequence each",
+                                      f"cannot fill {max(dp, self.min_bin_count or 0)} bins with one sequence each "
+                                      "(no bin may be empty)",
                                       "reduce min_bin_count / bin_count_multiple or provide more sequences")
-        plan = plan_global_batch(lens, **kw)
+        with trainer_terms(NEMO_RL_WORDS, values={"bin_capacity": self.bin_capacity}):
+            plan = plan_global_batch(lens, **kw)
         m = plan.num_microbatches
         bins = [list(plan.micro_batches[r][j]) for j in range(m) for r in range(dp)]
         if self.collect_metrics:
@@ -144,17 +153,34 @@ def packing_stats(lengths: np.ndarray, bins: List[List[int]], capacity: int) -> 
             "min_bin_utilization": float(fills.min() / capacity)}
 
 
+def algorithm_name(algorithm: Any) -> Optional[str]:
+    """The NeMo-RL algorithm ``algorithm`` names, by its value (``"first_fit_decreasing"``), or ``None``. Accepted:
+    a member of ANY enum -- NeMo-RL's own ``nemo_rl.data.packing.algorithms.PackingAlgorithm`` as much as this
+    module's copy -- or a string, whose name or value is one of NeMo-RL's algorithms (case-insensitive)."""
+    if isinstance(algorithm, enum.Enum):
+        candidates = [algorithm.name, algorithm.value]
+    elif isinstance(algorithm, str):
+        candidates = [algorithm]
+    else:
+        return None
+    for c in candidates:
+        if isinstance(c, str):
+            if c.upper() in PackingAlgorithm.__members__:
+                return PackingAlgorithm[c.upper()].value
+            if c.lower() in {a.value for a in PackingAlgorithm}:
+                return c.lower()
+    return None
+
+
 def get_packer(algorithm: Union[PackingAlgorithm, str], bin_capacity: int, collect_metrics: bool = False,
                min_bin_count: Optional[int] = None, bin_count_multiple: Optional[int] = None,
                **kwargs: Any) -> DynBatchSequencePacker:
-    """NeMo-RL's factory: any of its algorithm names (enum or string, case-insensitive) gives
-    :class:`DynBatchSequencePacker`; an unknown name raises ``ValueError`` listing the known ones."""
-    names = ", ".join(a.name for a in PackingAlgorithm)
-    if isinstance(algorithm, PackingAlgorithm):
-        name = algorithm.value
-    elif isinstance(algorithm, str) and algorithm.upper() in PackingAlgorithm.__members__:
-        name = PackingAlgorithm[algorithm.upper()].value
-    else:
+    """NeMo-RL's factory: any of its algorithm names (an enum member, NeMo-RL's or ours, or a string; see
+    :func:`algorithm_name`) gives :class:`DynBatchSequencePacker`; anything else raises ``ValueError`` listing
+    the known names."""
+    name = algorithm_name(algorithm)
+    if name is None:
+        names = ", ".join(a.name for a in PackingAlgorithm)
         raise DynBatchConfigError("algorithm", algorithm, "unknown packing algorithm", f"use one of {names}")
     return DynBatchSequencePacker(bin_capacity, collect_metrics, min_bin_count, bin_count_multiple, algorithm=name,
                                   **kwargs)

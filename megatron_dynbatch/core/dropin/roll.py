@@ -6,19 +6,26 @@ Contract kept (ROLL, read Aug 2026): the batch is reordered so that the equal ch
 ``dp`` ranks are the shards; every shard holds ``n / dp`` samples; ``micro_batch_indices`` are ``[start, end)``
 ranges shared by all shards, ascending and tiling the shard; ``micro_batch_lengths[j]`` is the padded length
 (a multiple of ``sequence_length_round``, at least one round) every shard's ``j``-th micro-batch is cut to
-(``[b, s]`` padded micro-batches, not packed); ``b_j * s_j <= max_tokens_per_microbatch``; with pipeline and
-virtual pipeline parallelism the count is raised by splitting micro-batches; a sample whose rounded length is
-over the budget is an error.
+(``[b, s]`` padded micro-batches, not packed); ``b_j * s_j <= max_tokens_per_microbatch``; a sample whose
+rounded length is over the budget is an error (an ``AssertionError`` in ROLL: here an
+:class:`~megatron_dynbatch.core.errors.OversizeAssertionError`, which is both).
 
-What changes: ROLL sorts by length, strides the sorted samples over ranks and closes a micro-batch greedily
-when the next row would not fit; under VPP it rounds the count up to a multiple of ``pp`` (Megatron wants
-``microbatch_group_size_per_vp_stage``'s rule) and asserts when too few micro-batches can be split. Here the
-rows are cut by dynamic programming to minimise the cost model's time of the padded micro-batches (overhead per
-micro-batch against padding waste; ROLL's greedy cut only minimises the count), the count follows Megatron's
-exact interleaving rule (:class:`~megatron_dynbatch.core.planner.counts.CountRule`), samples are dealt to
-ranks row by row in a snake (rank ``0..dp-1``, then ``dp-1..0``) so real tokens per rank even out, and a
-sample over the budget raises :class:`OversizeSampleError` naming it. With padded micro-batches shared by
-all shards every rank runs the same padded work, so the cap and the count are what balance means here.
+**The micro-batch count is ROLL's.** ROLL's training loop groups ``ga_steps`` consecutive micro-batches into
+one optimizer step (``make_mini_batch_iter_for_dynamic_batching``), so one micro-batch more can add an
+optimizer step. The count is therefore the one ROLL computes -- its greedy cut (the fewest micro-batches),
+raised to a multiple of ``pp`` when the pipeline is interleaved, which ROLL (like megatron-core 0.16.1) decides
+by ``pp > 1`` and a virtual size that is set, **even to 1** -- moved to Megatron's exact interleaving rule when
+``microbatch_group_size_per_vp_stage`` is passed. With ``ga_steps`` the caller allows any valid count that keeps
+ROLL's number of optimizer steps (``ceil(M / ga_steps)``). One exception: rows whose samples are all empty
+(ROLL warns about them) get a length of one round here, where ROLL lets later micro-batches have length 0, so
+such a batch can need more micro-batches than ROLL's.
+
+What changes: ROLL closes a micro-batch greedily when the next row would not fit, and splits the largest ones
+to reach a multiple of ``pp``. Here the rows are cut, for the same count, by dynamic programming to minimise
+the cost model's time of the padded micro-batches (per-micro-batch overhead against padding waste), samples are
+dealt to ranks row by row in a snake (rank ``0..dp-1``, then ``dp-1..0``) so real tokens per rank even out, and
+a sample over the budget raises naming it. With padded micro-batches shared by all shards every rank runs the
+same padded work, so the cap and the count are what balance means here.
 """
 
 from __future__ import annotations
@@ -34,14 +41,12 @@ from ..errors import DynBatchConfigError, OversizeSampleError
 from ..parallel import ParallelConfig
 from ..planner.counts import CountRule
 from ..planner.inputs import check_lengths
+from .words import ROLL_WORDS, speaks
 
-__all__ = ["RollShard", "roll_shard"]
+__all__ = ["RollShard", "roll_count_rule", "roll_shard"]
 
 #: (counts x rows) the dynamic programme may evaluate; beyond it, the greedy cut plus splits
 DP_BUDGET = 60_000
-#: counts scored: from the fewest that fit ``m0`` up to ``max(MAX_COUNT_FACTOR * m0, m0 + EXTRA_COUNTS)``
-EXTRA_COUNTS = 16
-MAX_COUNT_FACTOR = 4
 
 
 @dataclass
@@ -60,11 +65,24 @@ class RollShard:
                 for r in range(len(self.order) // n)]
 
 
+def roll_count_rule(pp: int, vpp: Optional[int], microbatch_group_size_per_vp_stage: Optional[int] = None
+                    ) -> CountRule:
+    """The counts Megatron accepts for ROLL's pipeline arguments. ROLL and megatron-core 0.16.1 run the
+    interleaved schedule when ``pp > 1`` and the virtual size is set at all (``vpp=1`` included); its rule
+    depends only on ``pp`` and ``N`` (default ``pp``: then a multiple of ``pp``, ROLL's own rounding)."""
+    if pp < 2 or not vpp:
+        return CountRule(ParallelConfig(dp=1, pp=pp))
+    n = microbatch_group_size_per_vp_stage
+    return CountRule(ParallelConfig(dp=1, pp=pp, vpp=max(int(vpp), 2), microbatch_group_size_per_vp_stage=n))
+
+
+@speaks(ROLL_WORDS, assertion=True)
 def roll_shard(lengths, dp: int, max_tokens_per_microbatch: int, sequence_length_round: int,
                pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: Optional[int] = None,
-               microbatch_group_size_per_vp_stage: Optional[int] = None, *, model: Any = None,
-               cost_model: Optional[CostModel] = None) -> RollShard:
-    """See the module docstring."""
+               microbatch_group_size_per_vp_stage: Optional[int] = None, *, ga_steps: Optional[int] = None,
+               model: Any = None, cost_model: Optional[CostModel] = None) -> RollShard:
+    """See the module docstring. ``ga_steps``: ROLL's ``gradient_accumulation_steps`` for a training batch --
+    lets the count grow while ``ceil(M / ga_steps)`` (the optimizer steps) stays ROLL's; ``None``: ROLL's count."""
     lens = check_lengths(lengths)
     dp = as_int(dp, "dp_size", minimum=1)
     cap = as_int(max_tokens_per_microbatch, "max_tokens_per_microbatch", minimum=1)
@@ -73,25 +91,29 @@ def roll_shard(lengths, dp: int, max_tokens_per_microbatch: int, sequence_length
         raise DynBatchConfigError("dp_size", dp, f"the batch of {lens.size} samples does not split into {dp} equal "
                                   "shards", f"pass a multiple of {dp} samples")
     pp = as_int(pipeline_model_parallel_size or 1, "pipeline_model_parallel_size", minimum=1)
-    vpp = 1 if not virtual_pipeline_model_parallel_size else as_int(virtual_pipeline_model_parallel_size,
-                                                                    "virtual_pipeline_model_parallel_size", minimum=1)
-    par = ParallelConfig(dp=1, pp=pp, vpp=vpp if pp > 1 else 1,
-                         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage if vpp > 1 else None)
-    rule = CountRule(par)
+    vpp = None if virtual_pipeline_model_parallel_size is None else as_int(
+        virtual_pipeline_model_parallel_size, "virtual_pipeline_model_parallel_size", minimum=0)
+    ga = None if ga_steps is None else as_int(ga_steps, "ga_steps", minimum=1,
+                                              fix="pass gradient_accumulation_steps, or None for ROLL's count")
+    rule = roll_count_rule(pp, vpp, microbatch_group_size_per_vp_stage)
+    par = ParallelConfig(dp=1, pp=pp, vpp=vpp if vpp and pp > 1 else 1,
+                         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage if vpp and vpp > 1
+                         and pp > 1 else None)
     if cost_model is None:
         cost_model = CostModel.from_model(model, par) if model is not None else CostModel.tokens_only(par)
     cm = cost_model.with_layout(par)
 
     order = np.lexsort((np.arange(lens.size), lens))  # ascending length, ties by index
     rows = order.reshape(-1, dp)
-    s = np.maximum(-(-lens[rows].max(axis=1) // rnd) * rnd, rnd)
+    rounded = -(-lens[rows].max(axis=1) // rnd) * rnd  # ROLL's padded row length (0 for an all-empty row)
+    s = np.maximum(rounded, rnd)
     if int(s[-1]) > cap:
         i = int(rows[-1][np.argmax(lens[rows[-1]])])
         raise OversizeSampleError("max_tokens_per_microbatch", cap,
                                   f"sample {i} has {int(lens[i])} tokens, {int(s[-1])} after rounding to "
                                   f"{rnd}, more than a micro-batch may hold",
                                   f"raise max_tokens_per_microbatch_in_train to at least {int(s[-1])}, or truncate")
-    bounds = _cut(s, cap, rule, cm)
+    bounds = _cut(s, cap, rule, cm, roll_greedy_count(rounded, rnd, cap), ga)
     shard = [[] for _ in range(dp)]
     for i, row in enumerate(rows.tolist()):
         for r, sample in enumerate(row if i % 2 == 0 else row[::-1]):
@@ -101,17 +123,32 @@ def roll_shard(lengths, dp: int, max_tokens_per_microbatch: int, sequence_length
                      micro_batch_lengths=[int(s[b - 1]) for b in bounds[1:]], shard_size=rows.shape[0])
 
 
-def _cut(s: np.ndarray, cap: int, rule: CountRule, cm: CostModel) -> List[int]:
-    """Row boundaries ``0 = b_0 < ... < b_M = R`` of the cheapest valid cut (see the module docstring)."""
+def roll_greedy_count(rounded: np.ndarray, rnd: int, cap: int) -> int:
+    """How many micro-batches ROLL's greedy cut makes of rows with these rounded lengths (ascending): a
+    micro-batch grows while ``rows x its longest row`` fits ``cap``; the first one's length is at least one
+    round, later ones start from their first row's length (0 for an empty row, as in ROLL)."""
+    count, size, longest = 1, 0, rnd
+    for r in rounded.tolist():
+        if (size + 1) * max(longest, r) <= cap:
+            size, longest = size + 1, max(longest, r)
+        else:
+            count, size, longest = count + 1, 1, r
+    return count
+
+
+def _cut(s: np.ndarray, cap: int, rule: CountRule, cm: CostModel, roll_count: int,
+         ga_steps: Optional[int]) -> List[int]:
+    """Row boundaries ``0 = b_0 < ... < b_M = R`` of the cheapest cut with an allowed count (see the module
+    docstring): ROLL's count, or with ``ga_steps`` any valid count with as many optimizer steps."""
     rows = s.size
     width = np.maximum(cap // s, 1)                # rows a micro-batch ending at row j-1 may hold
     greedy = _greedy(s, cap)
-    m0 = rule.next(len(greedy) - 1)
+    m0 = rule.next(max(roll_count, len(greedy) - 1))
     if m0 > rows:
-        raise DynBatchConfigError("micro-batch count", m0,
+        raise DynBatchConfigError("pipeline_model_parallel_size", rule.parallel.pp,
                                   f"the interleaved pipeline needs {m0} micro-batches but a shard has {rows} samples",
                                   "pass more samples per DP rank, or lower pp / vpp")
-    hi = min(rows, max(MAX_COUNT_FACTOR * m0, m0 + EXTRA_COUNTS), max(m0, DP_BUDGET // rows))
+    hi = m0 if ga_steps is None else min(rows, -(-m0 // ga_steps) * ga_steps, max(m0, DP_BUDGET // rows))
     cands = [m for m in range(m0, hi + 1) if rule.is_valid(m)]
     if m0 * rows > DP_BUDGET:
         return _split(greedy, s, m0)

@@ -9,7 +9,9 @@ global_batch_sizes)`` with ``partitions[r]`` rank ``r``'s global sample indices 
 ``micro_batch_indices[r]`` consecutive local index ranges tiling ``range(len(partitions[r]))``,
 ``num_microbatches[s]`` the per-rank count of step ``s``, ``global_batch_sizes[s] == global_batch_size``.
 Config keys ``dp_size, cp_size, vpp_size, microbatch_group_size_per_vp_stage``. A sample over the budget is
-placed alone (slime's policy; a warning here).
+placed alone (slime's policy; a warning here). Where slime asserts, the error is a
+:class:`~megatron_dynbatch.core.errors.DropinAssertionError` (an ``AssertionError`` too), naming slime's
+arguments; a budget under the padding multiple says where the multiple comes from (:func:`check_pad_budget`).
 
 What changes (dynamic batch size): slime packs first-fit in sample order, then deals whole micro-batches to
 ranks; its ``--balance-by-flops`` fixes the count at ``ceil(tokens / cap)`` and does not enforce the cap; its
@@ -29,14 +31,16 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+from ..alignment import Alignment
 from ..checks import as_bool, as_int
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from ..partitioning import karmarkar_karp
 from ..planner import Plan, plan_global_batch
 from ..planner.inputs import check_group_ids, check_lengths
+from .words import SLIME_WORDS, speaks
 
-__all__ = ["SlimeSchedule", "slime_parallel", "slime_schedule"]
+__all__ = ["SlimeSchedule", "check_pad_budget", "slime_parallel", "slime_schedule"]
 
 
 @dataclass
@@ -88,14 +92,42 @@ def _steps(rollout_indices: Sequence[Any], n: int, global_batch_size: int):
     return rids, by_rollout, order, steps, gbs
 
 
+def check_pad_budget(max_tokens_per_gpu: Any, parallel: ParallelConfig, data_pad_size_multiplier: Any,
+                     assumed: bool = False) -> int:
+    """The padding multiple ``tp * data_pad_size_multiplier`` slime pads each CP rank's share of a micro-batch to,
+    after checking that ``--max-tokens-per-gpu`` holds one such multiple; the error says where the multiple comes
+    from (``assumed``: ``args`` has no ``data_pad_size_multiplier``, so slime's default 128 was taken) and how to
+    change it."""
+    budget = as_int(max_tokens_per_gpu, "--max-tokens-per-gpu", minimum=1, fix="pass --max-tokens-per-gpu")
+    mult = as_int(data_pad_size_multiplier, "data_pad_size_multiplier", minimum=1,
+                  fix="pass slime's --data-pad-size-multiplier (default 128; 1 turns the padding off)")
+    pad = mult * parallel.tp
+    align = Alignment.for_layout(parallel, None, None, pad)
+    cap = budget * parallel.cp
+    if align.effective_cap(cap) < align.seq_multiple:
+        where = ("slime's default 128, assumed because args has no data_pad_size_multiplier" if assumed
+                 else "args.data_pad_size_multiplier")
+        raise DynBatchConfigError(
+            "--max-tokens-per-gpu", budget,
+            f"a micro-batch of {cap} tokens holds nothing: slime pads each CP rank's share of a micro-batch to a "
+            f"multiple of tp x data_pad_size_multiplier = {parallel.tp} x {mult} = {pad} ({where})",
+            f"use --max-tokens-per-gpu >= {align.budget_for(align.seq_multiple, parallel.cp)}, or set a smaller "
+            "--data-pad-size-multiplier (args.data_pad_size_multiplier; 1 turns this padding off)")
+    return pad
+
+
+@speaks(SLIME_WORDS, assertion=True)
 def slime_schedule(total_lengths: Sequence[int], *, rollout_indices: Sequence[Any], global_batch_size: int,
                    parallel: ParallelConfig, max_tokens_per_gpu: Optional[int], use_dynamic_batch_size: bool = True,
                    micro_batch_size: Optional[int] = None, balance_data: bool = True, model: Any = None,
                    data_pad_size_multiplier: Optional[int] = 128, oversize: str = "alone",
-                   cost_model: Any = None) -> SlimeSchedule:
+                   cost_model: Any = None, pad_multiplier_assumed: bool = False) -> SlimeSchedule:
     """slime's schedule for one rollout (see the module docstring). ``data_pad_size_multiplier``: slime pads
-    each CP rank's share of a micro-batch to ``tp`` times this (``None``/1: no such padding)."""
-    lens = check_lengths(total_lengths)
+    each CP rank's share of a micro-batch to ``tp`` times this (``None``/1: no such padding;
+    ``pad_multiplier_assumed``: it is slime's default, taken because ``args`` lacks it -- the error says so).
+    Errors are :class:`~megatron_dynbatch.core.errors.DropinAssertionError` (slime asserts on its input), named
+    in slime's words (``total_lengths``, ``rollout_indices``, ``global_batch_size``, ``--max-tokens-per-gpu``)."""
+    lens = check_lengths(total_lengths, field="total_lengths")
     rids, by_rollout, order, steps, gbs = _steps(rollout_indices, lens.size, global_batch_size)
     kept = [i for r in order[:steps * gbs] for i in by_rollout[r]]
     dp = parallel.dp
@@ -106,7 +138,7 @@ def slime_schedule(total_lengths: Sequence[int], *, rollout_indices: Sequence[An
                                   "pass --max-tokens-per-gpu")
     pad = None
     if data_pad_size_multiplier is not None:
-        pad = as_int(data_pad_size_multiplier, "data_pad_size_multiplier", minimum=1) * parallel.tp
+        pad = check_pad_budget(max_tokens_per_gpu, parallel, data_pad_size_multiplier, pad_multiplier_assumed)
     plan = plan_global_batch(lens[kept], model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
                              balance_by_flops=model is not None, cost_model=cost_model, oversize=oversize,
                              rollout_ids=[rids[i] for i in kept], rollouts_per_step=gbs, microbatch_pad_multiple=pad)

@@ -16,15 +16,20 @@ Contracts kept (verl, read Aug 2026):
   first one at which this rank's samples pack under the cap -- verl's per-sequence padding (``tp*cp*2``, or
   ``tp`` without CP) included -- with the same floor, multiple and MAX (:func:`local_count`), and the plan for
   the agreed count never breaks the cap (:func:`local_partitions`). ``force_group_size`` keeps consecutive
-  groups in one micro-batch. Micro-batches are ordered for the pipeline by the cost model
-  (``use_dynamic_bsz_balance``; verl puts small ones at both ends) or left in index order.
+  groups in one micro-batch; a group over the cap runs as a micro-batch of its own (verl's policy for groups,
+  with a warning; :func:`local_plan`'s ``oversize_samples`` / ``cap_violations`` count it), while a single
+  sample over the cap is an error (verl asserts on the padded width). Micro-batches are ordered for the
+  pipeline by the cost model (``use_dynamic_bsz_balance``; verl puts small ones at both ends) or left in index
+  order.
 * ``_balance_batch``: reorder the batch so that dispatching equal chunks gives every DP rank the same number of
   samples (of every mini-batch with ``keep_minibatch``; keeping uid groups together with the prefix grouper),
   balanced. Here :func:`balance_partitions` balances the cost model's time under the budget (verl: its fixed
   ``24576*L + L**2``).
 
 Without a model, balancing uses verl's own workload estimate ``24576*L + L**2`` (:func:`verl_cost_model`); pass
-the trained model (``model=``) to balance its real FLOPs at kernel efficiency.
+the trained model (``model=``) to balance its real FLOPs at kernel efficiency. Errors are
+:class:`~megatron_dynbatch.core.errors.DropinAssertionError` (verl asserts on its input) naming verl's arguments
+(:data:`~megatron_dynbatch.core.dropin.words.VERL_WORDS`); lengths and workloads may be lists, arrays or tensors.
 """
 
 from __future__ import annotations
@@ -35,16 +40,17 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from ..alignment import Alignment
-from ..checks import as_bool, as_int
+from ..checks import as_array, as_bool, as_int, scalar
 from ..cost_model import CostModel
-from ..errors import DynBatchConfigError, OversizeSampleWarning
+from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from ..parallel import ParallelConfig
 from ..partitioning import karmarkar_karp
-from ..planner import local_microbatch_counts, plan_global_batch, plan_local_batch
+from ..planner import Plan, local_microbatch_counts, plan_global_batch, plan_local_batch
 from ..planner.inputs import check_group_ids, check_lengths
+from .words import VERL_WORDS, speaks, trainer_terms
 
 __all__ = ["VERL_WORKLOAD_LINEAR", "balance_partitions", "group_balanced_partitions", "local_count",
-           "local_partitions", "seqlen_balanced_partitions", "verl_cost_model", "verl_sequence_pad_multiple",
+           "local_partitions", "local_plan", "seqlen_balanced_partitions", "verl_cost_model", "verl_sequence_pad_multiple",
            "verl_workload"]
 
 #: verl's ``calculate_workload``: ``24576 * L + L**2`` (12 h^2 L + 2 h L^2 per layer with h = 4096, over 2 h)
@@ -78,8 +84,11 @@ def verl_sequence_pad_multiple(tp: int = 1, cp: int = 1) -> int:
     return tp * cp * 2 if cp > 1 else tp
 
 
+@speaks(VERL_WORDS, assertion=True)
 def seqlen_balanced_partitions(seqlen_list: Sequence[float], k_partitions: int, equal_size: bool) -> List[List[int]]:
-    """verl's ``get_seqlen_balanced_partitions`` (Karmarkar-Karp): ``k`` sorted, non-empty partitions."""
+    """verl's ``get_seqlen_balanced_partitions`` (Karmarkar-Karp): ``k`` sorted, non-empty partitions. Takes what
+    verl's own call sites pass: a list, an array, or a tensor of lengths or workloads (``_balance_batch`` hands
+    it ``calculate_workload(attention_mask.sum(-1))`` and slices of it)."""
     values = _values(seqlen_list)
     k = as_int(k_partitions, "k_partitions", minimum=1)
     if values.size < k:
@@ -93,24 +102,33 @@ def seqlen_balanced_partitions(seqlen_list: Sequence[float], k_partitions: int, 
 
 
 def _values(seqlen_list: Any) -> np.ndarray:
-    """Finite real numbers (lengths or workloads), one per item, as float64."""
-    fix = "pass one finite number per item (lengths or workloads)"
-    if not isinstance(seqlen_list, (list, tuple, range, np.ndarray)) or np.ndim(seqlen_list) != 1:
-        raise DynBatchConfigError("seqlen_list", type(seqlen_list).__name__, "must be a 1-D sequence of numbers", fix)
-    out = []
-    for i, v in enumerate(list(seqlen_list)):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
-                or not np.isfinite(float(v)):
-            raise DynBatchConfigError(f"seqlen_list[{i}]", v, "is not a finite number", fix)
-        out.append(float(v))
-    return np.asarray(out, dtype=np.float64)
+    """Finite, non-negative real numbers (lengths or workloads), one per item, as float64."""
+    fix = "pass one length or workload per item: a list, a 1-D array or a 1-D tensor of numbers >= 0"
+    arr = as_array(seqlen_list)
+    if isinstance(arr, (list, tuple, range)):
+        arr = [scalar(v) for v in arr]
+        for i, v in enumerate(arr):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float)):
+                raise DynBatchConfigError(f"seqlen_list[{i}]", v, "is not a number", fix)
+        arr = np.asarray(arr, dtype=np.float64) if arr else np.zeros(0)
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in "iuf":
+        what = f"array of shape {arr.shape} and dtype {arr.dtype}" if isinstance(arr, np.ndarray) \
+            else type(seqlen_list).__name__
+        raise DynBatchConfigError("seqlen_list", what, "must be a 1-D sequence of numbers", fix)
+    arr = arr.astype(np.float64)
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise DynBatchConfigError(f"seqlen_list[{i}]", arr[i].item(), "is not a finite number >= 0", fix)
+    return arr
 
 
+@speaks(VERL_WORDS, assertion=True)
 def group_balanced_partitions(seqlen_list: Sequence[int], uid_list: Sequence[Any], k_partitions: int,
                               model: Any = None) -> List[List[int]]:
     """verl's ``get_group_balanced_partitions``: runs of equal consecutive uids stay together; groups are dealt
     to ``k`` partitions with equal group counts, balanced by verl's workload (or the model's time)."""
-    lens = check_lengths(seqlen_list)
+    lens = check_lengths(seqlen_list, field="seqlen_list")
     uids = check_group_ids(uid_list, lens.size, field="uid_list")
     groups: List[List[int]] = []
     for i, u in enumerate(uids):
@@ -135,29 +153,68 @@ def _work(lens: np.ndarray, model: Any) -> np.ndarray:
     return cm.work(lens, lens.astype(np.float64) ** 2)
 
 
-def _planner_kwargs(max_token_len: int, *, tp: int, cp: int, pp: int, model: Any, cost_model: Any,
+def _planner_kwargs(lens: np.ndarray, max_token_len: int, *, tp: int, cp: int, pp: int, model: Any, cost_model: Any,
                     num_batches_divided_by: Optional[int], min_num_micro_batch: Optional[int],
-                    force_group_size: Optional[int], n: int, sequence_pad_multiple: Optional[int]) -> dict:
-    """``plan_global_batch`` arguments for one rank's micro-batches under verl's semantics."""
+                    force_group_size: Optional[int], sequence_pad_multiple: Optional[int]) -> dict:
+    """``plan_global_batch`` arguments for one rank's micro-batches under verl's semantics, after checking that
+    every sample fits ``max_token_len`` with verl's padding (verl's own assert is on the padded width; a sample
+    over the cap is an error, a ``force_group_size`` group over it runs alone -- see :func:`local_plan`)."""
     cap = as_int(max_token_len, "max_token_len", minimum=1, fix="pass the token budget of one micro-batch")
     par = ParallelConfig(dp=1, tp=tp, cp=cp, pp=pp)
     if cap // cp < 1:
         raise DynBatchConfigError("max_token_len", cap, f"smaller than the context-parallel size {cp}",
                                   "pass max_token_len = max_token_len_per_gpu * cp")
-    kw = dict(parallel=par, max_tokens_per_gpu=cap // cp, oversize="error",
-              sequence_pad_multiple=verl_sequence_pad_multiple(tp, cp) if sequence_pad_multiple is None
-              else sequence_pad_multiple,
+    pad = verl_sequence_pad_multiple(tp, cp) if sequence_pad_multiple is None else sequence_pad_multiple
+    _check_samples_fit(lens, cap, par, pad)
+    kw = dict(parallel=par, max_tokens_per_gpu=cap // cp, oversize="alone", sequence_pad_multiple=pad,
               num_microbatches_multiple=num_batches_divided_by, min_num_microbatches=min_num_micro_batch)
     kw.update(_balance_kwargs(model, cost_model, par))
     fgs = 1 if force_group_size is None else as_int(force_group_size, "force_group_size", minimum=1)
-    if n % fgs:
-        raise DynBatchConfigError("force_group_size", fgs, f"does not divide the batch size {n}",
+    if lens.size % fgs:
+        raise DynBatchConfigError("force_group_size", fgs, f"does not divide the batch size {lens.size}",
                                   f"pass a batch whose size is a multiple of {fgs}")
     if fgs > 1:
-        kw["microbatch_group_ids"] = [i // fgs for i in range(n)]
+        kw["microbatch_group_ids"] = np.arange(lens.size) // fgs
     return kw
 
 
+def _check_samples_fit(lens: np.ndarray, cap: int, par: ParallelConfig, pad: int) -> None:
+    """Every sample fits one micro-batch of ``cap`` tokens after verl's per-sequence padding ``pad`` (the
+    planner's ``oversize="alone"`` is then only ever used by ``force_group_size`` groups)."""
+    align = Alignment.for_layout(par, None, pad)
+    cap_eff = align.effective_cap(cap // par.cp * par.cp)
+    slots = align.seq_len(lens)
+    if cap_eff < align.seq_multiple or (slots > cap_eff).any():
+        i = int(np.argmax(slots))
+        need = align.budget_for(int(slots[i]), par.cp) * par.cp
+        raise OversizeSampleError(
+            "max_token_len", cap, f"sample {i} has {int(lens[i])} tokens, {int(slots[i])} after verl's padding of "
+            f"each sequence to a multiple of {pad} (tp={par.tp}, cp={par.cp}), more than a micro-batch of "
+            f"max_token_len holds ({cap_eff})", f"raise ppo_max_token_len_per_gpu so that max_token_len "
+            f"(ppo_max_token_len_per_gpu x cp) >= {need}, or lower max_prompt_length + max_response_length")
+
+
+def _group_warning(plan: Any, fgs: int, cap: int) -> None:
+    """verl's policy for a ``force_group_size`` group over ``max_token_len``: it runs as a micro-batch of its
+    own (over the budget), with this warning; ``plan.oversize_samples`` / ``plan.cap_violations`` count it."""
+    if not plan.oversize_samples:
+        return
+    groups = sorted({i // fgs for i in plan.oversize_samples})
+    shown = ", ".join(f"samples {g * fgs}..{g * fgs + fgs - 1}" for g in groups[:3])
+    warnings.warn(f"force_group_size={fgs}: {len(groups)} group(s) ({shown}{', ...' if len(groups) > 3 else ''}) "
+                  f"hold more tokens than max_token_len={cap} with verl's padding; each runs as a micro-batch of "
+                  "its own, over the budget (verl's policy for groups). Raise ppo_max_token_len_per_gpu to keep "
+                  "every micro-batch within it", OversizeSampleWarning, stacklevel=3)
+
+
+def _quiet_plan(fn, lens: np.ndarray, **kw):
+    """``fn(lens, **kw)`` without the planner's own oversize warning (the drop-in warns in verl's words)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        return fn(lens, **kw)
+
+
+@speaks(VERL_WORDS, assertion=True)
 def local_count(lengths: Sequence[int], max_token_len: int, *, num_batches_divided_by: Optional[int] = None,
                 min_num_micro_batch: Optional[int] = None, force_group_size: Optional[int] = None, tp: int = 1,
                 cp: int = 1, pp: int = 1, model: Any = None, cost_model: Any = None,
@@ -165,37 +222,53 @@ def local_count(lengths: Sequence[int], max_token_len: int, *, num_batches_divid
     """The micro-batches this rank needs (before the MAX over DP): the first count, at least
     ``min_num_micro_batch`` and a multiple of ``num_batches_divided_by``, at which its samples pack under
     ``max_token_len`` with verl's padding."""
-    lens = check_lengths(lengths)
-    kw = _planner_kwargs(max_token_len, tp=tp, cp=cp, pp=pp, model=model, cost_model=cost_model,
+    lens = check_lengths(lengths, field="seqlen_list")
+    kw = _planner_kwargs(lens, max_token_len, tp=tp, cp=cp, pp=pp, model=model, cost_model=cost_model,
                          num_batches_divided_by=num_batches_divided_by, min_num_micro_batch=min_num_micro_batch,
-                         force_group_size=force_group_size, n=lens.size, sequence_pad_multiple=sequence_pad_multiple)
-    return local_microbatch_counts(lens, **kw)[0]
+                         force_group_size=force_group_size, sequence_pad_multiple=sequence_pad_multiple)
+    with trainer_terms(VERL_WORDS, assertion=True, values={"max_token_len": int(max_token_len)}):
+        return _quiet_plan(local_microbatch_counts, lens, **kw)[0]
+
+
+@speaks(VERL_WORDS, assertion=True)
+def local_plan(lengths: Sequence[int], max_token_len: int, num_micro_batches: int, *,
+               num_batches_divided_by: Optional[int] = None, force_group_size: Optional[int] = None, tp: int = 1,
+               cp: int = 1, pp: int = 1, model: Any = None, cost_model: Any = None,
+               sequence_pad_multiple: Optional[int] = None) -> Plan:
+    """This rank's :class:`~megatron_dynbatch.core.planner.Plan` for the agreed ``num_micro_batches``: no
+    micro-batch over ``max_token_len`` except a ``force_group_size`` group that alone is over it (verl runs such
+    a group on its own; a warning, and ``plan.oversize_samples`` / ``plan.cap_violations`` count it)."""
+    lens = check_lengths(lengths, field="seqlen_list")
+    kw = _planner_kwargs(lens, max_token_len, tp=tp, cp=cp, pp=pp, model=model, cost_model=cost_model,
+                         num_batches_divided_by=num_batches_divided_by, min_num_micro_batch=None,
+                         force_group_size=force_group_size, sequence_pad_multiple=sequence_pad_multiple)
+    with trainer_terms(VERL_WORDS, assertion=True, values={"max_token_len": int(max_token_len)}):
+        plan = _quiet_plan(plan_local_batch, lens, num_microbatches=num_micro_batches, **kw)
+    _group_warning(plan, 1 if force_group_size is None else int(force_group_size), int(max_token_len))
+    return plan
 
 
 def local_partitions(lengths: Sequence[int], max_token_len: int, num_micro_batches: int, *,
-                     num_batches_divided_by: Optional[int] = None, force_group_size: Optional[int] = None,
-                     use_dynamic_bsz_balance: bool = True, tp: int = 1, cp: int = 1, pp: int = 1, model: Any = None,
-                     cost_model: Any = None, sequence_pad_multiple: Optional[int] = None) -> List[List[int]]:
-    """This rank's ``num_micro_batches`` micro-batches (each a sorted list of indices into its batch), within the
-    cap. ``use_dynamic_bsz_balance``: in the cost model's pipeline order, else in order of first index."""
-    lens = check_lengths(lengths)
-    kw = _planner_kwargs(max_token_len, tp=tp, cp=cp, pp=pp, model=model, cost_model=cost_model,
-                         num_batches_divided_by=num_batches_divided_by, min_num_micro_batch=None,
-                         force_group_size=force_group_size, n=lens.size, sequence_pad_multiple=sequence_pad_multiple)
-    plan = plan_local_batch(lens, num_microbatches=num_micro_batches, **kw)
+                     use_dynamic_bsz_balance: bool = True, **kwargs: Any) -> List[List[int]]:
+    """This rank's ``num_micro_batches`` micro-batches (each a sorted list of indices into its batch) of
+    :func:`local_plan`. ``use_dynamic_bsz_balance``: in the cost model's pipeline order, else in order of
+    first index."""
+    balance = as_bool(use_dynamic_bsz_balance, "use_dynamic_bsz_balance")
+    plan = local_plan(lengths, max_token_len, num_micro_batches, **kwargs)
     parts = [sorted(mb) for mb in plan.micro_batches[0]]
-    if not as_bool(use_dynamic_bsz_balance, "use_dynamic_bsz_balance"):
+    if not balance:
         parts.sort(key=lambda p: p[0])
     return parts
 
 
+@speaks(VERL_WORDS, assertion=True)
 def balance_partitions(lengths: Sequence[int], dp: int, *, minibatch_size: Optional[int] = None,
                        uids: Optional[Sequence[Any]] = None, max_token_len: Optional[int] = None, tp: int = 1,
                        cp: int = 1, pp: int = 1, model: Any = None, cost_model: Any = None) -> List[List[int]]:
     """The DP-level balance of verl's ``_balance_batch``: ``dp`` partitions of global indices with equal sample
     counts (per mini-batch of ``minibatch_size`` samples, in mini-batch order, with ``keep_minibatch``), uid groups
     kept on one rank when ``uids`` is given, balanced by time under the budget ``max_token_len`` (when given)."""
-    lens = check_lengths(lengths)
+    lens = check_lengths(lengths, field="attention_mask.sum(-1)")
     dp = as_int(dp, "dp_size", minimum=1)
     par = ParallelConfig(dp=dp, tp=tp, cp=cp, pp=pp)
     pad = verl_sequence_pad_multiple(tp, cp)

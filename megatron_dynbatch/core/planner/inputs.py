@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Tuple
 import numpy as np
 
 from ..alignment import Alignment
-from ..checks import MAX_TOKENS, as_bool, as_int, is_int
+from ..checks import MAX_TOKENS, as_array, as_bool, as_int, scalar, whole_number
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from ..parallel import ParallelConfig
@@ -20,72 +20,76 @@ OVERSIZE_POLICIES = ("error", "alone")
 BALANCE_MODES = ("flops", "tokens", "time")
 
 
-def check_lengths(lengths) -> np.ndarray:
-    """Token counts as an int64 array, or a ``DynBatchConfigError`` naming the first bad entry.
+def check_lengths(lengths, field: str = "lengths") -> np.ndarray:
+    """Token counts as an int64 array, or a ``DynBatchConfigError`` naming the first bad entry (``field[i]``; a
+    drop-in passes its trainer's name, e.g. ``total_lengths``).
 
-    Accepted: a 1-D sequence or array of integers (Python or NumPy, any integer dtype) in ``[0, MAX_TOKENS]``.
-    Refused: booleans (also inside a list: ``[True, 2]`` is not two token counts), floats, strings, nested or
-    ragged sequences, scalars, mappings, values beyond ``MAX_TOKENS`` (reported with their true value, also for
-    unsigned 64-bit input)."""
+    Accepted: a 1-D sequence, array or tensor (any device and dtype; duck-typed, see
+    :func:`~megatron_dynbatch.core.checks.as_array`) of exact whole numbers in ``[0, MAX_TOKENS]`` -- integers of
+    any dtype, whole floats (``np.loadtxt`` output, ``3636.0``), NumPy scalars and 0-d tensors inside a list.
+    Refused: booleans (also inside a list: ``[True, 2]`` is not two token counts), fractions, NaN, strings, nested
+    or ragged sequences, scalars and 0-d arrays / tensors, mappings, values beyond ``MAX_TOKENS`` (reported
+    with their true value, also for unsigned 64-bit input)."""
     fix = "pass a list or 1-D array of non-negative integers (one token count per sample)"
+    lengths = as_array(lengths)
     if lengths is None or isinstance(lengths, (str, bytes, Mapping, set, frozenset)) or _ndim(lengths) == 0 \
             and not isinstance(lengths, (list, tuple)):
-        raise DynBatchConfigError("lengths", _short(lengths), "must be a sequence of token counts", fix)
-    if isinstance(lengths, np.ndarray):
+        raise DynBatchConfigError(field, _short(lengths), "must be a sequence of token counts", fix)
+    if isinstance(lengths, np.ndarray) and lengths.dtype.kind in "iuf":
         arr = lengths
+    elif isinstance(lengths, np.ndarray) and lengths.ndim != 1:
+        arr = lengths  # refused below, by shape
     else:
-        items = list(lengths)
-        for i, v in enumerate(items):
-            if isinstance(v, (bool, np.bool_)) or not _is_scalar(v):
-                raise DynBatchConfigError(f"lengths[{i}]", _short(v), "must be a whole token count",
-                                          "pass one integer per sample (e.g. len(token_ids)); lengths must be "
-                                          "one-dimensional")
-            if not is_int(v):
-                raise DynBatchConfigError(f"lengths[{i}]", v, "token counts must be integers",
-                                          "pass whole token counts (e.g. len(token_ids)), not floats or strings")
-        if not items:
-            raise DynBatchConfigError("lengths", [], "the global batch is empty", "pass at least dp samples")
-        arr = np.asarray(items, dtype=object) if any(isinstance(v, int) and abs(v) > MAX_TOKENS for v in items) \
-            else np.asarray(items)
+        arr = _whole_items(list(lengths), field)
     if arr.ndim != 1:
-        raise DynBatchConfigError("lengths", f"array of shape {arr.shape}", "must be one-dimensional",
+        raise DynBatchConfigError(field, f"array of shape {arr.shape}", "must be one-dimensional",
                                   "pass one token count per sample")
     if arr.size == 0:
-        raise DynBatchConfigError("lengths", [], "the global batch is empty", "pass at least dp samples")
-    if arr.dtype.kind == "f":  # blame the first non-integral value, else the first value
+        raise DynBatchConfigError(field, [], "the global batch is empty", "pass at least dp samples")
+    if arr.dtype.kind == "f":  # whole numbers in a float dtype are token counts; blame the first fraction
         bad_mask = ~np.isfinite(arr) | (arr != np.round(arr))
-        i = int(np.flatnonzero(bad_mask)[0]) if bad_mask.any() else 0
-        raise DynBatchConfigError(f"lengths[{i}]", arr[i].item(), "token counts must be integers",
-                                  "pass whole token counts (e.g. len(token_ids)), not floats or strings")
-    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
-        for i, v in enumerate(arr.tolist()):
-            if not is_int(v):
-                raise DynBatchConfigError(f"lengths[{i}]", v, "token counts must be integers",
-                                          "pass whole token counts (e.g. len(token_ids)), not floats or strings")
-        values = arr.tolist()  # Python ints of any size (object arrays)
+        if bad_mask.any():
+            i = int(np.flatnonzero(bad_mask)[0])
+            raise DynBatchConfigError(f"{field}[{i}]", arr[i].item(), "token counts must be integers",
+                                      "pass whole token counts (e.g. len(token_ids)), not fractions or strings")
+    if arr.dtype == object:  # Python ints beyond int64
+        values = arr.tolist()
         bad = next((i for i, v in enumerate(values) if not 0 <= v <= MAX_TOKENS), None)
         if bad is not None:
-            _raise_range(bad, values[bad])
+            _raise_range(bad, values[bad], field)
         return np.asarray(values, dtype=np.int64)
-    if np.issubdtype(arr.dtype, np.unsignedinteger):
-        over = arr > MAX_TOKENS
-        if over.any():
-            bad = int(np.flatnonzero(over)[0])
-            _raise_range(bad, int(arr[bad]))
-        return arr.astype(np.int64)
-    arr = arr.astype(np.int64)
     out = (arr < 0) | (arr > MAX_TOKENS)
     if out.any():
         bad = int(np.flatnonzero(out)[0])
-        _raise_range(bad, int(arr[bad]))
-    return arr
+        _raise_range(bad, int(arr[bad]), field)
+    return arr.astype(np.int64)
 
 
-def _raise_range(i: int, v: int) -> None:
+def _whole_items(items: list, field: str) -> np.ndarray:
+    """A list's entries (NumPy scalars and 0-d tensors read as Python scalars) as an int64 array, or an object
+    array when one is beyond int64; an error naming the first entry that is not a whole token count."""
+    for i, v in enumerate(items):
+        v = scalar(v)
+        if isinstance(v, (bool, np.bool_)) or not _is_scalar(v):
+            raise DynBatchConfigError(f"{field}[{i}]", _short(v), "must be a whole token count",
+                                      "pass one integer per sample (e.g. len(token_ids)); lengths must be "
+                                      "one-dimensional")
+        w = whole_number(v)
+        if w is None:
+            raise DynBatchConfigError(f"{field}[{i}]", v, "token counts must be integers",
+                                      "pass whole token counts (e.g. len(token_ids)), not fractions or strings")
+        items[i] = w
+    if not items:
+        raise DynBatchConfigError(field, [], "the global batch is empty", "pass at least dp samples")
+    big = any(abs(v) > MAX_TOKENS for v in items)
+    return np.asarray(items, dtype=object if big else np.int64)
+
+
+def _raise_range(i: int, v: int, field: str = "lengths") -> None:
     if v < 0:
-        raise DynBatchConfigError(f"lengths[{i}]", v, "token counts cannot be negative",
+        raise DynBatchConfigError(f"{field}[{i}]", v, "token counts cannot be negative",
                                   "pass the number of tokens of each sample (>= 0)")
-    raise DynBatchConfigError(f"lengths[{i}]", v, f"is larger than any sequence this planner accepts ({MAX_TOKENS})",
+    raise DynBatchConfigError(f"{field}[{i}]", v, f"is larger than any sequence this planner accepts ({MAX_TOKENS})",
                               "pass token counts, not token ids or byte sizes")
 
 
@@ -143,22 +147,22 @@ def balance_mode(balance_by: Optional[str], balance_by_flops: bool, has_model: b
 
 
 def check_group_ids(group_ids: Any, n: int, field: str = "group_ids") -> list:
-    """One hashable, non-``None`` id per sample -- a scalar (int, str, ...) or a tuple of them; NumPy scalars
-    become Python scalars, so ``np.int64(3)`` and ``3`` are one group. Anything else (``None``, NaN, lists,
+    """One hashable, non-``None`` id per sample -- a scalar (int, str, ...) or a tuple of them; NumPy scalars and
+    0-d tensors become Python scalars, so ``np.int64(3)``, ``tensor(3)`` and ``3`` are one group (a tensor of
+    ids is read by value, on any device). Anything else (``None``, NaN, lists,
     dicts, nested arrays) is a ``DynBatchConfigError`` naming the entry."""
     fix = "pass one id per sample (an int or str, e.g. the prompt index), as a list or 1-D array"
+    group_ids = as_array(group_ids)  # a tensor groups by value, not by the identity of its 0-d elements
     if isinstance(group_ids, (str, bytes, Mapping, set, frozenset)) or _ndim(group_ids) == 0 \
             and not isinstance(group_ids, (list, tuple)):
         raise DynBatchConfigError(field, _short(group_ids), "must be a sequence of group ids", fix)
     if isinstance(group_ids, np.ndarray) and group_ids.ndim != 1:
         raise DynBatchConfigError(field, f"array of shape {group_ids.shape}", "must be one-dimensional", fix)
-    gids = list(group_ids)
+    gids = [scalar(g) for g in group_ids]
     if len(gids) != n:
         raise DynBatchConfigError(field, f"{len(gids)} ids", f"needs one id per sample ({n})",
                                   f"pass {field} with the same length as lengths")
     for i, g in enumerate(gids):
-        if isinstance(g, np.generic):
-            g = gids[i] = g.item()
         if g is None or (isinstance(g, float) and g != g) or \
                 (not isinstance(g, (str, bytes, tuple)) and not _is_scalar(g)):
             raise DynBatchConfigError(f"{field}[{i}]", _short(g), "is not a group id", fix)

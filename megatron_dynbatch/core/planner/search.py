@@ -295,8 +295,14 @@ def _split_to_count(counts: _Counts, forced: int, lb_m: int, m_max: int) -> Opti
 
 
 def _max_count(inp: StepInput, dp: int) -> int:
-    """Most micro-batches every rank can fill: the rank with the fewest samples bounds it."""
-    return int(inp.unit_count.sum() // dp)
+    """Most micro-batches every rank can fill: a micro-batch needs an item and a unit sits on one rank, so for
+    every ``j < dp`` the ``dp - j`` ranks holding none of the ``j`` largest units share what the others leave:
+    ``M <= (items - top_j) // (dp - j)``. ``j = 0`` is the plain ``items // dp``; larger ``j`` refuse at once a
+    step whose one giant group leaves the other ranks too few items (which used to search for minutes)."""
+    c = np.sort(inp.unit_count)[::-1]
+    j = np.arange(min(dp, c.size))
+    top = np.concatenate(([0], np.cumsum(c)))[j]
+    return int(((int(c.sum()) - top) // (dp - j)).min())
 
 
 def _too_few_samples(par: ParallelConfig, n: int, m: int, m_max: int, budget: int,

@@ -93,13 +93,6 @@ class RankShard:
                                       f"the shard lists {len(self.sample_indices)} samples", "re-dispatch the batch")
         return got
 
-    def iterator(self, samples: Optional[Sequence[Mapping[str, Any]]] = None, *, forward_only: bool = False,
-                 **kwargs: Any) -> Any:
-        """:func:`~megatron_dynbatch.integrations.ray.actor.shard_iterator` of this shard."""
-        from .actor import shard_iterator
-
-        return shard_iterator(self, samples, forward_only=forward_only, **kwargs)
-
 
 @dataclass
 class RolloutPlan:
