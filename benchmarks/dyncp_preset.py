@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dynbatch import CostModel, RunConfig, plan_global_batch  # noqa: E402
 from megatron_dynbatch.bench.workloads import document_sample, grpo_lengths  # noqa: E402
-from megatron_dynbatch.core.planner.dyncp_assembly import score_with_cp_comm  # noqa: E402
+from megatron_dynbatch.core.planner.dyncp.assembly import score_with_cp_comm  # noqa: E402
 
 
 def shapes(rc: RunConfig) -> Dict[str, Callable[[np.random.Generator], np.ndarray]]:

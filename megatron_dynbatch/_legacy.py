@@ -38,6 +38,15 @@ MOVED = {
     "megatron_lm": "integrations.megatron_lm",
     "ray": "integrations.ray",
     "baselines": "bench.baselines",
+    # the dynamic-CP files of core/planner/ became the core/planner/dyncp/ package
+    "core.planner.dyncp_step": "core.planner.dyncp.step",
+    "core.planner.dyncp_candidates": "core.planner.dyncp.candidates",
+    "core.planner.dyncp_deal": "core.planner.dyncp.deal",
+    "core.planner.dyncp_schedule": "core.planner.dyncp.schedule",
+    "core.planner.dyncp_assembly": "core.planner.dyncp.assembly",
+    "core.planner.dyncp_plan": "core.planner.dyncp.plan",
+    "core.planner.pool": "core.planner.dyncp.pool",
+    "core.planner.pool_sim": "core.planner.dyncp.pool_sim",
 }
 
 _PREFIX = "megatron_dynbatch."
@@ -47,11 +56,12 @@ def new_name(old: str) -> Optional[str]:
     """The current module name for an old ``megatron_dynbatch.X[.Y]`` name, else ``None``."""
     if not old.startswith(_PREFIX):
         return None
-    head, _, tail = old[len(_PREFIX):].partition(".")
-    target = MOVED.get(head)
-    if target is None:
-        return None
-    return _PREFIX + target + ("." + tail if tail else "")
+    parts = old[len(_PREFIX):].split(".")
+    for n in range(len(parts), 0, -1):  # the longest moved prefix
+        target = MOVED.get(".".join(parts[:n]))
+        if target is not None:
+            return _PREFIX + ".".join([target] + parts[n:])
+    return None
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -18,10 +18,10 @@ from megatron_dynbatch.core.cost_model import (CostModel, fit_cp_comm, kv_bytes_
 from megatron_dynbatch.core.errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from megatron_dynbatch.core.parallel import ParallelConfig
 from megatron_dynbatch.core.planner.dyncp import build_dynamic_cp_plan, score_with_cp_comm
-from megatron_dynbatch.core.planner.dyncp_plan import DynamicCPPlan
+from megatron_dynbatch.core.planner.dyncp.plan import DynamicCPPlan
 from megatron_dynbatch.core.planner.plan import Plan
-from megatron_dynbatch.core.planner.pool import PoolTree
-from megatron_dynbatch.core.planner.pool_sim import simulate_pool
+from megatron_dynbatch.core.planner.dyncp.pool import PoolTree
+from megatron_dynbatch.core.planner.dyncp.pool_sim import simulate_pool
 from megatron_dynbatch.core.planner.vpp import is_valid_microbatch_count
 
 

@@ -105,3 +105,39 @@ def test_old_module_paths_resolve_to_the_new_modules():
     from megatron_dynbatch.planner.vpp import is_valid_microbatch_count  # a sub-module of a moved package
     from megatron_dynbatch.core.planner.vpp import is_valid_microbatch_count as current
     assert is_valid_microbatch_count is current
+
+
+def _relative_imports(path: Path, package: str):
+    """Modules a file imports relatively (``from .x import``, ``from ..y import``; inside functions too)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    base = package.split(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            stem = base[:len(base) - node.level + 1]
+            yield ".".join(stem + (node.module.split(".") if node.module else []))
+
+
+def test_the_planner_has_no_import_cycle():
+    """``core/planner`` (the dynamic-CP package included) imports in one direction: no module reaches itself
+    again through relative imports, lazy ones inside functions included."""
+    root = PKG / "core" / "planner"
+    graph = {}
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if p.name == "__init__.py" else rel.parts)
+        package = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        graph[name] = set(_relative_imports(p, package))
+    for name in graph:
+        graph[name] = {m for m in graph[name] if m in graph and m != name and not name.startswith(m + ".")}
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cycles = sorted(n for n in graph if n in reach(n))
+    assert not cycles, cycles

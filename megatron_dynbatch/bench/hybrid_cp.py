@@ -33,7 +33,7 @@ import numpy as np
 from ..core.alignment import Alignment, fp8_multiple
 from ..core.cost_model import CostModel, simulate_1f1b
 from ..core.parallel import ParallelConfig
-from ..core.planner.dyncp_plan import DynamicCPPlan
+from ..core.planner.dyncp.plan import DynamicCPPlan
 from .partitioning import BaselineInfeasible
 
 NAME = "megatron-hybrid-cp"

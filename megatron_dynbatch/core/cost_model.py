@@ -309,7 +309,7 @@ def simulate_1f1b_batch(stage_times: np.ndarray, pp: int,
                         sync: Optional[Callable[[np.ndarray, int], np.ndarray]] = None) -> np.ndarray:
     """:func:`simulate_1f1b` of every row of ``stage_times`` (``[ranks, M]``) at once. ``sync(start, j)``, if
     given, moves the start times of micro-batch ``j``'s forward or backward across ranks before it runs (the
-    dynamic-CP pool: the GPUs of one CP group start together, ``planner/pool_sim.py``)."""
+    dynamic-CP pool: the GPUs of one CP group start together, ``planner/dyncp/pool_sim.py``)."""
     times = np.asarray(stage_times, dtype=np.float64)
     if times.ndim != 2 or times.shape[1] == 0:
         return np.zeros(times.shape[0] if times.ndim == 2 else 0)

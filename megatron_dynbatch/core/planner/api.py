@@ -46,12 +46,14 @@ from ..cost_model import CostModel
 from ..checks import as_bool
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from .dyncp import plan_dynamic_cp
 from .fallback import SearchBudget
 from .inputs import BALANCE_MODES, OVERSIZE_POLICIES, check_budget, check_lengths, resolve_costs, sample_flops
 from .ordering import mb_sums
 from .plan import Plan
 from .prepare import Prepared, prepare
 from .search import plan_step
+from .timing import rank_times_of
 
 __all__ = ["plan_global_batch", "score_assignment", "BALANCE_MODES", "OVERSIZE_POLICIES"]
 
@@ -121,13 +123,11 @@ def plan_global_batch(
         microbatch_pad_multiple: a trainer's own padding multiple of each GPU's share of a micro-batch (slime:
             ``tp * data_pad_size_multiplier``), counted against the cap.
         dynamic_cp: treat the ``dp * cp`` GPUs as one pool and choose each micro-batch's CP group (size and
-            GPUs) per slot: returns a :class:`~.dyncp_plan.DynamicCPPlan` (strategy in :mod:`.dyncp`,
+            GPUs) per slot: returns a :class:`~.dyncp.plan.DynamicCPPlan` (strategy in :mod:`.dyncp`,
             ``docs/dynamic_cp.md``). Balances the cost model's seconds (``balance_by`` is not used); refuses
             ``group_ids``.
     """
     if as_bool(dynamic_cp, "dynamic_cp"):
-        from .dyncp import plan_dynamic_cp
-
         knobs = {"equal_samples_per_rank": equal_samples_per_rank or None,
                  "microbatch_group_ids": microbatch_group_ids, "min_num_microbatches": min_num_microbatches,
                  "num_microbatches_multiple": num_microbatches_multiple, "rollout_ids": rollout_ids,
@@ -232,19 +232,6 @@ def _assemble(prep: Prepared, micro_batches, per_step, lb_count: int, lb_time: f
     plan.lower_bound_step_time = lb_time
     plan.oversize_samples = prep.oversize_samples
     return plan
-
-
-def rank_times_of(mb_time: Sequence[Sequence[float]], per_step: Sequence[int], cm: CostModel) -> np.ndarray:
-    """Per-rank times of per-micro-batch times ``mb_time[r][j]``: optimizer steps one after another (EP groups
-    in lockstep inside each step); ranks with different micro-batch counts (baselines) are timed each alone."""
-    if len({len(r) for r in mb_time}) == 1:
-        rank_time = np.zeros(len(mb_time))
-        start = 0
-        for count in per_step:
-            rank_time += cm.step_time([t[start:start + count] for t in mb_time])
-            start += count
-        return rank_time
-    return np.array([cm.rank_time(t) for t in mb_time])
 
 
 def _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par: ParallelConfig, align: Alignment, cap: int,

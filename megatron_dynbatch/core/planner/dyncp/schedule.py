@@ -20,9 +20,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .dyncp_plan import SlotList
-from .dyncp_step import Bins, StepData
-from .ordering import PATTERNS, arrangement
+from .plan import SlotList
+from .step import Bins, StepData
+from ..ordering import PATTERNS, arrangement
 from .pool_sim import simulate_pool
 
 

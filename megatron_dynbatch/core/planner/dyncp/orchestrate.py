@@ -6,20 +6,20 @@ runs one packed micro-batch, every sequence of it zig-zag split over the group's
 gets as many GPUs as pay off: short ones stay on one GPU (no K/V exchange at all), long ones are spread, and
 one that would set the step time alone is spread wider than memory needs.
 
-This module is the orchestration; the parts live next to it:
+This module is the orchestration; the parts live next to it in the ``dyncp`` package:
 
-* :mod:`.dyncp_step` -- per optimizer step and tree size: slot lengths, fit, solo times (``StepData``);
-* :mod:`.dyncp_candidates` -- the family of candidate schedules (``fixed-cp``, ``tree-<x>``, ``cp<cp>-tree-<x>``,
-  ``all-root``) behind one interface; :mod:`.dyncp_deal` deals the single-GPU samples of a tree candidate;
-* :mod:`.dyncp_schedule` -- one candidate as slots: simulated makespan (:mod:`.pool_sim`), slot arrangement;
-* :mod:`.dyncp_assembly` -- slots -> :class:`~.dyncp_plan.DynamicCPPlan`, and CP-communication scoring.
+* :mod:`.step` -- per optimizer step and tree size: slot lengths, fit, solo times (``StepData``);
+* :mod:`.candidates` -- the family of candidate schedules (``fixed-cp``, ``tree-<x>``, ``cp<cp>-tree-<x>``,
+  ``all-root``) behind one interface; :mod:`.deal` deals the single-GPU samples of a tree candidate;
+* :mod:`.schedule` -- one candidate as slots: simulated makespan (:mod:`.pool_sim`), slot arrangement;
+* :mod:`.assembly` -- slots -> :class:`~.plan.DynamicCPPlan`, and CP-communication scoring.
 
 Strategy (deterministic, no communication)
 ------------------------------------------
 1. Inputs are checked as for the fixed layout; the cost model gets its CP communication term
-   (:func:`~.dyncp_assembly.cp_comm_cost_model`). Samples over the budget even spread over the whole pool are
+   (:func:`~.assembly.cp_comm_cost_model`). Samples over the budget even spread over the whole pool are
    an :class:`OversizeSampleError`, or with ``oversize="alone"`` a warning and a micro-batch of their own.
-2. The batch is cut into optimizer steps (``samples_per_step``, :func:`.steps.step_of_sample`); each step is
+2. The batch is cut into optimizer steps (``samples_per_step``, :func:`..steps.step_of_sample`); each step is
    planned alone and the steps' slots follow each other.
 3. Per step, every candidate of the family is built and scored by simulating it (group members wait for each
    other; 1F1B with ``pp > 1``); with ``pp > 1`` each non-fixed candidate first takes the slot arrangement with
@@ -53,20 +53,20 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..alignment import fp8_multiple
-from ..checks import as_int
-from ..cost_model import CostModel
-from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
-from ..parallel import ParallelConfig
-from .dyncp_assembly import StepSlots, assemble, build_dynamic_cp_plan, cp_comm_cost_model, score_with_cp_comm
-from .dyncp_candidates import FIXED_CP, THRESHOLDS, candidates
-from .dyncp_plan import DynamicCPPlan
-from .dyncp_schedule import Schedule
-from .dyncp_step import StepData
-from .inputs import check_budget, check_lengths, check_oversize_policy, resolve_costs
+from ...alignment import fp8_multiple
+from ...checks import as_int
+from ...cost_model import CostModel
+from ...errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
+from ...parallel import ParallelConfig
+from .assembly import StepSlots, assemble, cp_comm_cost_model
+from .candidates import FIXED_CP, candidates
+from .plan import DynamicCPPlan
+from .schedule import Schedule
+from .step import StepData
+from ..inputs import check_budget, check_lengths, check_oversize_policy, resolve_costs
 from .pool import PoolTree, group_alignment, pool_tree
-from .steps import step_of_sample
-from .vpp import check_forced_count
+from ..steps import step_of_sample
+from ..vpp import check_forced_count
 
 
 def plan_dynamic_cp(
@@ -197,5 +197,4 @@ def _lower_bound(step: StepData) -> Tuple[float, int]:
     return bound, m_lo
 
 
-# build_dynamic_cp_plan and score_with_cp_comm live in dyncp_assembly.py; they stay importable from here
-__all__ = ["plan_dynamic_cp", "build_dynamic_cp_plan", "score_with_cp_comm", "THRESHOLDS"]
+__all__ = ["plan_dynamic_cp"]

@@ -9,7 +9,7 @@ larger size too. The step also carries the two search limits every candidate obe
 the refinement rounds.
 
 Everything here is computed once per step and only read afterwards; samples are step-local indices
-``0 .. n-1`` (:meth:`~.dyncp_schedule.Schedule.slots` maps them back to the batch).
+``0 .. n-1`` (:meth:`~.schedule.Schedule.slots` maps them back to the batch).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..alignment import Alignment
-from ..cost_model import CostModel
-from ..parallel import ParallelConfig
-from .ordering import mb_sums
-from .packer import StepInput, best_fit_bin_count, pack_rank
+from ...alignment import Alignment
+from ...cost_model import CostModel
+from ...parallel import ParallelConfig
+from ..ordering import mb_sums
+from ..packer import StepInput, best_fit_bin_count, pack_rank
 from .pool import PoolTree, group_alignment
 
 Bins = List[List[int]]

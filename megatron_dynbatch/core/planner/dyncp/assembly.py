@@ -1,4 +1,4 @@
-"""Dynamic CP: slots in, :class:`~.dyncp_plan.DynamicCPPlan` out -- and fixed-CP plans scored on the same terms.
+"""Dynamic CP: slots in, :class:`~.plan.DynamicCPPlan` out -- and fixed-CP plans scored on the same terms.
 
 * :func:`assemble` is the one place a dynamic-CP plan is put together, from consecutive optimizer steps' slots
   (``(start, size, samples)`` groups in pool order), each GPU's simulated finish time per step and, when the
@@ -21,14 +21,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..alignment import Alignment, fp8_multiple
-from ..cost_model import CostModel
-from ..errors import DynBatchConfigError
-from ..parallel import ParallelConfig
-from .api import rank_times_of
-from .dyncp_plan import DynamicCPPlan, SlotList
-from .inputs import check_budget, check_lengths, resolve_costs, sample_flops
-from .plan import Plan
+from ...alignment import Alignment, fp8_multiple
+from ...cost_model import CostModel
+from ...errors import DynBatchConfigError
+from ...parallel import ParallelConfig
+from .plan import DynamicCPPlan, SlotList
+from ..inputs import check_budget, check_lengths, resolve_costs, sample_flops
+from ..plan import Plan
+from ..timing import rank_times_of
 from .pool import group_alignment
 from .pool_sim import simulate_pool
 

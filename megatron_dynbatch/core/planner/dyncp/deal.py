@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from .dyncp_step import StepData
+from .step import StepData
 
 
 def deal_singles(step: StepData, singles: np.ndarray, pre: np.ndarray, need: np.ndarray,

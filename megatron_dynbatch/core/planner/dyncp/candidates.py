@@ -1,11 +1,11 @@
 """Dynamic CP: the family of candidate schedules of one optimizer step.
 
-Interface: a *generator* takes the step's shared data (:class:`~.dyncp_step.StepData`, which also carries the
-forced slot count and the refinement rounds) and returns zero or more complete :class:`~.dyncp_schedule.Schedule`
-s; :func:`candidates` runs the :data:`FAMILY` in order. The orchestration (:mod:`.dyncp`) scores them all by
+Interface: a *generator* takes the step's shared data (:class:`~.step.StepData`, which also carries the
+forced slot count and the refinement rounds) and returns zero or more complete :class:`~.schedule.Schedule`
+s; :func:`candidates` runs the :data:`FAMILY` in order. The orchestration (:mod:`.orchestrate`) scores them all by
 simulation and keeps the fastest, the earliest on a tie -- so the order below is part of the result.
 
-* ``fixed-cp`` (:func:`fixed_cp`) -- the fixed-layout planner's plan (:func:`.search.plan_step` on the layout's
+* ``fixed-cp`` (:func:`fixed_cp`) -- the fixed-layout planner's plan (:func:`..search.plan_step` on the layout's
   alignment), every micro-batch on its DP rank's ``cp`` GPUs, in that planner's order. Having it in the family
   is what makes dynamic CP never slower than fixed CP *in the model*. None when the fixed layout cannot hold a
   sample or has fewer samples than DP ranks.
@@ -15,7 +15,7 @@ simulation and keeps the fastest, the earliest on a tie -- so the order below is
   since there one long micro-batch stalls every stage), at least the floor size (1, or ``cp``: the fixed
   layout below, the wide samples above it). Samples wider than the floor are placed top-down
   (:func:`place_wide`) and each node packs its own into the fewest micro-batches; the floor-size samples are
-  dealt over the floor units (:func:`~.dyncp_deal.deal_singles`) and packed per unit into exactly the slots its
+  dealt over the floor units (:func:`~.deal.deal_singles`) and packed per unit into exactly the slots its
   ancestors left. The slot count is the first feasible one from the budget's lower bound; with ``pp > 1``
   up to :data:`EXTRA_COUNTS` larger ones too (smaller micro-batches shrink the 1F1B bubble). Size
   assignments already tried are skipped.
@@ -33,13 +33,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import DynBatchConfigError
-from .dyncp_deal import deal_singles
-from .dyncp_schedule import Schedule
-from .dyncp_step import Bins, StepData
-from .packer import StepInput, best_fit_bin_count
-from .search import plan_step
-from .vpp import next_valid_microbatch_count
+from ...errors import DynBatchConfigError
+from .deal import deal_singles
+from .schedule import Schedule
+from .step import Bins, StepData
+from ..packer import StepInput, best_fit_bin_count
+from ..search import plan_step
+from ..vpp import next_valid_microbatch_count
 
 #: widening thresholds of the tree candidates, as multiples of the mean per-GPU load (None: memory only) ...
 THRESHOLDS: Tuple[Optional[float], ...] = (None, 1.0, 0.5, 0.25)
