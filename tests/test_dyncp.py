@@ -325,6 +325,43 @@ def test_megatron_hybrid_cp_baseline_behaviour():
         plan_hybrid_cp([9000], par, 1000, cm)
 
 
+def _hybrid_groups(lengths, pool, cap):
+    from megatron_dynbatch.bench.hybrid_cp import plan_hybrid_cp
+
+    return plan_hybrid_cp(lengths, ParallelConfig(dp=pool), cap, CostModel(1e-6, 1e-9))
+
+
+def test_megatron_hybrid_cp_widens_a_group_in_place():
+    """Upstream (0.16.1 ``fill_empty_gpus``) doubles the smallest group by taking the GPUs right after it and
+    shifting later groups; our first version appended the first free GPUs (GPUs 0+2 and 1+3 here)."""
+    plan = _hybrid_groups([87, 94], 4, 100)
+    assert plan.groups == [[(0, 2)], [(0, 2)], [(2, 2)], [(2, 2)]]
+    assert plan.micro_batches == [[[1]], [[1]], [[0]], [[0]]]
+
+
+def test_megatron_hybrid_cp_sorts_once():
+    """Leftovers of a round keep the order the round left them in (upstream sorts the batch once): here the
+    41-token sample comes before the 113-token one in round 2 (re-sorting would swap them)."""
+    plan = _hybrid_groups([113, 41, 174, 172], 4, 100)
+    assert [mb[1] for mb in plan.micro_batches] == [[1], [1], [0], [0]]
+
+
+def test_megatron_hybrid_cp_groups_are_contiguous_and_whole():
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        pool = int(rng.choice([2, 4, 8, 16]))
+        lengths = rng.integers(1, 1000 * pool + 1, int(rng.integers(1, 60)))
+        plan = _hybrid_groups(lengths, pool, 1000)
+        where = {}  # sample -> {gpu: its group there}
+        for g in range(pool):
+            for mb, group in zip(plan.micro_batches[g], plan.groups[g]):
+                where.setdefault(mb[0], {})[g] = group
+        assert sorted(where) == list(range(lengths.size))
+        for gpus in where.values():  # every GPU of the sample's group, and only those, lists that one group
+            (start, size), = set(gpus.values())
+            assert sorted(gpus) == list(range(start, start + size)) and start + size <= pool
+
+
 def test_dyncp_bench_workload_rows():
     from megatron_dynbatch.bench.runner import run_workload
     from megatron_dynbatch.bench.workloads import WORKLOADS
