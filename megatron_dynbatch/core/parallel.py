@@ -3,7 +3,9 @@
 Field names follow Megatron's ``ModelParallelConfig`` / argument names. Only what changes planning is here:
 ``dp`` (number of data-parallel replicas that split the global batch), ``tp``, ``pp``, ``cp``, ``ep``,
 ``vpp`` (virtual pipeline chunks per stage), ``microbatch_group_size_per_vp_stage`` (Megatron's ``N``;
-defaults to ``pp`` like Megatron) and ``sequence_parallel`` (tokens per micro-batch must divide by ``tp``).
+defaults to ``pp`` like Megatron), ``sequence_parallel`` (tokens per micro-batch must divide by ``tp``) and
+``gpus_per_node`` (GPUs of one NVLink node, default 8: with Megatron's rank order it says which CP groups
+cross nodes, :mod:`.topology`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any, Mapping, Optional, Union
 from .checks import as_bool, as_int, is_int
 from .errors import DynBatchConfigError
 
+#: GPUs per node when the layout does not say (an HGX/DGX H100 or H200 node: 8 GPUs on one NVLink switch fabric)
+DEFAULT_GPUS_PER_NODE = 8
 #: Largest parallel size accepted (a million GPUs): guards against nonsense that would allocate per-rank arrays.
 MAX_RANKS = 2 ** 20
 
@@ -28,11 +32,13 @@ class ParallelConfig:
     vpp: int = 1
     microbatch_group_size_per_vp_stage: Optional[int] = None
     sequence_parallel: bool = False
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "vpp"):
-            value = as_int(getattr(self, name), f"parallel.{name}", minimum=1, maximum=MAX_RANKS,
-                           fix=f"pass {name}=1 or a larger whole number (at most {MAX_RANKS})")
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "gpus_per_node"):
+            fix = (f"pass the GPUs of one node, e.g. gpus_per_node={DEFAULT_GPUS_PER_NODE} (at most {MAX_RANKS})"
+                   if name == "gpus_per_node" else f"pass {name}=1 or a larger whole number (at most {MAX_RANKS})")
+            value = as_int(getattr(self, name), f"parallel.{name}", minimum=1, maximum=MAX_RANKS, fix=fix)
             object.__setattr__(self, name, value)  # NumPy integers become plain ints
         object.__setattr__(self, "sequence_parallel", as_bool(self.sequence_parallel, "parallel.sequence_parallel"))
         if self.vpp > 1 and self.pp < 2:
@@ -68,7 +74,8 @@ class ParallelConfig:
 
     @classmethod
     def from_any(cls, parallel: Union["ParallelConfig", Mapping[str, Any], None]) -> "ParallelConfig":
-        """Accept a ``ParallelConfig`` or a dict with keys ``dp, tp, pp, cp, ep, vpp`` (missing keys = 1)."""
+        """Accept a ``ParallelConfig`` or a dict with keys ``dp, tp, pp, cp, ep, vpp`` (missing keys = 1) and
+        ``gpus_per_node`` (missing = 8)."""
         if parallel is None:
             return cls()
         if isinstance(parallel, cls):
@@ -81,7 +88,7 @@ class ParallelConfig:
         aliases = {"vp": "vpp", "virtual_pipeline_model_parallel_size": "vpp",
                    "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
                    "context_parallel_size": "cp", "expert_model_parallel_size": "ep",
-                   "data_parallel_size": "dp"}
+                   "data_parallel_size": "dp", "num_gpus_per_node": "gpus_per_node"}
         kwargs = {}
         for key, value in parallel.items():
             key = aliases.get(key, key)
@@ -91,5 +98,7 @@ class ParallelConfig:
                 )
             if value is None and key in ("vpp",):
                 value = 1
+            if value is None and key == "gpus_per_node":
+                value = DEFAULT_GPUS_PER_NODE
             kwargs[key] = value
         return cls(**kwargs)
