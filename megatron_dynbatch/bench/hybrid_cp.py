@@ -17,9 +17,9 @@ What megatron-core 0.16.1 does (``pipeline_parallel/hybrid_cp_schedule.py::Balan
 * each sample then runs as its OWN micro-batch (one ``forward_step`` per sample) on its group, groups of a
   round run their samples one after another, and a barrier over the DP x CP group ends every round.
 
-Scoring: a sample on ``g`` GPUs costs :meth:`CostModel.group_microbatch_time` (per-micro-batch overhead,
-linear + attention work over ``g``, exposed K/V exchange) with ``2 g`` alignment; a round lasts its slowest
-group; rounds add up. Upstream's schedule is PP=1 only (0.16.1); with ``pp > 1`` we model what the natural
+Scoring: a sample on ``g`` GPUs costs :meth:`CostModel.group_microbatch_time` (per-micro-batch overhead and
+floor, linear + attention work over ``g``, exposed K/V exchange, across nodes where the group crosses them) with
+``2 g`` alignment; a round lasts its slowest group; rounds add up. Upstream's schedule is PP=1 only (0.16.1); with ``pp > 1`` we model what the natural
 extension would do -- every round a separate 1F1B pipeline of each group's samples, flushed at the round's
 barrier -- and say so in the row's notes.
 """
@@ -35,6 +35,7 @@ import numpy as np
 from ..core.alignment import Alignment, fp8_multiple
 from ..core.cost_model import CostModel, simulate_1f1b
 from ..core.parallel import ParallelConfig
+from ..core.topology import group_spans_nodes
 from ..core.planner.dyncp.plan import DynamicCPPlan
 from .partitioning import BaselineInfeasible
 
@@ -214,10 +215,11 @@ def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_
             size = gids.count(gids[r])
             first = gids.index(gids[r])
             align = Alignment.for_layout(ParallelConfig(tp=par.tp, cp=size, sequence_parallel=par.sequence_parallel), tile)
+            spans = group_spans_nodes(first, size, par)
             ts = []
             for i in per_gpu[r]:
                 tok = align.padded_total(int(align.seq_len(int(lens[i]))))
-                t = float(cm.group_microbatch_time(size, tok, float(lens[i]) ** 2))
+                t = float(cm.group_microbatch_time(size, tok, float(lens[i]) ** 2, spans))
                 ts.append(t)
                 micro_batches[r].append([i])
                 groups[r].append((first, size))

@@ -9,9 +9,11 @@ For each optimizer step (the whole batch, or consecutive slices of ``samples_per
 2. Start at the fewest micro-batches per rank the budget allows, ``M0 = ceil(slot tokens / (dp * cap))``,
    moved up to the next count Megatron's interleaved schedule accepts, and pack for that ``M``
    (:mod:`.packer`); if the packing is infeasible, try the next valid ``M``.
-3. Score a few more counts with the cost model and keep the fastest: with ``pp > 1`` counts up to the one
-   that minimises the modelled 1F1B bubble + per-micro-batch overhead, with ``pp == 1`` one more count when
-   the first leaves the ranks unbalanced (an extra micro-batch can unlock a better packing).
+3. Score a few more counts with the cost model: with ``pp > 1`` counts up to the one that minimises the
+   modelled 1F1B bubble + per-micro-batch overhead (never below the cost model's per-micro-batch floor), with
+   ``pp == 1`` one more count when the first leaves the ranks unbalanced (an extra micro-batch can unlock a
+   better packing). A larger count wins only by more than the **decision margin** (``decision_margin``, default
+   the cost model's ``uncertainty``); within it, the fewest micro-batches win.
 4. Order each rank's micro-batches: largest first with ``pp == 1`` (an out-of-memory shows on the first
    micro-batch); with ``pp > 1`` the arrangement (decreasing, increasing, small-at-both-ends) with the shortest
    simulated 1F1B makespan. The arrangement is a pattern over the weight ranks, the same on every DP rank,
@@ -82,6 +84,7 @@ def plan_global_batch(
     sequence_pad_multiple: Optional[int] = None,
     microbatch_pad_multiple: Optional[int] = None,
     dynamic_cp: bool = False,
+    decision_margin: Optional[float] = None,
 ) -> Plan:
     """Split a global batch over DP ranks and into micro-batches (see the module docstring).
 
@@ -100,7 +103,9 @@ def plan_global_batch(
         samples_per_step: split the batch into optimizer steps of exactly this many consecutive samples.
         oversize: policy for a sample longer than the budget: ``"error"`` (default) or ``"alone"``.
         fp8_alignment: ``None``, ``"fp8"``, ``"mxfp8"``, ``"nvfp4"``/``"blockwise"`` or a token multiple.
-        cost_model: step-time model used to choose counts and orders; default from ``model``.
+        cost_model: step-time model used to choose counts and orders: a ``CostModel``, a profile name
+            (``"fitted"`` -- the default with a model --, ``"analytic"``) or a cost-model JSON file
+            (``docs/cost_model.md``).
         num_microbatches: force ``M`` per rank and optimizer step, or a list with one count per step (raises if
             the budget cannot hold it; a count above one that packs always works while every rank has enough
             samples: micro-batches are split).
@@ -126,6 +131,11 @@ def plan_global_batch(
             GPUs) per slot: returns a :class:`~.dyncp.plan.DynamicCPPlan` (strategy in :mod:`.dyncp`,
             ``docs/dynamic_cp.md``). Balances the cost model's seconds (``balance_by`` is not used); refuses
             ``group_ids``.
+        decision_margin: the planner leaves its default choice -- the fewest micro-batches that pack; under
+            ``dynamic_cp`` the fixed-CP plan -- only for a modelled gain above this (relative; ``None``: the cost
+            model's ``uncertainty``, 3.2% for the fitted profile, 0 for ``"analytic"``). Ties within it go to
+            fewer micro-batches; under ``dynamic_cp`` to fixed CP, then smaller groups, then groups inside one
+            node (``docs/cost_model.md``).
     """
     if as_bool(dynamic_cp, "dynamic_cp"):
         knobs = {"equal_samples_per_rank": equal_samples_per_rank or None,
@@ -143,7 +153,8 @@ def plan_global_batch(
         return plan_dynamic_cp(lengths, model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
                                group_ids=group_ids, samples_per_step=samples_per_step, oversize=oversize,
                                fp8_alignment=fp8_alignment, cost_model=cost_model,
-                               num_microbatches=num_microbatches, refine_rounds=refine_rounds)
+                               num_microbatches=num_microbatches, refine_rounds=refine_rounds,
+                               decision_margin=decision_margin)
     t_start = time.perf_counter()
     prep = prepare(lengths, model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
                    balance_by_flops=balance_by_flops, balance_by=balance_by, group_ids=group_ids,
@@ -152,7 +163,8 @@ def plan_global_batch(
                    equal_samples_per_rank=equal_samples_per_rank, microbatch_group_ids=microbatch_group_ids,
                    min_num_microbatches=min_num_microbatches, num_microbatches_multiple=num_microbatches_multiple,
                    rollout_ids=rollout_ids, rollouts_per_step=rollouts_per_step,
-                   sequence_pad_multiple=sequence_pad_multiple, microbatch_pad_multiple=microbatch_pad_multiple)
+                   sequence_pad_multiple=sequence_pad_multiple, microbatch_pad_multiple=microbatch_pad_multiple,
+                   decision_margin=decision_margin)
     par, cm, align = prep.par, prep.cm, prep.align
     micro_batches: List[List[List[int]]] = [[] for _ in range(par.dp)]
     per_step: List[int] = []
@@ -162,7 +174,7 @@ def plan_global_batch(
     for s, step in enumerate(prep.steps):
         forced = None if prep.forced is None else prep.forced[s]
         bins, lb_m = plan_step(step.inp, par, cm, step.sq, forced, prep.rounds, align, prep.budget, prep.rule,
-                               search)
+                               search, prep.margin)
         per_step.append(len(bins[0]))
         for r, rank in enumerate(prep.step_samples(step, bins)):
             micro_batches[r].extend(rank)
