@@ -48,7 +48,7 @@ PIPELINE_THRESHOLDS: Tuple[float, ...] = (0.125, 0.0625, 0.03125, 0.015625)
 #: extra slot counts scored with pp > 1 (besides the first feasible one) ...
 EXTRA_COUNTS = 3
 #: ... while the tree candidates' extra counts deal at most this many samples in all (planning time of huge steps)
-EXTRA_COUNT_SAMPLES = 131_072
+EXTRA_COUNT_SAMPLES = 65_536
 #: the name of the fixed-layout candidate (the plan's ``fixed_cp_step_time`` is its makespan)
 FIXED_CP = "fixed-cp"
 
