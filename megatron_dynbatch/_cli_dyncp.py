@@ -91,7 +91,7 @@ def _fixed_cp_plan(lengths: Sequence[int], args: argparse.Namespace,
             plan = plan_global_batch(lengths, num_microbatches=args.num_microbatches, **fixed_kwargs)
     except DynBatchConfigError as exc:
         return None, exc.problem
-    return score_with_cp_comm(plan, model=kwargs["model"], cost_model=kwargs.get("cost_model")), None
+    return score_with_cp_comm(plan, model=kwargs["model"], cost_model=kwargs.get("cost_model"), lengths=lengths), None
 
 
 def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[str, Any]:
@@ -99,15 +99,16 @@ def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[s
     hybrid-CP scheduler, as the benchmark scores its dynamic-CP workloads."""
     from .bench.baselines import BASELINES, BaselineContext, run_baseline
     from .bench.hybrid_cp import BaselineInfeasible, plan_hybrid_cp
-    from .core.cost_model import CostModel
+    from .core.cost_model import resolve_cost_model
     from .core.planner.dyncp.assembly import score_with_cp_comm
 
-    cm = CostModel.from_model(args.model, par) if args.model else CostModel.tokens_only(par)
+    cm = resolve_cost_model(getattr(args, "cost_model", None), args.model, par)
     ctx = BaselineContext.build(par, args.max_tokens_per_gpu, args.model, args.fp8)
     out: Dict[str, Any] = {}
     for name in BASELINES:
         res = run_baseline(name, lengths, ctx, cm)
-        out[name] = res.error if res.error else score_with_cp_comm(res.plan, model=args.model, cost_model=cm)
+        out[name] = res.error if res.error else score_with_cp_comm(res.plan, model=args.model, cost_model=cm,
+                                                                   lengths=lengths)
     try:
         out["megatron-hybrid-cp"] = plan_hybrid_cp(lengths, par, args.max_tokens_per_gpu, cm)
     except BaselineInfeasible as exc:

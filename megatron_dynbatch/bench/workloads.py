@@ -60,8 +60,16 @@ class Workload:
     #: the CP communication term (``score_with_cp_comm``)
     dynamic_cp: bool = False
 
-    def generate(self, seed: int = 0) -> Batch:
-        return self.generator(np.random.default_rng(seed))
+    def generate(self, seed: int = 0, documents: Optional[np.ndarray] = None) -> Batch:
+        """The batch of ``seed``; ``documents`` (document lengths, e.g. :func:`load_document_lengths`) replaces the
+        document distribution the long-context generators draw from."""
+        if documents is None:
+            return self.generator(np.random.default_rng(seed))
+        _DOCUMENTS.append(_as_documents(documents))
+        try:
+            return self.generator(np.random.default_rng(seed))
+        finally:
+            _DOCUMENTS.pop()
 
     def to_dict(self) -> dict:
         d = {"name": self.name, "description": self.description, "model": self.model,
@@ -99,6 +107,35 @@ def document_lengths() -> Tuple[np.ndarray, str]:
     return _lognormal_standin(99519), "lognormal stand-in (shared data absent)"
 
 
+#: document lengths given to ``Workload.generate(documents=...)`` while its generator runs
+_DOCUMENTS: List[Tuple[np.ndarray, str]] = []
+
+
+def load_document_lengths(path) -> np.ndarray:
+    """Document lengths (positive integers) from a JSON list file such as ``document_lengths_wlbllm.json``."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise DynBatchConfigError("documents", str(path), f"cannot be read as JSON ({exc})",
+                                  "pass a JSON file holding a list of document lengths") from None
+    return _as_documents(data)[0]
+
+
+def _as_documents(documents) -> Tuple[np.ndarray, str]:
+    arr = np.asarray(documents)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer) or (arr < 1).any():
+        raise DynBatchConfigError("documents", f"{arr.dtype} array of shape {arr.shape}",
+                                  "must be a non-empty list of positive integer document lengths",
+                                  "pass document lengths in tokens")
+    return arr.astype(np.int64), f"given ({arr.size} documents)"
+
+
+def _documents() -> Tuple[np.ndarray, str]:
+    """The documents a generator draws from: those given to ``generate``, else :func:`document_lengths`."""
+    return _DOCUMENTS[-1] if _DOCUMENTS else document_lengths()
+
+
 def _lognormal_standin(n: int) -> np.ndarray:
     """Lognormal lengths whose mean and 99th percentile match the real file's."""
     z99 = 2.3263478740408408
@@ -128,7 +165,7 @@ def grpo_lengths(rng: np.random.Generator, prompts: int, group: int, max_respons
 
 def document_sample(rng: np.random.Generator, count: int, max_len: Optional[int] = None) -> Batch:
     """``count`` documents drawn (with replacement) from :func:`document_lengths`, optionally truncated."""
-    pool, source = document_lengths()
+    pool, source = _documents()
     lengths = pool[rng.integers(0, pool.size, count)]
     if max_len is not None:
         lengths = np.minimum(lengths, max_len)
@@ -139,7 +176,7 @@ def documents_by_tokens(rng: np.random.Generator, tokens: int, max_len: int, mul
     """Documents drawn from :func:`document_lengths` (truncated to ``max_len``) until they hold ``tokens``
     tokens (the last one cut to fit), then the last few dropped so the count is a multiple of ``multiple``: a
     batch sized by what the ranks can hold, e.g. one micro-batch per rank."""
-    pool, source = document_lengths()
+    pool, source = _documents()
     out: List[int] = []
     total = 0
     while total < tokens:
@@ -156,7 +193,7 @@ def sft_mix(rng: np.random.Generator, chats: int, docs: int, max_len: int) -> Ba
     """Short chat samples (lognormal, median ~600) shuffled with long documents (the real distribution's
     documents above 4k tokens, truncated to ``max_len``)."""
     chat = np.clip(np.round(rng.lognormal(np.log(600), 0.9, chats)), 16, max_len).astype(np.int64)
-    pool, source = document_lengths()
+    pool, source = _documents()
     long_pool = pool[pool > 4096]
     doc = np.minimum(long_pool[rng.integers(0, long_pool.size, docs)], max_len)
     lengths = np.concatenate([chat, doc])
