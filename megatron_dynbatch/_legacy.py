@@ -65,6 +65,9 @@ def new_name(old: str) -> Optional[str]:
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self) -> None:
+        self._specs: dict = {}
+
     def find_spec(self, fullname, path=None, target=None):  # noqa: D401 - importlib protocol
         if new_name(fullname) is None:
             return None
@@ -73,10 +76,16 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         target = new_name(spec.name)
         warnings.warn(f"{spec.name} moved to {target}; import it from there", DeprecationWarning, stacklevel=3)
-        return importlib.import_module(target)
+        module = importlib.import_module(target)
+        self._specs[module.__name__] = module.__spec__  # importlib overwrites it with the alias's spec next
+        return module
 
     def exec_module(self, module) -> None:
-        """The target module is already executed."""
+        """The target module is already executed; give it its own spec back (a lazy relative import inside it
+        would otherwise warn ``__package__ != __spec__.parent``)."""
+        spec = self._specs.pop(module.__name__, None)
+        if spec is not None:
+            module.__spec__ = spec
 
 
 def install_legacy_module_aliases() -> None:

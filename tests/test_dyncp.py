@@ -462,3 +462,14 @@ def test_dynamic_cp_plan_is_refused_by_the_ray_driver():
     with pytest.raises(DynBatchConfigError) as err:
         plan_log_probs(plan, lengths, max_tokens_per_gpu=64)
     assert err.value.field == "dynamic_cp"
+
+
+def test_issue20_dynamic_cp_inputs_plan_validly():
+    """The two inputs issue 20 found slow plan validly (their time is benchmarked, bench/adversarial.py)."""
+    from megatron_dynbatch.bench.adversarial import SHAPES
+
+    for shape in (s for s in SHAPES if s.samples is not None):
+        lengths, kwargs = shape.build(0)
+        plan = plan_global_batch(lengths, **kwargs)
+        plan.validate(lengths.size)
+        assert plan.cap_violations == 0 and plan.predicted_step_time <= plan.fixed_cp_step_time * (1 + 1e-9)

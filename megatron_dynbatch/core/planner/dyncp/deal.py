@@ -145,6 +145,10 @@ class _Units:
                 self.move(y, b, a)
 
 
+#: below this many (a, b) pairs :func:`best_swap` scans the whole matrix
+SMALL_SWAP = 4096
+
+
 def best_swap(ta: np.ndarray, tb: np.ndarray, ala: np.ndarray, alb: np.ndarray, gap: float, room_a: float,
               room_b: float) -> Optional[Tuple[float, int, int]]:
     """The swap of pass 3: ``(dev, p, q)`` minimising ``dev = |(ta[p] - tb[q]) - gap / 2|`` over the pairs with
@@ -155,6 +159,10 @@ def best_swap(ta: np.ndarray, tb: np.ndarray, ala: np.ndarray, alb: np.ndarray, 
     ``tb`` nearest to ``ta[p] - gap / 2`` can be best (the first element of each run of equal values: the lowest
     ``q``). When such a nearest value does not fit and could still have beaten the answer, the full matrix
     decides (rare: the token room binds)."""
+    if ta.size * tb.size <= SMALL_SWAP:  # the matrix is cheaper than the search for small units
+        dev, q = _rows_best(ta, tb, ala, alb, gap, room_a, room_b)
+        p = int(np.argmin(dev))
+        return (float(dev[p]), p, int(q[p])) if np.isfinite(dev[p]) else None
     half = gap / 2
     order = np.argsort(tb, kind="stable")
     ts = tb[order]
