@@ -367,3 +367,17 @@ def test_gpu_comparison_rebuilds_the_measured_plans():
     assert row["fitted_compute"] == pytest.approx(row["measured"], rel=0.03)
     assert abs(row["analytic"] / row["measured"] - 1) > 0.05  # the old model was off by 7%
     assert row["new_ratio"] >= 1.8
+
+
+@pytest.mark.parametrize("field, value", [("cost_model", "fited"), ("cost_model", 3), ("cost_model", ["fitted"]),
+                                          ("decision_margin", "0.1"), ("decision_margin", -1), ("decision_margin", 1.0),
+                                          ("decision_margin", float("nan")), ("decision_margin", True)])
+def test_run_presets_refuse_bad_cost_models_and_margins(field, value):
+    from megatron_dynbatch import RunConfig
+
+    base = {"name": "r", "model": "qwen3-8b", "parallel": {"dp": 2}, "max_tokens_per_gpu": 8192}
+    with pytest.raises(DynBatchConfigError, match=field):
+        RunConfig.from_dict({**base, field: value})
+    ok = RunConfig.from_dict({**base, "cost_model": "analytic", "decision_margin": np.float64(0.05)})
+    assert ok.planner_kwargs()["decision_margin"] == 0.05 and ok.to_dict()["cost_model"] == "analytic"
+    assert "--dynbatch-cost-model" in ok.to_megatron_args()
