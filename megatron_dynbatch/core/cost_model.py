@@ -1,45 +1,46 @@
-"""Step-time model used to choose micro-batch counts and to score plans.
+"""Step-time model used to choose micro-batch counts, CP groups and orders, and to score plans.
 
-One micro-batch of a DP rank costs, on each GPU of its model replica (forward + backward)::
+One micro-batch costs, on each GPU of its model replica (forward + backward), on a group of ``g`` GPUs
+(``g = cp``: the layout's own CP groups; ``[g > 1]`` is 1 for a CP member's share, else 0)::
 
-    t_mb = overhead + linear_s_per_token * padded_tokens + attention_s_per_sq_token * sum(real_len ** 2)
+    compute = overhead_s + linear_s_per_token * padded_tokens * cp/g * (1 + cp_linear_overhead [g > 1])
+              + attention_s_per_sq_token * (sum(real_len ** 2) * cp/g + cp * cp_chunk_tokens * padded_tokens * (g-1)/g)
+    t_mb    = max(min_microbatch_s + cp_min_microbatch_s [g > 1], compute) + exposed CP exchange
 
 * ``linear_s_per_token``: the token-linear FLOPs (projections, MLP/experts, LM head), forward x3 for fwd+bwd,
-  split over the ``tp*pp*cp`` GPUs of the replica, at ``linear_efficiency`` of ``peak_flops``. Padding tokens
-  cost linear work, which is why padded tokens are counted here.
+  split over ``tp*cp``, at the profile's ``linear_efficiency`` of ``peak_flops``. Padding tokens cost linear work.
 * ``attention_s_per_sq_token``: the causal core-attention FLOPs (half the square), likewise, at
-  ``attention_efficiency`` (varlen flash/fused attention runs well below GEMM efficiency). Only real tokens
-  attend: THD kernels skip the padding between sequences.
-* ``overhead``: a fixed per-micro-batch cost (kernel launches, pipeline p2p, data movement) that makes many
-  tiny micro-batches slower than few large ones.
+  ``attention_efficiency``. Only real tokens attend: THD kernels skip the padding between sequences.
+* ``overhead_s``: fixed GPU time per micro-batch (per layer in the fitted profile); ``min_microbatch_s``: the
+  floor -- a small input is bound by issuing a layer's kernels, not by the GPU.
+* a CP member's share: slower linear work, attention in the ring's chunks (``cp_chunk_tokens``: the smaller the
+  chunks, the larger their cost), a higher floor.
+
+The numbers come from a :class:`~.cost_profiles.CostProfile` (:meth:`CostModel.from_model`; ``"fitted"`` -- fitted
+to H100 timings, the default -- or ``"analytic"``, the earlier assumptions) or from a calibration file.
+``docs/cost_model.md`` has the fit and its errors.
 
 A DP rank's time is the sum of its micro-batch times when ``pp == 1``; with ``pp > 1`` each micro-batch costs
 ``t_mb / pp`` on every stage (layers split evenly, forward one third and backward two thirds) and the rank's
-time is the makespan of a simulated 1F1B schedule (:func:`simulate_1f1b`); interleaved pipelines (``vpp > 1``)
-use the closed form ``sum(stage times) + (pp - 1) / vpp * mean(stage time)``. With expert parallelism
+time is the makespan of a simulated 1F1B schedule (:func:`.pipeline_sim.simulate_1f1b`); interleaved pipelines
+(``vpp > 1``) use the closed form ``sum(stage times) + (pp - 1) / vpp * mean(stage time)``. With expert parallelism
 (``ep > 1``) the ranks of one EP group exchange tokens in every MoE layer, so they advance in lockstep: the
-``j``-th micro-batch costs the maximum over the group's ranks (:meth:`CostModel.step_time`).
+``j``-th micro-batch costs the maximum over the group's ranks (:meth:`CostModel.step_time`). The step time is the
+slowest DP rank's time (every rank waits at the gradient all-reduce); the all-reduce and optimizer are the same for
+every plan and are left out.
 
-The step time is the slowest DP rank's time (every rank waits at the gradient all-reduce); the all-reduce and
-optimizer are the same for every plan and are left out.
-
-Context-parallel communication (used by dynamic CP, :mod:`megatron_dynbatch.core.planner.dyncp`). A micro-batch
-spread over a group of ``g`` GPUs costs each of them ``(linear + attention work) * cp / g`` (the coefficients
-above are expressed for the layout's ``cp``) plus the EXPOSED part of its K/V exchange::
+Context-parallel exchange (dynamic CP, :mod:`megatron_dynbatch.core.planner.dyncp`): the EXPOSED part of a group's
+ring-attention K/V transfers::
 
     comm(g)  = (g - 1) * cp_comm_s_per_step + (g - 1) / g * padded_tokens * cp_comm_s_per_token
     exposed  = max(0, comm(g) - cp_comm_overlap * attention_time(g))
 
-``cp_comm_s_per_token``: seconds to move one token's K and V of every layer, forward + backward (ring
-attention sends K/V forward and K/V plus their gradients backward: 3x the forward volume), at
-``cp_bandwidth_Bps``; ``cp_comm_s_per_step``: latency of one ring step of every layer, forward and backward;
-``cp_comm_overlap``: the fraction of the group's attention time that hides the exchange (ring attention
-computes on one K/V chunk while the next one arrives). :meth:`CostModel.group_microbatch_time` is the whole
-formula; the fixed-layout planner does not use it (its CP groups never change, so the term does not change
-its choices), the dynamic-CP planner and its benchmark score every plan with it. Calibrate the three numbers
-with :func:`fit_cp_comm`. The default efficiencies describe an H100/H200 running
-bf16; they only need to be right *relative to each other* to rank plans. ``CostModel`` instances with measured
-coefficients (see ``fit``) replace them when calibration data exists.
+``cp_comm_s_per_token``: seconds to move one token's K and V of every layer, forward + backward (3x the forward
+volume); ``cp_comm_s_per_step``: latency of one ring step of every layer pass; ``cp_comm_overlap``: the share of the
+group's attention that hides the exchange. A group that crosses nodes (:mod:`.topology`) uses the ``*_inter_*``
+numbers. The fixed-layout planner does not use the term (its CP groups never change); the dynamic-CP planner and its
+benchmark score every plan with it. ``uncertainty``: the model's measured relative error, the planner's default
+decision margin.
 """
 
 from __future__ import annotations
