@@ -218,8 +218,19 @@ class CostModel:
     # ------------------------------------------------------------------ evaluation
     def _group_compute(self, g, padded_tokens, sq_tokens) -> Tuple[np.ndarray, np.ndarray]:
         """(work without overhead, attention part) of micro-batches on groups of ``g`` GPUs, each member's share."""
-        g = np.asarray(g, dtype=np.float64)
         t = np.asarray(padded_tokens, dtype=np.float64)
+        if np.ndim(g) == 0:  # one group size (the planner's hot path): no per-element selection
+            g = float(g)
+            scale = float(self.cp) / g
+            lin = self.linear_s_per_token * t * scale
+            if self.cp_linear_overhead and g > 1:
+                lin = lin * (1.0 + self.cp_linear_overhead)
+            att = self.attention_s_per_sq_token * np.asarray(sq_tokens, dtype=np.float64) * scale
+            work = lin + att
+            if self.cp_chunk_tokens and g > 1:
+                work = work + self.attention_s_per_sq_token * self.cp * self.cp_chunk_tokens * t * (g - 1.0) / g
+            return work, att
+        g = np.asarray(g, dtype=np.float64)
         scale = float(self.cp) / g
         member = g > 1
         lin = self.linear_s_per_token * t * scale
@@ -232,8 +243,9 @@ class CostModel:
         return work, att
 
     def _floor(self, g) -> np.ndarray:
-        g = np.asarray(g, dtype=np.float64)
-        return self.min_microbatch_s + np.where(g > 1, self.cp_min_microbatch_s, 0.0)
+        if np.ndim(g) == 0:
+            return self.min_microbatch_s + (self.cp_min_microbatch_s if g > 1 else 0.0)
+        return self.min_microbatch_s + np.where(np.asarray(g) > 1, self.cp_min_microbatch_s, 0.0)
 
     def work(self, padded_tokens, sq_tokens):
         """Compute seconds of micro-batches on the layout's own CP groups (no overhead, no floor), vectorised."""
@@ -242,7 +254,9 @@ class CostModel:
     def microbatch_time(self, padded_tokens, sq_tokens):
         """Seconds of whole micro-batches on the layout's own CP groups (overhead and floor, no CP
         communication), vectorised."""
-        return np.maximum(self._floor(self.cp), self.overhead_s + self.work(padded_tokens, sq_tokens))
+        t = self.overhead_s + self.work(padded_tokens, sq_tokens)
+        floor = self._floor(self.cp)
+        return np.maximum(floor, t) if floor > 0 else t
 
     def cp_comm_time(self, group_size, padded_tokens, attention_s, spans_nodes=False):
         """Exposed K/V-exchange seconds of micro-batches on groups of ``group_size`` GPUs (vectorised; 0 for a

@@ -193,10 +193,16 @@ def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray
         if res is not None:
             scored.append((cand, res))
     chosen, best = within_margin(scored, margin)
-    if counts.pipeline_polish:  # spend the larger polishing budget on the winner only
-        final = counts.evaluate(chosen, polish_evals=FINAL_POLISH_EVALS)
-        if final is not None and final[1] <= best[1]:
-            best = final
+    if counts.pipeline_polish:  # spend the larger polishing budget on the winner only ...
+        fastest = min(scored, key=lambda mr: mr[1][1])[0]
+        finals = [(m, counts.evaluate(m, polish_evals=FINAL_POLISH_EVALS)) for m in sorted({chosen, fastest})]
+        finals = [(m, res) for m, res in finals if res is not None]
+        if finals:  # ... and on the fastest when the margin kept fewer: polish can widen the gap past the margin
+            chosen, final = within_margin(finals, margin)
+            if final[1] <= dict(scored)[chosen][1]:
+                best = final
+            else:
+                best = dict(scored)[chosen]
     return best[0], lb_m
 
 
