@@ -4,9 +4,10 @@
 
 Both plans come from ``plan_global_batch`` with the preset's planner arguments (``RunConfig.planner_kwargs``);
 the fixed-CP plan is re-scored with the CP communication of its ``cp``-GPU groups
-(``score_with_cp_comm``), so both use one cost model -- ``CostModel.from_model``, whose CP-communication
-defaults assume one NVLink node (100 GB/s per GPU); ``--cp-bandwidth`` sets another (e.g. ``25e9`` for CP
-groups spanning nodes). Nothing here is measured: the numbers are the cost model's.
+(``score_with_cp_comm``), so both use one cost model -- ``CostModel.from_model`` with the default (fitted)
+profile, whose CP exchange runs at NVLink numbers inside a node and InfiniBand numbers across nodes
+(``docs/cost_model.md``, topology); ``--cp-bandwidth`` sets one bandwidth for both networks (e.g. ``25e9``).
+Nothing here is measured: the numbers are the cost model's.
 
 Batch shapes (``megatron_dynbatch.bench.workloads`` generators, one batch per seed):
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dynbatch import CostModel, RunConfig, plan_global_batch  # noqa: E402
 from megatron_dynbatch.bench.workloads import document_sample, grpo_lengths  # noqa: E402
-from megatron_dynbatch.core.planner.dyncp_assembly import score_with_cp_comm  # noqa: E402
+from megatron_dynbatch.core.planner.dyncp.assembly import score_with_cp_comm  # noqa: E402
 
 
 def shapes(rc: RunConfig) -> Dict[str, Callable[[np.random.Generator], np.ndarray]]:
@@ -70,7 +71,7 @@ def evaluate(run: str, seeds: int, cp_bandwidth: Optional[float] = None) -> Dict
         for seed in range(seeds):
             lengths = gen(np.random.default_rng(seed))
             fixed = score_with_cp_comm(plan_global_batch(lengths, cost_model=cm, **rc.planner_kwargs()),
-                                       model=rc.model_spec(), cost_model=cm)
+                                       model=rc.model_spec(), cost_model=cm, lengths=lengths)
             t0 = time.perf_counter()
             dyn = plan_global_batch(lengths, cost_model=cm, **on.planner_kwargs())
             planning = time.perf_counter() - t0
@@ -90,7 +91,7 @@ def table(result: Dict[str, Any]) -> str:
     bw = result["cp_bandwidth_Bps"]
     out = [f"{result['run']}: dp={p['dp']} tp={p['tp']} pp={p['pp']} cp={p['cp']}, "
            f"{result['max_tokens_per_gpu']} tokens per GPU; CP bandwidth "
-           f"{'default (100 GB/s)' if bw is None else f'{bw / 1e9:g} GB/s'}; MODELLED step times",
+           f"{'default (by topology)' if bw is None else f'{bw / 1e9:g} GB/s'}; MODELLED step times",
            f"{'batch shape':<22} {'fixed CP s':>10} {'dyn CP s':>9} {'speed-up min':>12} {'mean':>6} {'max':>6} "
            f"{'over budget':>11} {'planning ms':>11}"]
     by: Dict[str, List[Dict[str, Any]]] = {}
@@ -110,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--run", default="llama-3.1-70b-longcot", help="run preset name or YAML path")
     ap.add_argument("--seeds", type=int, default=5, help="batches per shape (default 5)")
     ap.add_argument("--cp-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
-                    help="CP communication bandwidth per GPU (default: the cost model's 100 GB/s)")
+                    help="CP communication bandwidth per GPU, both networks (default: the profile's, by topology)")
     ap.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
     result = evaluate(args.run, max(1, args.seeds), args.cp_bandwidth)

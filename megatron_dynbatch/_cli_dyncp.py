@@ -3,11 +3,11 @@
 Prints the pool summary (pool size, slots per GPU, the CP-group sizes used, the winning candidate, the modelled
 step time and its lower bound), one line per pool GPU (its group size in every slot), and the fixed-CP plan of
 the same layout next to it -- ``plan_global_batch`` without ``dynamic_cp``, re-scored with the CP communication
-of its ``cp``-GPU groups (:func:`~megatron_dynbatch.core.planner.dyncp_assembly.score_with_cp_comm`), so both
+of its ``cp``-GPU groups (:func:`~megatron_dynbatch.core.planner.dyncp.assembly.score_with_cp_comm`), so both
 rows come from one cost model. ``--compare`` adds the peers' batching and megatron-core's hybrid-CP scheduler,
 scored the same way (as ``bench`` does for its ``dyncp-*`` workloads); ``--plot`` draws the pool's timelines
 (group-synchronised, :mod:`megatron_dynbatch.bench.plot`) above the fixed-CP plan's; ``--json`` prints the
-:class:`~megatron_dynbatch.core.planner.dyncp_plan.DynamicCPPlan`.
+:class:`~megatron_dynbatch.core.planner.dyncp.plan.DynamicCPPlan`.
 
 Refused before any planning, naming ``--dynamic-cp``: what :func:`~megatron_dynbatch.core.run_config.dynamic_cp_problem`
 refuses for a run preset (a pool of one GPU, ``pp=2`` with ``vpp > 1``, GRPO groups from ``--group-ids`` or the
@@ -83,7 +83,7 @@ def _fixed_cp_plan(lengths: Sequence[int], args: argparse.Namespace,
     import warnings
 
     from .core.planner import plan_global_batch
-    from .core.planner.dyncp_assembly import score_with_cp_comm
+    from .core.planner.dyncp.assembly import score_with_cp_comm
 
     fixed_kwargs = {k: v for k, v in kwargs.items() if k != "dynamic_cp"}
     try:
@@ -92,7 +92,7 @@ def _fixed_cp_plan(lengths: Sequence[int], args: argparse.Namespace,
             plan = plan_global_batch(lengths, num_microbatches=args.num_microbatches, **fixed_kwargs)
     except DynBatchConfigError as exc:
         return None, exc.problem
-    return score_with_cp_comm(plan, model=kwargs["model"], cost_model=kwargs.get("cost_model")), None
+    return score_with_cp_comm(plan, model=kwargs["model"], cost_model=kwargs.get("cost_model"), lengths=lengths), None
 
 
 def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[str, Any]:
@@ -100,15 +100,16 @@ def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[s
     hybrid-CP scheduler, as the benchmark scores its dynamic-CP workloads."""
     from .bench.baselines import BASELINES, BaselineContext, run_baseline
     from .bench.hybrid_cp import BaselineInfeasible, plan_hybrid_cp
-    from .core.cost_model import CostModel
-    from .core.planner.dyncp_assembly import score_with_cp_comm
+    from .core.cost_model import resolve_cost_model
+    from .core.planner.dyncp.assembly import score_with_cp_comm
 
-    cm = CostModel.from_model(args.model, par) if args.model else CostModel.tokens_only(par)
+    cm = resolve_cost_model(getattr(args, "cost_model", None), args.model, par)
     ctx = BaselineContext.build(par, args.max_tokens_per_gpu, args.model, args.fp8)
     out: Dict[str, Any] = {}
     for name in BASELINES:
         res = run_baseline(name, lengths, ctx, cm)
-        out[name] = res.error if res.error else score_with_cp_comm(res.plan, model=args.model, cost_model=cm)
+        out[name] = res.error if res.error else score_with_cp_comm(res.plan, model=args.model, cost_model=cm,
+                                                                   lengths=lengths)
     try:
         out["megatron-hybrid-cp"] = plan_hybrid_cp(lengths, par, args.max_tokens_per_gpu, cm)
     except BaselineInfeasible as exc:

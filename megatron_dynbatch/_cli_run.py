@@ -1,12 +1,12 @@
 """``megatron-dynbatch plan --run PRESET`` with flags: one meaning per flag.
 
 A flag of ``plan`` that names something a run preset also decides -- the model, the layout (``--dp`` ...
-``--sequence-parallel``), the budget, the balancing, the oversize policy, FP8 alignment, samples per step, GRPO
-groups (``--group-ids`` against ``group_size``) -- must agree with the preset. A flag that contradicts it is a
-:class:`~megatron_dynbatch.core.errors.DynBatchConfigError` naming the flag, the preset's value and both ways out:
-drop the flag (plan the preset as written), or add ``--override-run`` (plan the preset with the flag's value
-instead). Overridden values go through :meth:`RunConfig.replace`, so the result is checked exactly as a preset
-file with those values would be (``--dp 3`` on a preset with ``samples_per_step: 256`` is refused there).
+``--sequence-parallel``, ``--gpus-per-node``), the budget, the balancing, the oversize policy, FP8 alignment,
+samples per step, the cost model and its decision margin, GRPO groups (``--group-ids`` against ``group_size``) --
+must agree with the preset. A flag that contradicts it is a :class:`~megatron_dynbatch.core.errors.DynBatchConfigError`
+naming the flag, the preset's value and both ways out: drop the flag (plan the preset as written), or add
+``--override-run`` (plan the preset with the flag's value instead). Overridden values go through
+:meth:`RunConfig.replace`, so the result is checked exactly as a preset file with those values would be (``--dp 3`` on a preset with ``samples_per_step: 256`` is refused there).
 
 ``--dynamic-cp`` / ``--no-dynamic-cp`` are overrides by definition (documented on the flag) and need no
 ``--override-run``; ``--group-ids`` on a preset without ``group_size`` adds groups (the preset says nothing about
@@ -21,9 +21,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .core.errors import DynBatchConfigError
 
 OVERRIDE_FLAG = "--override-run"
-_LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage")
+_LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage", "gpus_per_node")
+#: flags named like the preset field they set (``--fp8`` sets ``fp8_alignment``)
+_SAME_NAME_FLAGS = ("oversize", "samples_per_step", "cost_model", "decision_margin")
 #: preset fields that ``plan`` has a flag for (named in the fix when the overridden preset fails its checks)
-_FLAG_OF_FIELD = ("model", "max_tokens_per_gpu", "oversize", "samples_per_step") + _LAYOUT_FLAGS
+_FLAG_OF_FIELD = ("model", "max_tokens_per_gpu") + _SAME_NAME_FLAGS + _LAYOUT_FLAGS
 #: ``--balance-by-*`` flag -> the preset's ``balance_by`` it matches (raw FLOPs and time have no preset value)
 _BALANCE = {"flops": "flops", "tokens": "tokens", "raw-flops": None, "time": None}
 
@@ -70,7 +72,7 @@ def _contradictions(args: argparse.Namespace, run: Any) -> List[Tuple[str, Any, 
     if args.balance_by is not None and _BALANCE[args.balance_by] != run.balance_by:
         change = {"balance_by": _BALANCE[args.balance_by]} if _BALANCE[args.balance_by] else {}
         out.append((f"--balance-by-{args.balance_by}", True, f"balance_by: {run.balance_by}", change))
-    for flag, field in (("oversize", "oversize"), ("fp8", "fp8_alignment"), ("samples_per_step", "samples_per_step")):
+    for flag, field in (("fp8", "fp8_alignment"),) + tuple((f, f) for f in _SAME_NAME_FLAGS):
         value = getattr(args, flag)
         if value is not None and value != getattr(run, field):
             out.append((_flag(flag), value, f"{field}={getattr(run, field)!r}", {field: value}))

@@ -38,6 +38,15 @@ MOVED = {
     "megatron_lm": "integrations.megatron_lm",
     "ray": "integrations.ray",
     "baselines": "bench.baselines",
+    # the dynamic-CP files of core/planner/ became the core/planner/dyncp/ package
+    "core.planner.dyncp_step": "core.planner.dyncp.step",
+    "core.planner.dyncp_candidates": "core.planner.dyncp.candidates",
+    "core.planner.dyncp_deal": "core.planner.dyncp.deal",
+    "core.planner.dyncp_schedule": "core.planner.dyncp.schedule",
+    "core.planner.dyncp_assembly": "core.planner.dyncp.assembly",
+    "core.planner.dyncp_plan": "core.planner.dyncp.plan",
+    "core.planner.pool": "core.planner.dyncp.pool",
+    "core.planner.pool_sim": "core.planner.dyncp.pool_sim",
 }
 
 _PREFIX = "megatron_dynbatch."
@@ -47,14 +56,18 @@ def new_name(old: str) -> Optional[str]:
     """The current module name for an old ``megatron_dynbatch.X[.Y]`` name, else ``None``."""
     if not old.startswith(_PREFIX):
         return None
-    head, _, tail = old[len(_PREFIX):].partition(".")
-    target = MOVED.get(head)
-    if target is None:
-        return None
-    return _PREFIX + target + ("." + tail if tail else "")
+    parts = old[len(_PREFIX):].split(".")
+    for n in range(len(parts), 0, -1):  # the longest moved prefix
+        target = MOVED.get(".".join(parts[:n]))
+        if target is not None:
+            return _PREFIX + ".".join([target] + parts[n:])
+    return None
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self) -> None:
+        self._specs: dict = {}
+
     def find_spec(self, fullname, path=None, target=None):  # noqa: D401 - importlib protocol
         if new_name(fullname) is None:
             return None
@@ -63,10 +76,16 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         target = new_name(spec.name)
         warnings.warn(f"{spec.name} moved to {target}; import it from there", DeprecationWarning, stacklevel=3)
-        return importlib.import_module(target)
+        module = importlib.import_module(target)
+        self._specs[module.__name__] = module.__spec__  # importlib overwrites it with the alias's spec next
+        return module
 
     def exec_module(self, module) -> None:
-        """The target module is already executed."""
+        """The target module is already executed; give it its own spec back (a lazy relative import inside it
+        would otherwise warn ``__package__ != __spec__.parent``)."""
+        spec = self._specs.pop(module.__name__, None)
+        if spec is not None:
+            module.__spec__ = spec
 
 
 def install_legacy_module_aliases() -> None:

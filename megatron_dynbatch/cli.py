@@ -43,6 +43,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1) (0.03 = 3%), got {text!r}")
+    return value
+
+
+def _add_cost_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cost-model", default=None, metavar="NAME|FILE",
+                   help="cost model: a profile ('fitted', the default, fitted on H100 timings; 'analytic', the "
+                        "pre-measurement assumptions) or a cost-model JSON file (docs/cost_model.md)")
+    p.add_argument("--decision-margin", type=_margin, default=None, metavar="X",
+                   help="leave the default choice (fewest micro-batches; fixed CP under --dynamic-cp) only for a "
+                        "modelled gain above X (default: the cost model's uncertainty, 0.032 for 'fitted')")
+
+
 def _fp8(text: str) -> Any:
     try:
         return int(text)
@@ -109,15 +128,18 @@ def _add_layout_args(p: argparse.ArgumentParser, *, dp: bool = True) -> None:
                    help="Megatron's N for interleaved pipelines (default: pp)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallelism: tokens per micro-batch must divide by tp")
+    g.add_argument("--gpus-per-node", type=_positive_int, default=None,
+                   help="GPUs per node (default 8): which CP groups cross nodes, with Megatron's rank order")
 
 
 def _layout(args: argparse.Namespace) -> Any:
-    from .core.parallel import ParallelConfig
+    from .core.parallel import DEFAULT_GPUS_PER_NODE, ParallelConfig
 
     return ParallelConfig(dp=getattr(args, "dp", None) or 1, tp=args.tp or 1, pp=args.pp or 1, cp=args.cp or 1,
                           ep=args.ep or 1, vpp=args.vpp or 1,
                           microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
-                          sequence_parallel=args.sequence_parallel)
+                          sequence_parallel=args.sequence_parallel,
+                          gpus_per_node=getattr(args, "gpus_per_node", None) or DEFAULT_GPUS_PER_NODE)
 
 
 # ============================================================================================ bench
@@ -146,7 +168,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     result = run_bench(workloads, seeds=args.seeds, algorithms=iter_algorithms(args.algorithms),
                        speed=not args.no_speed, speed_repeats=args.speed_repeats, progress=args.progress,
                        keep_plans=bool(args.plot), argv=args.argv,
-                       adversarial_sizes=ADVERSARIAL_FULL if args.adversarial else (ADVERSARIAL_DEFAULT,))
+                       adversarial_sizes=ADVERSARIAL_FULL if args.adversarial else (ADVERSARIAL_DEFAULT,),
+                       cost_model=args.cost_model, gpus_per_node=args.gpus_per_node,
+                       decision_margin=args.decision_margin)
     if args.output:
         Path(args.output).write_text(result.to_json(indent=1) + "\n", encoding="utf-8")
     if args.json:
@@ -269,7 +293,7 @@ def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
     if args.max_tokens_per_gpu is not None:
         kw["max_tokens_per_gpu"] = args.max_tokens_per_gpu
     layout = kw["parallel"].to_dict()
-    for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage"):
+    for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage", "gpus_per_node"):
         if getattr(args, name, None) is not None:
             layout[name] = getattr(args, name)
     if args.sequence_parallel:
@@ -283,6 +307,9 @@ def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
     for flag, key in (("oversize", "oversize"), ("fp8", "fp8_alignment"), ("samples_per_step", "samples_per_step")):
         if getattr(args, flag) is not None:
             kw[key] = getattr(args, flag)
+    for flag in ("cost_model", "decision_margin"):
+        if getattr(args, flag, None) is not None:
+            kw[flag] = getattr(args, flag)
     if args.dynamic_cp:
         kw["dynamic_cp"] = True
     if kw["max_tokens_per_gpu"] is None:
@@ -294,9 +321,9 @@ def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
 def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Tuple[str, Dict[str, Any]]:
     """The comparison table, and the baselines' plans (for ``--plot``)."""
     from .bench.baselines import BASELINES, BaselineContext, run_baseline
-    from .core.cost_model import CostModel
+    from .core.cost_model import resolve_cost_model
 
-    cm = CostModel.from_model(args.model, par) if args.model else CostModel.tokens_only(par)
+    cm = resolve_cost_model(getattr(args, "cost_model", None), args.model, par)
     ctx = BaselineContext.build(par, args.max_tokens_per_gpu, args.model, args.fp8)
     lb = plan.lower_bound_step_time
     out = [f"{'algorithm':<14} {'step s':>9} {'x LB':>7} {'mb/rank':>8} {'over budget':>11}",
@@ -454,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "about a minute) instead of 4,096 only")
     b.add_argument("--speed-repeats", type=_positive_int, default=3,
                    help="timed runs per planning-speed case (median reported; default 3)")
+    _add_cost_model_args(b)
+    b.add_argument("--gpus-per-node", type=_positive_int, default=None,
+                   help="GPUs per node of every workload's layout (default 8)")
     b.add_argument("--list", action="store_true", help="list the workloads and algorithms and exit")
     b.add_argument("--dropins", action="store_true",
                    help="compare each RL trainer's own batching (slime, verl, NeMo-RL, ROLL, Megatron RL) with its "
@@ -505,6 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dynamic context parallelism: plan the dp x cp GPUs as one pool, each micro-batch on its own "
                         "CP group, and print the fixed-CP plan of the same layout next to it (docs/dynamic_cp.md); "
                         "--no-dynamic-cp overrides a --run preset's dynamic_cp: true")
+    _add_cost_model_args(p)
     p.add_argument("--max-ranks", type=_positive_int, default=32, help="ranks shown in the table (default 32)")
     p.add_argument("--compare", action="store_true",
                    help="also score the baselines (fixed_padded, slime, verl, nemo_rl, ...) on the same batch")

@@ -56,15 +56,16 @@ def test_rl_packing_dealing_and_filler_bins():
 
 
 def test_rl_packing_scores_padding_and_filler_bins_as_executed():
-    lengths = np.array([90, 80, 70, 60, 50])
-    ctx = BaselineContext.build({"dp": 2}, 100, "tiny-gpt")
+    # micro-batches large enough that their work, not the cost model's per-micro-batch floor, sets their time
+    lengths = np.array([9000, 8000, 7000, 6000, 5000])
+    ctx = BaselineContext.build({"dp": 2}, 10_000, "qwen3-8b")
     from megatron_dynbatch.core.planner import score_assignment
 
     padded = run_baseline("megatron-rl-packing", lengths, ctx).plan
-    same = score_assignment(padded.micro_batches, lengths, model="tiny-gpt", parallel={"dp": 2},
-                            max_tokens_per_gpu=100)  # the same bins as packed micro-batches of their real length
+    same = score_assignment(padded.micro_batches, lengths, model="qwen3-8b", parallel={"dp": 2},
+                            max_tokens_per_gpu=10_000)  # the same bins as packed micro-batches of their real length
     assert padded.predicted_step_time > same.predicted_step_time
-    assert padded.padding_tokens == 6 * 100 - int(lengths.sum())
+    assert padded.padding_tokens == 6 * 10_000 - int(lengths.sum())
 
 
 def test_rl_packing_cannot_take_a_trajectory_longer_than_a_row():

@@ -15,7 +15,7 @@ from megatron_dynbatch.bench.measured import (TINY_WORKLOADS, PoolSchedule, Rank
 from megatron_dynbatch.bench.baselines import BASELINES
 from megatron_dynbatch.bench.runner import run_workload
 from megatron_dynbatch.bench.workloads import WORKLOADS
-from megatron_dynbatch.core.planner.pool import group_alignment
+from megatron_dynbatch.core.planner.dyncp.pool import group_alignment
 
 
 def _modelled_seconds(workload):

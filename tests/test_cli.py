@@ -253,8 +253,11 @@ def test_plan_dynamic_cp_explains_the_winning_candidate(capsys):
                  "--tp", "2", "--max-tokens-per-gpu", "32768", "--dynamic-cp"]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("winning candidate:"))
-    assert "all-root -- every micro-batch runs on the whole pool of 8 GPUs" in line and "docs/dynamic_cp.md" in line
-    assert "slots per GPU: 1 (a slot: one micro-batch" in out and "(dp.cp: the GPU's DP and CP rank" in out
+    # one document dominates this batch: a tree candidate widens its group (the fitted model's choice)
+    assert "tree-1 -- each sample on a CP group widened while it alone takes over 1x the mean GPU load" in line
+    assert "docs/dynamic_cp.md" in line
+    assert "every micro-batch runs on the whole pool of 8 GPUs" in describe_candidates("all-root", 8, 2)
+    assert "slots per GPU: 2 (a slot: one micro-batch" in out and "(dp.cp: the GPU's DP and CP rank" in out
     for name in ("fixed-cp", "tree-mem", "tree-0.5", "cp2-tree-0.25", "all-root"):  # every family member in words
         text = describe_candidates(name, 8, 2)
         assert not text.startswith(name) and "(the candidates scored" in text, text

@@ -18,10 +18,10 @@ from megatron_dynbatch.core.cost_model import (CostModel, fit_cp_comm, kv_bytes_
 from megatron_dynbatch.core.errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from megatron_dynbatch.core.parallel import ParallelConfig
 from megatron_dynbatch.core.planner.dyncp import build_dynamic_cp_plan, score_with_cp_comm
-from megatron_dynbatch.core.planner.dyncp_plan import DynamicCPPlan
+from megatron_dynbatch.core.planner.dyncp.plan import DynamicCPPlan
 from megatron_dynbatch.core.planner.plan import Plan
-from megatron_dynbatch.core.planner.pool import PoolTree
-from megatron_dynbatch.core.planner.pool_sim import simulate_pool
+from megatron_dynbatch.core.planner.dyncp.pool import PoolTree
+from megatron_dynbatch.core.planner.dyncp.pool_sim import simulate_pool
 from megatron_dynbatch.core.planner.vpp import is_valid_microbatch_count
 
 
@@ -85,7 +85,7 @@ def test_dyncp_pool_simulation_members_wait_for_each_other():
 # ------------------------------------------------------------------------------------------- cost model
 def test_dyncp_group_time_is_fixed_cp_time_plus_exposed_comm():
     par = ParallelConfig(dp=4, tp=8, cp=4)
-    cm = CostModel.from_model("llama-3.1-70b", par)
+    cm = CostModel.from_model("llama-3.1-70b", par, profile="analytic")  # one network, no floor: closed forms
     assert cm.has_cp_comm and cm.cp == 4
     assert cm.cp_comm_s_per_token == pytest.approx(3 * kv_bytes_per_token("llama-3.1-70b") / 8 / 100e9)
     tok, sq = np.array([4096.0, 65536.0]), np.array([4096.0 ** 2, 65536.0 ** 2])
@@ -325,6 +325,43 @@ def test_megatron_hybrid_cp_baseline_behaviour():
         plan_hybrid_cp([9000], par, 1000, cm)
 
 
+def _hybrid_groups(lengths, pool, cap):
+    from megatron_dynbatch.bench.hybrid_cp import plan_hybrid_cp
+
+    return plan_hybrid_cp(lengths, ParallelConfig(dp=pool), cap, CostModel(1e-6, 1e-9))
+
+
+def test_megatron_hybrid_cp_widens_a_group_in_place():
+    """Upstream (0.16.1 ``fill_empty_gpus``) doubles the smallest group by taking the GPUs right after it and
+    shifting later groups; our first version appended the first free GPUs (GPUs 0+2 and 1+3 here)."""
+    plan = _hybrid_groups([87, 94], 4, 100)
+    assert plan.groups == [[(0, 2)], [(0, 2)], [(2, 2)], [(2, 2)]]
+    assert plan.micro_batches == [[[1]], [[1]], [[0]], [[0]]]
+
+
+def test_megatron_hybrid_cp_sorts_once():
+    """Leftovers of a round keep the order the round left them in (upstream sorts the batch once): here the
+    41-token sample comes before the 113-token one in round 2 (re-sorting would swap them)."""
+    plan = _hybrid_groups([113, 41, 174, 172], 4, 100)
+    assert [mb[1] for mb in plan.micro_batches] == [[1], [1], [0], [0]]
+
+
+def test_megatron_hybrid_cp_groups_are_contiguous_and_whole():
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        pool = int(rng.choice([2, 4, 8, 16]))
+        lengths = rng.integers(1, 1000 * pool + 1, int(rng.integers(1, 60)))
+        plan = _hybrid_groups(lengths, pool, 1000)
+        where = {}  # sample -> {gpu: its group there}
+        for g in range(pool):
+            for mb, group in zip(plan.micro_batches[g], plan.groups[g]):
+                where.setdefault(mb[0], {})[g] = group
+        assert sorted(where) == list(range(lengths.size))
+        for gpus in where.values():  # every GPU of the sample's group, and only those, lists that one group
+            (start, size), = set(gpus.values())
+            assert sorted(gpus) == list(range(start, start + size)) and start + size <= pool
+
+
 def test_dyncp_bench_workload_rows():
     from megatron_dynbatch.bench.runner import run_workload
     from megatron_dynbatch.bench.workloads import WORKLOADS
@@ -425,3 +462,14 @@ def test_dynamic_cp_plan_is_refused_by_the_ray_driver():
     with pytest.raises(DynBatchConfigError) as err:
         plan_log_probs(plan, lengths, max_tokens_per_gpu=64)
     assert err.value.field == "dynamic_cp"
+
+
+def test_issue20_dynamic_cp_inputs_plan_validly():
+    """The two inputs issue 20 found slow plan validly (their time is benchmarked, bench/adversarial.py)."""
+    from megatron_dynbatch.bench.adversarial import SHAPES
+
+    for shape in (s for s in SHAPES if s.samples is not None):
+        lengths, kwargs = shape.build(0)
+        plan = plan_global_batch(lengths, **kwargs)
+        plan.validate(lengths.size)
+        assert plan.cap_violations == 0 and plan.predicted_step_time <= plan.fixed_cp_step_time * (1 + 1e-9)

@@ -58,22 +58,6 @@ def test_no_import_cycle_between_attention_and_norms():
         assert not re.search(rf"from \.{other} import|from \.\.megatron\.{other} import", src), name
 
 
-def test_no_import_cycle_between_bench_runner_and_adversarial():
-    """The runner calls the adversarial shapes; they share SpeedResult through bench/speed.py, never the runner."""
-    src = (PKG / "bench" / "adversarial.py").read_text(encoding="utf-8")
-    assert not re.search(r"from \.runner import|from megatron_dynbatch\.bench\.runner import", src)
-
-
-def test_no_import_cycle_between_cli_modules():
-    """``cli`` imports the dynamic-CP output (``_cli_dyncp``) and the summary text (``_cli_summary``); they never
-    import ``cli`` back (the shared summary helpers live in ``_cli_summary``)."""
-    for name in ("_cli_dyncp", "_cli_summary"):
-        tree = ast.parse((PKG / f"{name}.py").read_text(encoding="utf-8"))
-        back = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                and ((node.level == 1 and node.module == "cli") or node.module == "megatron_dynbatch.cli")]
-        assert not back, f"megatron_dynbatch/{name}.py imports megatron_dynbatch.cli at line(s) {back}"
-
-
 def test_ray_shards_are_plain_data_and_import_no_behaviour():
     """shards.py (RankShard, RolloutPlan, ShardResult) is what the driver ships to actors: it must not import the
     actor side (which imports it), so the two never form an import circle."""
@@ -147,3 +131,48 @@ def test_warning_filters_name_third_party_warnings_only():
         assert action == "ignore" and message and category and module, f"{f}: name the message and the module"
         assert not re.match(module, "megatron_dynbatch") and not re.match(module, "megatron_dynbatch.core.planner"), f
         assert module.startswith(("megatron\\.core\\.", "torch\\.")), f"{f}: a third-party module, named"
+
+
+def _imported_modules(path: Path, package: str):
+    """Modules and names a file imports (``from .x import y``, ``from ..z import w``, ``import a.b``, absolute
+    ``from megatron_dynbatch... import``; lazy imports inside functions too): each ``module`` and ``module.name``,
+    so that ``from . import x`` and ``from .pkg import mod`` name the module they load."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    base = package.split(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                module = ".".join(base[:len(base) - node.level + 1] + (node.module.split(".") if node.module else []))
+            else:
+                module = node.module or ""
+            yield module
+            yield from (f"{module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+def test_the_package_has_no_import_cycle():
+    """The whole package imports in one direction: no module reaches itself again through its imports (relative
+    or absolute, lazy ones inside functions included; a module importing its own parent package does not count).
+    This keeps the circles out that once tied ``cli`` and ``_cli_dyncp``, ``bench/runner`` and
+    ``bench/adversarial``, the planner's ``api`` and dynamic-CP modules, ``plan`` and ``dyncp_plan``."""
+    graph = {}
+    for p in sorted(PKG.rglob("*.py")):
+        rel = p.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if p.name == "__init__.py" else rel.parts)
+        package = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        graph[name] = set(_imported_modules(p, package))
+    for name in graph:
+        graph[name] = {m for m in graph[name] if m in graph and m != name and not name.startswith(m + ".")}
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cycles = sorted(n for n in graph if n in reach(n))
+    assert not cycles, f"modules on an import cycle: {cycles}"

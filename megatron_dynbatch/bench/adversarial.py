@@ -15,6 +15,9 @@ Each :class:`Shape` builds one batch (deterministic) and the planner arguments f
 * ``one giant group`` -- every sample but one in one ``group_ids`` group over 2 ranks (token mode): the other
   rank can fill one micro-batch, so the batch is refused; a refusal is an answer too and is timed like a plan
   (``M=0`` in the report). It used to search for minutes.
+* ``dyncp ...`` -- dynamic CP at the sizes issue 20 reported slow (fixed sizes, timed once per run): 16,384 GRPO
+  samples over a pool of dp=64 x cp=4 with pp=4, and one 128k document among 9,999 short ones on dp=16 x cp=2
+  with pp=4 (Llama-3.1-8B).
 
 The default ``megatron-dynbatch bench`` times them at 4,096 samples; ``bench --adversarial`` at 65,536 samples
 over up to 1,024 ranks, where the target is < 2 s on one core, and at 4,096 / 16,384 / 65,536 samples to show the
@@ -27,7 +30,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -46,9 +49,12 @@ class Shape:
     name: str
     dp: int
     make: Callable[[int, np.random.Generator], Tuple[np.ndarray, Dict[str, Any]]]
+    #: a fixed batch size (the shape ignores the requested one and is timed once per run)
+    samples: Optional[int] = None
 
     def build(self, n: int) -> Tuple[np.ndarray, Dict[str, Any]]:
         """The batch of ``n`` samples and the planner arguments (``dp`` shrinks with ``n`` to keep >= 4 each)."""
+        n = self.samples or n
         lengths, kwargs = self.make(n, np.random.default_rng(n))
         dp = max(1, min(self.dp, n // 64))
         par = dict(kwargs.pop("parallel", {}), dp=dp)
@@ -77,6 +83,12 @@ SHAPES: Tuple[Shape, ...] = (
     Shape("all at cap", 8, lambda n, r: (np.full(n, BUDGET), {})),
     Shape("one giant group (refused)", 2, lambda n, r: (r.integers(1, 100, n), {
         "group_ids": np.r_[np.zeros(n - 1, dtype=np.int64), 1]})),
+    Shape("dyncp GRPO dp64xcp4 pp4", 64, lambda n, r: (_grpo(n, r, 16_384), {
+        "parallel": {"cp": 4, "pp": 4}, "model": "llama-3.1-8b", "max_tokens_per_gpu": 8192, "dynamic_cp": True}),
+        samples=16_384),
+    Shape("dyncp 128k doc + short, dp16xcp2 pp4", 16, lambda n, r: (np.append(131_072, _grpo(n - 1, r, 16_384)), {
+        "parallel": {"cp": 2, "pp": 4}, "model": "llama-3.1-8b", "max_tokens_per_gpu": 65_536, "dynamic_cp": True}),
+        samples=10_000),
 )
 
 
@@ -109,9 +121,13 @@ def run_adversarial(sizes: Sequence[int] = (DEFAULT_SIZE,), repeats: int = 1,
                     shapes: Sequence[Shape] = SHAPES) -> List[Any]:
     """One :class:`~megatron_dynbatch.bench.speed.SpeedResult` per shape and size."""
     out = []
-    for n in sizes:
+    for k, n in enumerate(sizes):
         for shape in shapes:
+            if shape.samples is not None and k:  # a fixed-size shape: once per run
+                continue
             runs, m = time_shape(shape, n, repeats)
-            dp = shape.build(n)[1]["parallel"]["dp"]
-            out.append(SpeedResult(n, dp, runs, TARGET_MS, m, shape=shape.name, clock="cpu"))
+            kwargs = shape.build(n)[1]
+            par = kwargs["parallel"]
+            out.append(SpeedResult(shape.samples or n, par["dp"] * par.get("cp", 1) if kwargs.get("dynamic_cp")
+                                   else par["dp"], runs, TARGET_MS, m, shape=shape.name, clock="cpu"))
     return out

@@ -181,7 +181,7 @@ def headline(result: BenchResult) -> List[str]:
     intro = (f"megatron-dynbatch bench: {_n(len(data), 'workload')} x {_n(seeds, 'seed')}; the planner "
              f"({', '.join(planners) or 'not run'}) and {_n(len(peers), 're-implemented baseline')} "
              f"({', '.join(peers) or 'none'}) plan the same global batches and one step-time model scores them all. "
-             f"Step times are MODELLED (FLOPs at assumed H100-class efficiencies: docs/cost_model.md), not "
+             f"Step times are MODELLED (FLOPs at efficiencies fitted to H100 timings: docs/cost_model.md), not "
              f"measured; plan times are measured on this machine.")
     lines = _wrap(intro, indent="", hang="")
     for line in (_speedup_vs_reference(data), _versus_best_peer(data), _versus_upstream(data),

@@ -7,17 +7,19 @@ What megatron-core 0.16.1 does (``pipeline_parallel/hybrid_cp_schedule.py::Balan
 * every sample gets a CP size by memory only: the next power of two of ``L / max_seqlen_per_dp_cp_rank``
   (we pass ``max_tokens_per_gpu``), 1 when it fits one GPU; its workload is ``L^2 / cp`` (no linear term, no
   communication);
-* samples, longest first, are cut into as many workload-balanced buckets as there are distinct CP sizes; then
-  *rounds* are formed: a sample joins the existing group of its CP size with the least load, or opens a new
-  group on free GPUs when that is less loaded; once the sizes decrease, a round closes as soon as the DP x CP
-  GPUs are within 5% of each other; the last sample is dropped back while that narrows the spread; GPUs left
-  empty get work by doubling the smallest groups' CP size;
+* the samples are sorted longest first ONCE; each round cuts the samples still to place (in that order) into as
+  many workload-balanced buckets as there are distinct CP sizes; a sample joins the existing group of its CP
+  size with the least load, or opens a new group on the first free GPUs when that is less loaded; once the
+  sizes decrease, a round closes as soon as the DP x CP GPUs are within 5% of each other; the last sample is
+  dropped back while that narrows the spread (dropped samples go to the END of the leftovers, which are not
+  re-sorted); GPUs left empty get work by doubling the CP size of the first smallest group IN PLACE: its GPUs
+  grow to the right and every later group shifts right by as many GPUs, so groups stay contiguous;
 * each sample then runs as its OWN micro-batch (one ``forward_step`` per sample) on its group, groups of a
   round run their samples one after another, and a barrier over the DP x CP group ends every round.
 
-Scoring: a sample on ``g`` GPUs costs :meth:`CostModel.group_microbatch_time` (per-micro-batch overhead,
-linear + attention work over ``g``, exposed K/V exchange) with ``2 g`` alignment; a round lasts its slowest
-group; rounds add up. Upstream's schedule is PP=1 only (0.16.1); with ``pp > 1`` we model what the natural
+Scoring: a sample on ``g`` GPUs costs :meth:`CostModel.group_microbatch_time` (per-micro-batch overhead and
+floor, linear + attention work over ``g``, exposed K/V exchange, across nodes where the group crosses them) with
+``2 g`` alignment; a round lasts its slowest group; rounds add up. Upstream's schedule is PP=1 only (0.16.1); with ``pp > 1`` we model what the natural
 extension would do -- every round a separate 1F1B pipeline of each group's samples, flushed at the round's
 barrier -- and say so in the row's notes.
 """
@@ -33,7 +35,8 @@ import numpy as np
 from ..core.alignment import Alignment, fp8_multiple
 from ..core.cost_model import CostModel, simulate_1f1b
 from ..core.parallel import ParallelConfig
-from ..core.planner.dyncp_plan import DynamicCPPlan
+from ..core.topology import group_spans_nodes
+from ..core.planner.dyncp.plan import DynamicCPPlan
 from .partitioning import BaselineInfeasible
 
 NAME = "megatron-hybrid-cp"
@@ -114,10 +117,11 @@ def _round(items: List[Tuple[int, int]], pool: int, need, work) -> Tuple[List[Li
             lens_gpu[r].append(L)
             exec_t[r] += w
         buckets[pick].pop(0)
-        buckets = [b for b in buckets if b] if not buckets[0] else buckets
+        while buckets and not buckets[0]:
+            buckets.pop(0)
         if n < prev_need:
             check = True
-        if check and any(buckets) and max(exec_t) - min(exec_t) <= DELTA * max(exec_t):
+        if check and buckets and max(exec_t) - min(exec_t) <= DELTA * max(exec_t):
             break
     leftovers = [it for b in buckets for it in b]
     # drop the last sample of the most loaded group while that narrows the spread
@@ -140,20 +144,38 @@ def _round(items: List[Tuple[int, int]], pool: int, need, work) -> Tuple[List[Li
             per_gpu[q].pop()
             lens_gpu[q].pop()
             exec_t[q] -= w
-    # empty GPUs: double the smallest groups (their work spreads over the new members)
     while any(not x for x in per_gpu):
-        empty = [r for r in range(pool) if not per_gpu[r]]
-        smallest = min(gsize[g] for g in members if per_gpu[members[g][0]])
-        g = min(gg for gg in members if gsize[gg] == smallest and per_gpu[members[gg][0]])
-        add = min(smallest, len(empty))
-        new = empty[:add]
-        for r in new:
-            per_gpu[r] = list(per_gpu[members[g][0]])
-            lens_gpu[r] = list(lens_gpu[members[g][0]])
-            gid_of[r] = g
-        members[g] = members[g] + new
-        gsize[g] = len(members[g])
+        per_gpu, lens_gpu, gid_of = _grow_smallest(per_gpu, lens_gpu, gid_of, members, gsize, pool)
     return per_gpu, [gid_of[r] for r in range(pool)], leftovers
+
+
+def _grow_smallest(per_gpu, lens_gpu, gid_of, members, gsize, pool):
+    """Double the CP size of the first (lowest id) smallest group in place: it takes the GPUs right after it,
+    the groups behind it move right by as many GPUs (onto the empty GPUs at the end of the pool). Upstream
+    would index past the pool where too few GPUs are empty; that is refused here."""
+    if not members:  # upstream asserts here
+        raise BaselineInfeasible("upstream formed no CP group in a round")
+    g = min(gg for gg in members if gsize[gg] == min(gsize.values()))
+    old = gsize[g]
+    add = min(2 * old, pool) - old
+    first_empty = next(r for r in range(pool) if not per_gpu[r])
+    end = members[g][-1] + 1
+    moved = list(range(end, first_empty))  # the GPUs of every later group, pushed right by ``add``
+    if add < 1 or first_empty + add > pool or any(per_gpu[r] for r in range(first_empty, first_empty + add)):
+        raise BaselineInfeasible(f"upstream cannot widen a group of {old} GPUs in a pool of {pool} (too few empty GPUs)")
+    new_per = [list(x) for x in per_gpu]
+    new_lens = [list(x) for x in lens_gpu]
+    new_gid = list(gid_of)
+    for r in reversed(moved):
+        new_per[r + add], new_lens[r + add], new_gid[r + add] = per_gpu[r], lens_gpu[r], gid_of[r]
+    for r in range(end, end + add):
+        new_per[r], new_lens[r], new_gid[r] = list(per_gpu[end - 1]), list(lens_gpu[end - 1]), g
+    for gg in members:
+        if gg > g:
+            members[gg] = [r + add for r in members[gg]]
+    members[g] = list(range(members[g][0], end + add))
+    gsize[g] = len(members[g])
+    return new_per, new_lens, new_gid
 
 
 #: one round: each pool GPU's samples in execution order, and each GPU's group id (members share an id)
@@ -172,12 +194,11 @@ def hybrid_cp_rounds(lengths: Sequence[int], parallel: ParallelConfig, max_token
     nonzero = [(i, int(L)) for i, L in enumerate(lens.tolist()) if L > 0]  # upstream drops empty sub-samples
     if len(nonzero) < lens.size:
         raise BaselineInfeasible("upstream drops zero-length samples")
-    items = sorted(nonzero, key=lambda x: (-x[1], x[0]))
+    items = sorted(nonzero, key=lambda x: (-x[1], x[0]))  # once: leftovers keep the order a round leaves them in
     rounds: List[Round] = []
     guard = 0
     while items:
         per_gpu, gids, items = _round(items, pool, need, work)
-        items = sorted(items, key=lambda x: (-x[1], x[0]))
         rounds.append((per_gpu, gids))
         guard += 1
         if guard > 10 * lens.size + 10:  # pragma: no cover - every round places at least one sample
@@ -208,10 +229,11 @@ def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_
             size = gids.count(gids[r])
             first = gids.index(gids[r])
             align = Alignment.for_layout(ParallelConfig(tp=par.tp, cp=size, sequence_parallel=par.sequence_parallel), tile)
+            spans = group_spans_nodes(first, size, par)
             ts = []
             for i in per_gpu[r]:
                 tok = align.padded_total(int(align.seq_len(int(lens[i]))))
-                t = float(cm.group_microbatch_time(size, tok, float(lens[i]) ** 2))
+                t = float(cm.group_microbatch_time(size, tok, float(lens[i]) ** 2, spans))
                 ts.append(t)
                 micro_batches[r].append([i])
                 groups[r].append((first, size))

@@ -36,9 +36,8 @@ from ..core.alignment import Alignment
 from ..core.cost_model import CostModel
 from ..core.parallel import ParallelConfig
 from ..core.planner.api import rank_times_of
-# dynamic-CP names, kept together: the dyncp modules are moving to core/planner/dyncp/ (fix these two at merge)
 from ..core.planner import DynamicCPPlan
-from ..core.planner.pool_sim import simulate_pool
+from ..core.planner.dyncp.pool_sim import simulate_pool
 from .baselines import BASELINES
 from .hybrid_cp import NAME as HYBRID_CP, hybrid_cp_rounds
 from .workloads import Batch, Workload, grpo_lengths

@@ -8,7 +8,7 @@ rank of an expert-parallel group in lockstep. A bar's total length is the rank's
 line is the step time (the slowest rank). A legend under the panels names every colour. Ranks beyond
 ``max_ranks`` are thinned out evenly, always keeping the slowest.
 
-A dynamic-CP plan (:class:`~megatron_dynbatch.core.planner.dyncp_plan.DynamicCPPlan`) is drawn per pool GPU:
+A dynamic-CP plan (:class:`~megatron_dynbatch.core.planner.dyncp.plan.DynamicCPPlan`) is drawn per pool GPU:
 its micro-batches are coloured by the size of their CP group, and each starts when the LAST GPU of its group is
 free (the wait before it is hatched) -- the synchronisation its simulation models, exactly for ``pp = 1`` and
 one optimizer step; with ``pp > 1`` (per-stage times ``t/pp``) and across steps an approximation like the one

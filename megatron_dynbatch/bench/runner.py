@@ -11,6 +11,7 @@ Also here: the planning-speed micro-benchmark (:func:`run_speed`), which times `
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -27,7 +28,8 @@ from .baselines import BASELINES, BaselineContext, run_baseline, structural_prob
 from .hybrid_cp import NAME as HYBRID_CP, plan_hybrid_cp
 from .partitioning import BaselineInfeasible
 from .speed import SpeedResult
-from ..core.cost_model import CostModel
+from ..core.cost_model import CostModel, resolve_cost_model
+from ..core.cost_profiles import DEFAULT_PROFILE
 from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 from ..core.parallel import ParallelConfig
@@ -169,17 +171,22 @@ def _row_from_plan(w: Workload, seed: int, name: str, family: str, plan: Any, pl
 
 
 def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]] = None,
-                 keep_plans: bool = False, documents: Optional[Sequence[int]] = None,
+                 keep_plans: bool = False, cost_model: Any = None, gpus_per_node: Optional[int] = None,
+                 decision_margin: Optional[float] = None, documents: Optional[Sequence[int]] = None,
                  ) -> Tuple[List[Row], Dict[Tuple[str, int, str], Any]]:
-    """Plan and score one workload's batch of ``seed`` with every requested algorithm (``documents``: see
-    :meth:`Workload.generate`)."""
+    """Plan and score one workload's batch of ``seed`` with every requested algorithm. ``cost_model``: a
+    ``CostModel``, profile name or file (default: the default profile); ``gpus_per_node`` replaces the
+    workload's; ``decision_margin`` goes to the planner; ``documents``: see :meth:`Workload.generate`."""
     from ..core.planner import plan_global_batch
+    from ..core.planner.api import executed_shapes
     from ..core.planner.dyncp import score_with_cp_comm
 
     algos = list(algorithms) if algorithms else list(ALGORITHMS)
+    if gpus_per_node is not None:
+        w = dataclasses.replace(w, parallel=dataclasses.replace(w.parallel, gpus_per_node=gpus_per_node))
     batch = w.generate(seed, documents=documents)
     lengths = batch.lengths
-    cm = CostModel.from_model(w.model, w.parallel)
+    cm = resolve_cost_model(cost_model, w.model, w.parallel)
     dyncp = bool(getattr(w, "dynamic_cp", False))
     rows: List[Row] = []
     plans: Dict[Tuple[str, int, str], Any] = {}
@@ -207,7 +214,8 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
             try:
                 plan = plan_global_batch(lengths, model=w.model, parallel=w.parallel,
                                          max_tokens_per_gpu=w.max_tokens_per_gpu, cost_model=cm,
-                                         group_ids=batch.group_ids if needs_groups else None, **kwargs)
+                                         group_ids=batch.group_ids if needs_groups else None,
+                                         decision_margin=decision_margin, **kwargs)
             except DynBatchConfigError as exc:
                 rows.append(Row(w.name, seed, name, "dynbatch", error=str(exc),
                                 planning_ms=1e3 * (time.perf_counter() - t0)))
@@ -219,7 +227,7 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
                 except AssertionError as exc:
                     problems = [f"invalid dynamic-CP plan: {exc}"]
             elif dyncp:
-                plan = score_with_cp_comm(plan, model=w.model, cost_model=cm)
+                plan = score_with_cp_comm(plan, model=w.model, cost_model=cm, lengths=lengths)
             row = _row_from_plan(w, seed, name, "dynbatch", plan, plan.planning_time_s, problems)
             row.lower_bound_microbatches = plan.lower_bound_microbatches
             row.lower_bound_s = plan.lower_bound_step_time
@@ -230,7 +238,13 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
                 rows.append(Row(w.name, seed, name, "baseline", error=res.error,
                                 planning_ms=1e3 * res.planning_time_s))
                 continue
-            plan = score_with_cp_comm(res.plan, model=w.model, cost_model=cm) if dyncp else res.plan
+            if dyncp:  # the exchange hides behind the attention the baseline runs (padded rows, full-width bins)
+                base = BASELINES[name]
+                _, sqs = executed_shapes(res.plan.micro_batches, lengths, res.plan.alignment, base.pad_to_longest,
+                                         res.plan.cap if base.fixed_bins else None)
+                plan = score_with_cp_comm(res.plan, model=w.model, cost_model=cm, sq_tokens=sqs)
+            else:
+                plan = res.plan
             row = _row_from_plan(w, seed, name, "baseline", plan, res.planning_time_s, res.notes)
             row.lower_bound_microbatches = plan.lower_bound_microbatches
             row.lower_bound_s = plan.lower_bound_step_time
@@ -318,9 +332,11 @@ def run_speed_dyncp(case: Tuple[int, int, int, float] = DYNCP_SPEED_CASE, repeat
 def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optional[Sequence[str]] = None,
               speed: bool = True, speed_repeats: int = 3, progress: Optional[bool] = None,
               keep_plans: bool = False, argv: Optional[Sequence[str]] = None,
-              adversarial_sizes: Sequence[int] = ()) -> BenchResult:
+              adversarial_sizes: Sequence[int] = (), cost_model: Any = None, gpus_per_node: Optional[int] = None,
+              decision_margin: Optional[float] = None) -> BenchResult:
     """Run every workload for seeds ``0..seeds-1`` (and the speed micro-benchmark when ``speed``, with the
-    adversarial input shapes of :mod:`.adversarial` at ``adversarial_sizes`` samples).
+    adversarial input shapes of :mod:`.adversarial` at ``adversarial_sizes`` samples). ``cost_model``,
+    ``gpus_per_node``, ``decision_margin``: as :func:`run_workload` (``bench --cost-model`` ...).
 
     ``progress``: show a tqdm bar on stderr (default: only when stderr is a terminal).
     """
@@ -335,7 +351,8 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
         tasks += [("speed", case) for case in SPEED_CASES]
         if any(getattr(w, "dynamic_cp", False) for w in workloads):
             tasks.append(("speed-dyncp", DYNCP_SPEED_CASE))
-        tasks += [("adversarial", (n, shape)) for n in adversarial_sizes for shape in ADVERSARIAL_SHAPES]
+        tasks += [("adversarial", (n, shape)) for i, n in enumerate(adversarial_sizes) for shape in ADVERSARIAL_SHAPES
+                  if shape.samples is None or i == 0]  # a fixed-size shape once
     show = sys.stderr.isatty() if progress is None else progress
     bar = _progress(len(tasks), show)
     load_start = _load_average()
@@ -345,7 +362,8 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
         if kind == "workload":
             w, s = task
             bar.set_description(f"{w.name} seed {s}")
-            rows, plans = run_workload(w, s, algorithms, keep_plans)
+            rows, plans = run_workload(w, s, algorithms, keep_plans, cost_model=cost_model,
+                                       gpus_per_node=gpus_per_node, decision_margin=decision_margin)
             result.rows += rows
             result.plans.update(plans)
             for wd in result.workloads:
@@ -371,6 +389,8 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
         # the busier of start and end: contention slows planning times (report.format_speed says so on a miss)
         "load_avg": max(load_start, _load_average()) if load_start is not None else None,
         "cpus": os.cpu_count(),
+        "cost_model": str(cost_model) if cost_model is not None else f"{DEFAULT_PROFILE} (default profile)",
+        "gpus_per_node": gpus_per_node, "decision_margin": decision_margin,
     }
     return result
 

@@ -108,6 +108,21 @@ def as_int(value: Any, field: str, *, minimum: Optional[int] = None, maximum: Op
     return out
 
 
+def as_float(value: Any, field: str, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
+             fix: str = "") -> float:
+    """A finite real number (Python or NumPy; ``bool`` refused) as a Python float, within ``[minimum, maximum]``,
+    or a ``DynBatchConfigError`` naming ``field``, the value and ``fix``."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    out = float(value) if ok else float("nan")
+    within = (minimum is None or out >= minimum) and (maximum is None or out <= maximum)
+    if not ok or not np.isfinite(out) or not within:
+        lo = "-inf" if minimum is None else f"{minimum:g}"
+        hi = "inf" if maximum is None else f"{maximum:g}"
+        raise DynBatchConfigError(field, value, f"must be a finite number in [{lo}, {hi}]",
+                                  fix or f"pass a number between {lo} and {hi}")
+    return out
+
+
 def as_bool(value: Any, field: str) -> bool:
     if not is_bool(value):
         raise DynBatchConfigError(field, value, "must be True or False", f"pass {field}=True or {field}=False")

@@ -1,65 +1,63 @@
-"""Step-time model used to choose micro-batch counts and to score plans.
+"""Step-time model used to choose micro-batch counts, CP groups and orders, and to score plans.
 
-One micro-batch of a DP rank costs, on each GPU of its model replica (forward + backward)::
+One micro-batch costs, on each GPU of its model replica (forward + backward), on a group of ``g`` GPUs
+(``g = cp``: the layout's own CP groups; ``[g > 1]`` is 1 for a CP member's share, else 0)::
 
-    t_mb = overhead + linear_s_per_token * padded_tokens + attention_s_per_sq_token * sum(real_len ** 2)
+    compute = overhead_s + linear_s_per_token * padded_tokens * cp/g * (1 + cp_linear_overhead [g > 1])
+              + attention_s_per_sq_token * (sum(real_len ** 2) * cp/g + cp * cp_chunk_tokens * padded_tokens * (g-1)/g)
+    t_mb    = max(min_microbatch_s + cp_min_microbatch_s [g > 1], compute) + exposed CP exchange
 
 * ``linear_s_per_token``: the token-linear FLOPs (projections, MLP/experts, LM head), forward x3 for fwd+bwd,
-  split over the ``tp*pp*cp`` GPUs of the replica, at ``linear_efficiency`` of ``peak_flops``. Padding tokens
-  cost linear work, which is why padded tokens are counted here.
+  split over ``tp*cp``, at the profile's ``linear_efficiency`` of ``peak_flops``. Padding tokens cost linear work.
 * ``attention_s_per_sq_token``: the causal core-attention FLOPs (half the square), likewise, at
-  ``attention_efficiency`` (varlen flash/fused attention runs well below GEMM efficiency). Only real tokens
-  attend: THD kernels skip the padding between sequences.
-* ``overhead``: a fixed per-micro-batch cost (kernel launches, pipeline p2p, data movement) that makes many
-  tiny micro-batches slower than few large ones.
+  ``attention_efficiency``. Only real tokens attend: THD kernels skip the padding between sequences.
+* ``overhead_s``: fixed GPU time per micro-batch (per layer in the fitted profile); ``min_microbatch_s``: the
+  floor -- a small input is bound by issuing a layer's kernels, not by the GPU.
+* a CP member's share: slower linear work, attention in the ring's chunks (``cp_chunk_tokens``: the smaller the
+  chunks, the larger their cost), a higher floor.
+
+The numbers come from a :class:`~.cost_profiles.CostProfile` (:meth:`CostModel.from_model`; ``"fitted"`` -- fitted
+to H100 timings, the default -- or ``"analytic"``, the earlier assumptions) or from a calibration file.
+``docs/cost_model.md`` has the fit and its errors.
 
 A DP rank's time is the sum of its micro-batch times when ``pp == 1``; with ``pp > 1`` each micro-batch costs
 ``t_mb / pp`` on every stage (layers split evenly, forward one third and backward two thirds) and the rank's
-time is the makespan of a simulated 1F1B schedule (:func:`simulate_1f1b`); interleaved pipelines (``vpp > 1``)
-use the closed form ``sum(stage times) + (pp - 1) / vpp * mean(stage time)``. With expert parallelism
+time is the makespan of a simulated 1F1B schedule (:func:`.pipeline_sim.simulate_1f1b`); interleaved pipelines
+(``vpp > 1``) use the closed form ``sum(stage times) + (pp - 1) / vpp * mean(stage time)``. With expert parallelism
 (``ep > 1``) the ranks of one EP group exchange tokens in every MoE layer, so they advance in lockstep: the
-``j``-th micro-batch costs the maximum over the group's ranks (:meth:`CostModel.step_time`).
+``j``-th micro-batch costs the maximum over the group's ranks (:meth:`CostModel.step_time`). The step time is the
+slowest DP rank's time (every rank waits at the gradient all-reduce); the all-reduce and optimizer are the same for
+every plan and are left out.
 
-The step time is the slowest DP rank's time (every rank waits at the gradient all-reduce); the all-reduce and
-optimizer are the same for every plan and are left out.
-
-Context-parallel communication (used by dynamic CP, :mod:`megatron_dynbatch.core.planner.dyncp`). A micro-batch
-spread over a group of ``g`` GPUs costs each of them ``(linear + attention work) * cp / g`` (the coefficients
-above are expressed for the layout's ``cp``) plus the EXPOSED part of its K/V exchange::
+Context-parallel exchange (dynamic CP, :mod:`megatron_dynbatch.core.planner.dyncp`): the EXPOSED part of a group's
+ring-attention K/V transfers::
 
     comm(g)  = (g - 1) * cp_comm_s_per_step + (g - 1) / g * padded_tokens * cp_comm_s_per_token
     exposed  = max(0, comm(g) - cp_comm_overlap * attention_time(g))
 
-``cp_comm_s_per_token``: seconds to move one token's K and V of every layer, forward + backward (ring
-attention sends K/V forward and K/V plus their gradients backward: 3x the forward volume), at
-``cp_bandwidth_Bps``; ``cp_comm_s_per_step``: latency of one ring step of every layer, forward and backward;
-``cp_comm_overlap``: the fraction of the group's attention time that hides the exchange (ring attention
-computes on one K/V chunk while the next one arrives). :meth:`CostModel.group_microbatch_time` is the whole
-formula; the fixed-layout planner does not use it (its CP groups never change, so the term does not change
-its choices), the dynamic-CP planner and its benchmark score every plan with it. Calibrate the three numbers
-with :func:`fit_cp_comm`. The default efficiencies describe an H100/H200 running
-bf16; they only need to be right *relative to each other* to rank plans. ``CostModel`` instances with measured
-coefficients (see ``fit``) replace them when calibration data exists.
+``cp_comm_s_per_token``: seconds to move one token's K and V of every layer, forward + backward (3x the forward
+volume); ``cp_comm_s_per_step``: latency of one ring step of every layer pass; ``cp_comm_overlap``: the share of the
+group's attention that hides the exchange. A group that crosses nodes (:mod:`.topology`) uses the ``*_inter_*``
+numbers. The fixed-layout planner does not use the term (its CP groups never change); the dynamic-CP planner and its
+benchmark score every plan with it. ``uncertainty``: the model's measured relative error, the planner's default
+decision margin.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .checks import as_float
+from .cost_profiles import CostProfile, resolve_profile
 from .errors import DynBatchConfigError
 from .parallel import ParallelConfig
+from .pipeline_sim import simulate_1f1b, simulate_1f1b_batch
 
-#: Default CP communication assumptions (H100/H200 inside one NVLink node; lower the bandwidth when CP groups
-#: span nodes, e.g. ~25-50e9 per GPU over 200-400 Gb/s NICs): per-GPU bandwidth that ring attention's
-#: point-to-point K/V transfers reach, latency of one ring step of one layer pass, and the share of the
-#: attention compute that hides the transfers.
-CP_BANDWIDTH_BPS = 100e9
-CP_LATENCY_S = 15e-6
-CP_COMM_OVERLAP = 0.8
 #: bytes per element of the exchanged K/V (bf16)
 KV_BYTES_PER_ELEMENT = 2
 
@@ -81,7 +79,8 @@ def kv_bytes_per_token(model) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per padded token, per squared real token and per micro-batch, on one GPU, forward + backward."""
+    """Seconds per padded token, per squared real token and per micro-batch, on one GPU, forward + backward --
+    plus the floor of a micro-batch, a CP member's extra costs and the CP communication (module docstring)."""
 
     linear_s_per_token: float
     attention_s_per_sq_token: float
@@ -91,22 +90,37 @@ class CostModel:
     ep_group: int = 1
     #: layout context-parallel size the two coefficients above are expressed for (work per GPU = base / cp)
     cp: int = 1
-    #: CP communication (module docstring); ``None`` = not set (dynamic CP then uses the model's defaults)
+    #: CP communication inside one node (module docstring); ``None`` = not set (dynamic CP then uses the model's
+    #: defaults)
     cp_comm_s_per_token: Optional[float] = None
     cp_comm_s_per_step: Optional[float] = None
     cp_comm_overlap: Optional[float] = None
+    #: the least seconds a micro-batch takes (issue-bound small inputs); a CP member's share adds the second
+    min_microbatch_s: float = 0.0
+    cp_min_microbatch_s: float = 0.0
+    #: a CP member's (``g > 1``) linear work is this much slower; its attention costs like ``cp_chunk_tokens``
+    #: more keys per token of the whole micro-batch, times ``(g - 1) / g``
+    cp_linear_overhead: float = 0.0
+    cp_chunk_tokens: float = 0.0
+    #: CP communication of groups that cross nodes; ``None`` = as inside a node
+    cp_comm_inter_s_per_token: Optional[float] = None
+    cp_comm_inter_s_per_step: Optional[float] = None
+    #: relative error of the model's step-time predictions: the planner's default decision margin
+    uncertainty: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s"):
+        for name in ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s") + EXTRA_KEYS:
+            top = 1.0 if name == "uncertainty" else None
+            object.__setattr__(self, name, as_float(getattr(self, name), f"cost_model.{name}", minimum=0.0,
+                                                    maximum=top, fix="use CostModel.from_model(...) or "
+                                                    "non-negative coefficients (docs/cost_model.md)"))
+        for name in CP_COMM_KEYS + INTER_NODE_KEYS:
             v = getattr(self, name)
-            if not np.isfinite(v) or v < 0:
-                raise DynBatchConfigError(f"cost_model.{name}", v, "must be a finite number >= 0",
-                                          "use CostModel.from_model(...) or non-negative coefficients")
-        for name in ("cp_comm_s_per_token", "cp_comm_s_per_step", "cp_comm_overlap"):
-            v = getattr(self, name)
-            if v is not None and (not np.isfinite(v) or v < 0 or (name == "cp_comm_overlap" and v > 1)):
-                raise DynBatchConfigError(f"cost_model.{name}", v, "must be a finite number >= 0 (the overlap "
-                                          "at most 1), or None", "use CostModel.from_model(...) or fit_cp_comm(...)")
+            if v is not None:
+                top = 1.0 if name == "cp_comm_overlap" else None
+                object.__setattr__(self, name, as_float(v, f"cost_model.{name}", minimum=0.0, maximum=top,
+                                                        fix="use CostModel.from_model(...) or fit_cp_comm(...), "
+                                                        "or None"))
         if not isinstance(self.cp, (int, np.integer)) or self.cp < 1:
             raise DynBatchConfigError("cost_model.cp", self.cp, "must be a positive integer",
                                       "pass the layout's context-parallel size")
@@ -119,50 +133,59 @@ class CostModel:
         attention_flops_per_sq_token: float,
         parallel: Optional[ParallelConfig] = None,
         *,
-        peak_flops: float = 989e12,
-        linear_efficiency: float = 0.55,
-        attention_efficiency: float = 0.35,
-        overhead_s: float = 2.0e-3,
+        profile: Any = "analytic",
         kv_bytes_per_token: float = 0.0,
         num_layers: int = 0,
-        cp_bandwidth_Bps: float = CP_BANDWIDTH_BPS,
-        cp_latency_s: float = CP_LATENCY_S,
-        cp_comm_overlap: float = CP_COMM_OVERLAP,
+        **overrides: Any,
     ) -> "CostModel":
-        """Build from forward FLOPs coefficients of the whole model (``linear*L + quadratic*L**2``).
+        """Build from forward FLOPs coefficients of the whole model (``linear*L + quadratic*L**2``) and a cost
+        profile (:mod:`.cost_profiles`; default ``"analytic"``: this constructor knows no layer count unless
+        ``num_layers`` is given, and the per-layer terms of other profiles need it).
 
         ``kv_bytes_per_token`` (K and V of one token in ALL layers, per TP rank) and ``num_layers`` give the
-        context-parallel communication term (zero when they are 0) at ``cp_bandwidth_Bps`` per GPU,
-        ``cp_latency_s`` per ring step and layer pass, and ``cp_comm_overlap`` (module docstring)."""
+        context-parallel communication term (zero when they are 0). ``overrides``: profile fields
+        (``linear_efficiency=0.5``, ...) and the older names ``cp_bandwidth_Bps`` (both networks),
+        ``cp_latency_s`` (both) and ``overhead_s``."""
         p = parallel or ParallelConfig()
+        prof = _with_overrides(resolve_profile(profile), overrides)
+        for name, v in (("kv_bytes_per_token", kv_bytes_per_token), ("num_layers", num_layers)):
+            as_float(v, name, minimum=0.0, fix="use the defaults of CostModel.from_model")
+        layers = float(num_layers)
         # x3: forward + backward (backward = 2 x forward). The micro-batch time is expressed for the whole
         # pipeline depth (each stage takes t_mb / pp), so here the work is divided by tp*cp only.
-        lin = 3.0 * linear_flops_per_token / (p.tp * p.cp) / (peak_flops * linear_efficiency)
-        att = 3.0 * attention_flops_per_sq_token / (p.tp * p.cp) / (peak_flops * attention_efficiency)
-        for name, v in (("cp_bandwidth_Bps", cp_bandwidth_Bps), ("cp_latency_s", cp_latency_s),
-                        ("kv_bytes_per_token", kv_bytes_per_token), ("num_layers", num_layers)):
-            if not np.isfinite(v) or v < 0 or (name == "cp_bandwidth_Bps" and v <= 0):
-                raise DynBatchConfigError(name, v, "must be a finite number >= 0 (bandwidth > 0)",
-                                          "use the defaults of CostModel.from_model")
+        lin = 3.0 * linear_flops_per_token / (p.tp * p.cp) / (prof.peak_flops * prof.linear_efficiency)
+        att = 3.0 * attention_flops_per_sq_token / (p.tp * p.cp) / (prof.peak_flops * prof.attention_efficiency)
         # ring attention: K/V forward, K/V and dK/dV backward -> 3x the forward volume; 2 ring passes per layer
-        per_token = 3.0 * float(kv_bytes_per_token) / float(cp_bandwidth_Bps)
-        per_step = 2.0 * float(num_layers) * float(cp_latency_s)
-        return cls(lin, att, overhead_s, pp=p.pp, vpp=p.vpp, ep_group=max(1, p.ep), cp=p.cp,
-                   cp_comm_s_per_token=per_token, cp_comm_s_per_step=per_step, cp_comm_overlap=cp_comm_overlap)
+        kv = 3.0 * float(kv_bytes_per_token)
+        return cls(lin, att, prof.overhead_s + layers * prof.overhead_per_layer_s, pp=p.pp, vpp=p.vpp,
+                   ep_group=max(1, p.ep), cp=p.cp,
+                   cp_comm_s_per_token=kv / prof.intra_node_bandwidth_Bps,
+                   cp_comm_s_per_step=2.0 * layers * prof.intra_node_latency_s,
+                   cp_comm_overlap=prof.cp_comm_overlap,
+                   min_microbatch_s=layers * prof.min_per_layer_s,
+                   cp_min_microbatch_s=layers * prof.cp_min_per_layer_s,
+                   cp_linear_overhead=prof.cp_linear_overhead, cp_chunk_tokens=prof.cp_chunk_tokens,
+                   cp_comm_inter_s_per_token=kv / prof.inter_node_bandwidth_Bps,
+                   cp_comm_inter_s_per_step=2.0 * layers * prof.inter_node_latency_s,
+                   uncertainty=prof.uncertainty)
 
     @classmethod
-    def from_model(cls, model, parallel: Optional[ParallelConfig] = None, **kwargs) -> "CostModel":
-        """Build from a ``ModelSpec`` (or anything ``ModelSpec.from_any`` accepts); the CP communication term
-        comes from the model's K/V width (bf16, split over TP)."""
+    def from_model(cls, model, parallel: Optional[ParallelConfig] = None, *, profile: Any = None,
+                   **overrides: Any) -> "CostModel":
+        """Build from a ``ModelSpec`` (or anything ``ModelSpec.from_any`` accepts) and a cost profile: ``None``
+        (the default, ``"fitted"``), ``"analytic"`` (the pre-measurement assumptions), a
+        :class:`~.cost_profiles.CostProfile` or a cost-model JSON file with a ``"profile"`` section. Per-layer
+        terms count the model's layers (MTP depths included); the CP communication term comes from the model's
+        K/V width (bf16, split over TP). ``overrides`` as in :meth:`from_flops`."""
         from .flops import flops_coefficients
         from .model_spec import ModelSpec
 
         spec = ModelSpec.from_any(model)
         c = flops_coefficients(spec)
         p = parallel or ParallelConfig()
-        kwargs.setdefault("kv_bytes_per_token", kv_bytes_per_token(spec) / p.tp)
-        kwargs.setdefault("num_layers", spec.num_layers)
-        return cls.from_flops(c.linear, c.quadratic, p, **kwargs)
+        overrides.setdefault("kv_bytes_per_token", kv_bytes_per_token(spec) / p.tp)
+        overrides.setdefault("num_layers", spec.num_layers + (spec.mtp_num_layers or 0))
+        return cls.from_flops(c.linear, c.quadratic, p, profile=resolve_profile(profile), **overrides)
 
     @classmethod
     def tokens_only(cls, parallel: Optional[ParallelConfig] = None, overhead_s: float = 2.0e-3) -> "CostModel":
@@ -180,47 +203,105 @@ class CostModel:
         """True when the three CP communication numbers are set (see :meth:`group_microbatch_time`)."""
         return None not in (self.cp_comm_s_per_token, self.cp_comm_s_per_step, self.cp_comm_overlap)
 
-    def with_cp_comm(self, per_token: float, per_step: float, overlap: float) -> "CostModel":
-        """This model with the CP communication term replaced."""
+    def with_cp_comm(self, per_token: float, per_step: float, overlap: float,
+                     inter_per_token: Optional[float] = None, inter_per_step: Optional[float] = None) -> "CostModel":
+        """This model with the CP communication term replaced (inter-node numbers: ``None`` = as inside a node)."""
         d = asdict(self)
         d.update(cp_comm_s_per_token=float(per_token), cp_comm_s_per_step=float(per_step),
-                 cp_comm_overlap=float(overlap))
+                 cp_comm_overlap=float(overlap), cp_comm_inter_s_per_token=inter_per_token,
+                 cp_comm_inter_s_per_step=inter_per_step)
         return CostModel(**d)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     # ------------------------------------------------------------------ evaluation
+    def _group_compute(self, g, padded_tokens, sq_tokens) -> Tuple[np.ndarray, np.ndarray]:
+        """(work without overhead, attention part) of micro-batches on groups of ``g`` GPUs, each member's share."""
+        t = np.asarray(padded_tokens, dtype=np.float64)
+        if np.ndim(g) == 0:  # one group size (the planner's hot path): no per-element selection
+            g = float(g)
+            scale = float(self.cp) / g
+            lin = self.linear_s_per_token * t * scale
+            if self.cp_linear_overhead and g > 1:
+                lin = lin * (1.0 + self.cp_linear_overhead)
+            att = self.attention_s_per_sq_token * np.asarray(sq_tokens, dtype=np.float64) * scale
+            work = lin + att
+            if self.cp_chunk_tokens and g > 1:
+                work = work + self.attention_s_per_sq_token * self.cp * self.cp_chunk_tokens * t * (g - 1.0) / g
+            return work, att
+        g = np.asarray(g, dtype=np.float64)
+        scale = float(self.cp) / g
+        member = g > 1
+        lin = self.linear_s_per_token * t * scale
+        if self.cp_linear_overhead:
+            lin = lin * np.where(member, 1.0 + self.cp_linear_overhead, 1.0)
+        att = self.attention_s_per_sq_token * np.asarray(sq_tokens, dtype=np.float64) * scale
+        work = lin + att
+        if self.cp_chunk_tokens:
+            work = work + self.attention_s_per_sq_token * self.cp * self.cp_chunk_tokens * t * (g - 1.0) / g
+        return work, att
+
+    def _floor(self, g) -> np.ndarray:
+        if np.ndim(g) == 0:
+            return self.min_microbatch_s + (self.cp_min_microbatch_s if g > 1 else 0.0)
+        return self.min_microbatch_s + np.where(np.asarray(g) > 1, self.cp_min_microbatch_s, 0.0)
+
     def work(self, padded_tokens, sq_tokens):
-        """Compute seconds of micro-batches (no overhead), vectorised."""
-        return self.linear_s_per_token * np.asarray(padded_tokens, dtype=np.float64) + \
-            self.attention_s_per_sq_token * np.asarray(sq_tokens, dtype=np.float64)
+        """Compute seconds of micro-batches on the layout's own CP groups (no overhead, no floor), vectorised."""
+        return self._group_compute(self.cp, padded_tokens, sq_tokens)[0]
 
     def microbatch_time(self, padded_tokens, sq_tokens):
-        """Seconds of whole micro-batches (overhead included), vectorised."""
-        return self.overhead_s + self.work(padded_tokens, sq_tokens)
+        """Seconds of whole micro-batches on the layout's own CP groups (overhead and floor, no CP
+        communication), vectorised."""
+        t = self.overhead_s + self.work(padded_tokens, sq_tokens)
+        floor = self._floor(self.cp)
+        return np.maximum(floor, t) if floor > 0 else t
 
-    def cp_comm_time(self, group_size, padded_tokens, attention_s):
+    def cp_comm_time(self, group_size, padded_tokens, attention_s, spans_nodes=False):
         """Exposed K/V-exchange seconds of micro-batches on groups of ``group_size`` GPUs (vectorised; 0 for a
-        group of one GPU, and 0 when the term is not set)."""
+        group of one GPU, and 0 when the term is not set). ``spans_nodes``: the group crosses nodes
+        (:mod:`.topology`), so its ring runs at the inter-node numbers."""
         g = np.asarray(group_size, dtype=np.float64)
         if not self.has_cp_comm:
             return np.zeros(np.broadcast(g, np.asarray(padded_tokens), np.asarray(attention_s)).shape)
-        comm = (g - 1.0) * self.cp_comm_s_per_step + \
-            (g - 1.0) / g * np.asarray(padded_tokens, dtype=np.float64) * self.cp_comm_s_per_token
+        per_token, per_step = self.cp_comm_s_per_token, self.cp_comm_s_per_step
+        if np.any(spans_nodes):
+            inter_token = per_token if self.cp_comm_inter_s_per_token is None else self.cp_comm_inter_s_per_token
+            inter_step = per_step if self.cp_comm_inter_s_per_step is None else self.cp_comm_inter_s_per_step
+            per_token = np.where(spans_nodes, inter_token, per_token)
+            per_step = np.where(spans_nodes, inter_step, per_step)
+        comm = (g - 1.0) * per_step + (g - 1.0) / g * np.asarray(padded_tokens, dtype=np.float64) * per_token
         return np.maximum(comm - self.cp_comm_overlap * np.asarray(attention_s, dtype=np.float64), 0.0)
 
-    def group_microbatch_time(self, group_size, padded_tokens, sq_tokens):
+    def group_work(self, group_size, padded_tokens, sq_tokens, spans_nodes=False):
+        """:meth:`group_microbatch_time` without the overhead and the floor: what a sample adds to a group's
+        micro-batch (its solo time in the dynamic-CP planner). Vectorised."""
+        work, att = self._group_compute(group_size, padded_tokens, sq_tokens)
+        return work + self.cp_comm_time(group_size, padded_tokens, att, spans_nodes)
+
+    def group_microbatch_time(self, group_size, padded_tokens, sq_tokens, spans_nodes=False):
         """Seconds, on each GPU of a group of ``group_size`` GPUs, of a micro-batch of ``padded_tokens`` (its
-        full packed length) and ``sq_tokens`` (sum of squared real lengths) spread over the group: overhead,
-        linear and attention work divided by the group (the coefficients are for the layout's ``cp``) and the
-        exposed CP communication. Equal to :meth:`microbatch_time` plus the communication when the group is
-        the layout's CP group. Vectorised."""
-        g = np.asarray(group_size, dtype=np.float64)
-        scale = float(self.cp) / g
-        lin = self.linear_s_per_token * np.asarray(padded_tokens, dtype=np.float64) * scale
-        att = self.attention_s_per_sq_token * np.asarray(sq_tokens, dtype=np.float64) * scale
-        return self.overhead_s + lin + att + self.cp_comm_time(g, padded_tokens, att)
+        full packed length) and ``sq_tokens`` (sum of squared real lengths) spread over the group: the member's
+        linear and attention work (the coefficients are for the layout's ``cp``; CP-member terms for ``g > 1``),
+        the per-micro-batch overhead, at least the floor, plus the exposed CP communication (inter-node numbers
+        where ``spans_nodes``). Equal to :meth:`microbatch_time` plus the communication when the group is the
+        layout's CP group. Vectorised."""
+        work, att = self._group_compute(group_size, padded_tokens, sq_tokens)
+        compute = np.maximum(self._floor(group_size), self.overhead_s + work)
+        return compute + self.cp_comm_time(group_size, padded_tokens, att, spans_nodes)
+
+    def pipeline_count_target(self, work_per_rank: float, bubble: float, group_size: Optional[int] = None) -> int:
+        """The micro-batch count that minimises ``(M + bubble) * max(floor, overhead + w / M)`` (a pipeline's
+        equal micro-batches on groups of ``group_size`` GPUs, default the layout's ``cp``): ``sqrt(bubble * w /
+        overhead)``, but never past the count whose micro-batches shrink to the floor (splitting further only
+        adds floor time). At least 1."""
+        w = max(float(work_per_rank), 0.0)
+        target = math.sqrt(bubble * w / self.overhead_s) if self.overhead_s > 0 else math.inf
+        gap = float(self._floor(self.cp if group_size is None else group_size)) - self.overhead_s
+        if gap > 0:
+            target = min(target, w / gap)
+        return max(1, int(math.ceil(target))) if math.isfinite(target) else 1
 
     def rank_time(self, mb_times: Sequence[float]) -> float:
         """Time of one DP rank running these micro-batch times in this order."""
@@ -263,121 +344,101 @@ class CostModel:
     def lower_bound(self, total_work: float, max_sample_work: float, dp: int, min_microbatches: int,
                     max_microbatches: int) -> float:
         """A step-time bound no plan can beat: perfect balance of the unavoidable work (aligned tokens and real
-        attention) over ``dp`` ranks, the fewest micro-batches the budget allows, and, with ``pp > 1``, the
-        1F1B bubble of equal micro-batches at the best count. A sample cannot be split, so the rank holding the
-        largest one takes at least that long."""
+        attention) over ``dp`` ranks, the fewest micro-batches the budget allows (each at least the floor), and,
+        with ``pp > 1``, the 1F1B bubble of equal micro-batches at the best count. A sample cannot be split, so
+        the rank holding the largest one takes at least that long."""
         w = total_work / dp
+        floor = float(self._floor(self.cp))
         m_lo = max(1, min_microbatches)
         m_hi = max(m_lo, max_microbatches)
+        single_mb = max(floor, max_sample_work + self.overhead_s)
         if self.pp == 1:
-            return max(w + m_lo * self.overhead_s, max_sample_work + self.overhead_s)
+            return max(w + m_lo * self.overhead_s, m_lo * floor, single_mb)
         bubble = (self.pp - 1) / (self.vpp if self.vpp > 1 else 1)
         ms = np.arange(m_lo, min(m_hi, m_lo + 4096) + 1, dtype=np.float64)
-        t = (ms + bubble) * (w / ms + self.overhead_s) / self.pp
-        best = float(t.min())
-        single = (1 + bubble) * (max_sample_work + self.overhead_s) / self.pp
+        mean = np.maximum(floor, w / ms + self.overhead_s)
+        # interleaved: the closed form's bubble is (pp - 1) / vpp mean stage times; 1F1B: at least pp - 1 stage
+        # times of the first and the last micro-batch, each no shorter than the smallest micro-batch can be
+        edge = mean if self.vpp > 1 else max(floor, self.overhead_s)
+        best = float(((ms * mean + bubble * edge) / self.pp).min())
+        single = (single_mb + bubble * (single_mb if self.vpp > 1 else max(floor, self.overhead_s))) / self.pp
         return max(best, single)
 
 
-def simulate_1f1b(stage_times: Sequence[float], pp: int) -> float:
-    """Makespan of Megatron's non-interleaved 1F1B schedule.
-
-    ``stage_times[j]`` is micro-batch ``j``'s forward+backward time on one stage (the same on every stage);
-    forward takes one third and backward two thirds. Stage ``s`` runs ``min(pp - s - 1, M)`` warm-up forwards,
-    then alternates one forward / one backward, then drains the remaining backwards; forward ``j`` on stage
-    ``s`` waits for forward ``j`` on stage ``s-1``, backward ``j`` on stage ``s`` for backward ``j`` on
-    stage ``s+1``. Returns the time the first stage finishes its last backward (the step's compute end).
-
-    The dependency graph depends only on ``(M, pp)``, so it is built once (:func:`_schedule_1f1b`) and each
-    call is one pass of max-plus arithmetic over it; :func:`simulate_1f1b_batch` does many ranks at once.
-    """
-    t = [float(x) for x in stage_times]
-    m = len(t)
-    if m == 0:
-        return 0.0
-    order = _schedule_1f1b(m, pp)
-    end = [0.0] * len(order)
-    for k, (j, is_b, prev, dep) in enumerate(order):
-        start = end[prev] if prev >= 0 else 0.0
-        if dep >= 0 and end[dep] > start:
-            start = end[dep]
-        end[k] = start + (t[j] - t[j] / 3.0 if is_b else t[j] / 3.0)
-    return max(end)
+def _with_overrides(profile: CostProfile, overrides: Dict[str, Any]) -> CostProfile:
+    """``profile`` with keyword overrides (profile field names; ``cp_bandwidth_Bps`` / ``cp_latency_s`` set both
+    networks, as before the topology split)."""
+    if not overrides:
+        return profile
+    kw = dict(overrides)
+    if "cp_bandwidth_Bps" in kw:
+        bw = kw.pop("cp_bandwidth_Bps")
+        kw.setdefault("intra_node_bandwidth_Bps", bw)
+        kw.setdefault("inter_node_bandwidth_Bps", bw)
+    if "cp_latency_s" in kw:
+        lat = kw.pop("cp_latency_s")
+        kw.setdefault("intra_node_latency_s", lat)
+        kw.setdefault("inter_node_latency_s", lat)
+    return profile.replace(**kw)
 
 
-def simulate_1f1b_batch(stage_times: np.ndarray, pp: int,
-                        sync: Optional[Callable[[np.ndarray, int], np.ndarray]] = None) -> np.ndarray:
-    """:func:`simulate_1f1b` of every row of ``stage_times`` (``[ranks, M]``) at once. ``sync(start, j)``, if
-    given, moves the start times of micro-batch ``j``'s forward or backward across ranks before it runs (the
-    dynamic-CP pool: the GPUs of one CP group start together, ``planner/pool_sim.py``)."""
-    times = np.asarray(stage_times, dtype=np.float64)
-    if times.ndim != 2 or times.shape[1] == 0:
-        return np.zeros(times.shape[0] if times.ndim == 2 else 0)
-    fwd = times / 3.0
-    bwd = times - fwd
-    order = _schedule_1f1b(times.shape[1], pp)
-    end = np.zeros((len(order), times.shape[0]))
-    zero = np.zeros(times.shape[0])
-    for k, (j, is_b, prev, dep) in enumerate(order):
-        start = end[prev] if prev >= 0 else zero
-        if dep >= 0:
-            start = np.maximum(start, end[dep])
-        if sync is not None:
-            start = sync(start, j)
-        end[k] = start + (bwd[:, j] if is_b else fwd[:, j])
-    return end.max(axis=0)
+def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, field: str = "cost_model") -> "CostModel":
+    """The cost model a planner call uses: a :class:`CostModel` (placed on ``parallel``), a profile name
+    (:data:`~.cost_profiles.PROFILES`: ``"fitted"``, ``"analytic"``) or a cost-model JSON file -- its
+    ``"profile"`` section applied to ``model`` when both are there (it transfers to this layout), else its
+    coefficients; ``None``: the default profile, or 1 us per token without a model."""
+    from .cost_profiles import PROFILES
+
+    if isinstance(choice, CostModel):
+        return choice.with_layout(parallel)
+    if choice is None:
+        return CostModel.from_model(model, parallel) if model is not None else CostModel.tokens_only(parallel)
+    if not isinstance(choice, (str, os.PathLike)):
+        raise DynBatchConfigError(field, type(choice).__name__, "must be a CostModel, a profile name or a file path",
+                                  f"use one of {sorted(PROFILES)}, a cost-model JSON file, or CostModel.from_model(...)")
+    key = str(choice)
+    if key in PROFILES or (model is not None and _has_profile(key)):
+        if model is None:
+            raise DynBatchConfigError(field, key, "a cost profile needs the model's shape",
+                                      "pass model=... (a preset name, dict or ModelSpec), or a coefficient file")
+        return CostModel.from_model(model, parallel, profile=key)
+    if not os.path.isfile(key):
+        raise DynBatchConfigError(field, key, "is neither a cost profile nor a file",
+                                  f"use one of {sorted(PROFILES)} or the path of a cost-model JSON file")
+    return load_cost_model(key).with_layout(parallel)
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule_1f1b(m: int, pp: int) -> Tuple[Tuple[int, bool, int, int], ...]:
-    """The 1F1B operations in a dependency-respecting order: ``(microbatch, is_backward, previous op on the
-    same stage, op it waits for on a neighbouring stage)`` (indices into the order; -1 for none)."""
-    orders = []
-    for s in range(pp):
-        warm = min(pp - s - 1, m)
-        ops = [(False, j) for j in range(warm)]
-        for i in range(m - warm):
-            ops.append((False, warm + i))
-            ops.append((True, i))
-        ops.extend((True, j) for j in range(m - warm, m))
-        orders.append(ops)
-    index: Dict[Tuple[int, bool, int], int] = {}
-    out: List[Tuple[int, bool, int, int]] = []
-    pos = [0] * pp
-    last = [-1] * pp
-    while len(out) < 2 * m * pp:
-        progressed = False
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                is_b, j = orders[s][pos[s]]
-                if is_b:
-                    dep_key = (s, False, j) if s == pp - 1 else (s + 1, True, j)
-                else:
-                    dep_key = None if s == 0 else (s - 1, False, j)
-                if dep_key is not None and dep_key not in index:
-                    break
-                dep = index[dep_key] if dep_key is not None else -1
-                index[(s, is_b, j)] = len(out)
-                out.append((j, is_b, last[s], dep))
-                last[s] = len(out) - 1
-                pos[s] += 1
-                progressed = True
-        if not progressed:  # pragma: no cover - the schedule is deadlock-free by construction
-            raise RuntimeError("1F1B schedule deadlocked")
-    return tuple(out)
+def _has_profile(path: str) -> bool:
+    """Whether a readable JSON file has a ``"profile"`` section (``False`` for anything else)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "profile" in data
 
 
 # ---------------------------------------------------------------------------------------------- calibration
 @dataclass(frozen=True)
 class FitReport:
-    """How well a fitted ``CostModel`` reproduces the measurements it was fitted on."""
+    """How well a fitted ``CostModel`` reproduces the measurements it was fitted on. :func:`.cost_fit.fit_records`
+    also fills ``per_group`` (group size -> ``n``, ``mean_rel_error`` (bias), ``mean_abs_rel_error``,
+    ``p95_abs_rel_error``), ``uncertainty`` (the mean over group sizes of ``mean_abs_rel_error``) and
+    ``profile`` (the fitted :class:`~.cost_profiles.CostProfile` as a dict, which transfers to other layouts)."""
 
     num_measurements: int
     rel_rms_error: float
     max_rel_error: float
+    per_group: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    uncertainty: Optional[float] = None
+    profile: Optional[Dict[str, Any]] = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["per_group"] = {str(k): v for k, v in self.per_group.items()}
+        return {k: v for k, v in d.items() if v not in (None, {})}
 
 
 def fit_cost_model(padded_tokens: Sequence[float], sq_tokens: Sequence[float], seconds: Sequence[float],
@@ -398,14 +459,14 @@ def fit_cost_model(padded_tokens: Sequence[float], sq_tokens: Sequence[float], s
         raise DynBatchConfigError("measurements.seconds", "non-positive or non-finite value",
                                   "every timing must be a positive, finite number of seconds",
                                   "drop failed or warm-up measurements")
-    c, a, b = _nnls_relative(x, y, y)
+    c, a, b = nnls_relative(x, y, y)
     p = parallel or ParallelConfig()
     model = CostModel(float(a), float(b), float(c), pp=p.pp, vpp=p.vpp, ep_group=max(1, p.ep), cp=p.cp)
     rel = (x @ np.array([c, a, b]) - y) / y
     return model, FitReport(int(y.size), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))))
 
 
-def _nnls_relative(x: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def nnls_relative(x: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """Non-negative least squares of ``x @ coef ~ y`` with each row weighted by ``1 / scale`` (relative error),
     exact over every active set of the (few) columns."""
     w = 1.0 / scale
@@ -454,18 +515,23 @@ def fit_cp_comm(base: CostModel, group_sizes: Sequence[int], padded_tokens: Sequ
     compute = base.with_cp_comm(0.0, 0.0, 0.0).group_microbatch_time(g, t, q)
     att = base.attention_s_per_sq_token * q * base.cp / g
     x = np.column_stack([g - 1.0, (g - 1.0) / g * t, np.where(g > 1, -att, 0.0)])  # one GPU: no exchange
-    step, per_token, overlap = _nnls_relative(x, y - compute, y)
+    step, per_token, overlap = nnls_relative(x, y - compute, y)
     model = base.with_cp_comm(per_token, step, min(1.0, overlap))
     rel = (model.group_microbatch_time(g, t, q) - y) / y
     return model, FitReport(int(y.size), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))))
 
 
-def save_cost_model(model: CostModel, path, report: Optional[FitReport] = None) -> None:
-    """Write the per-micro-batch coefficients (and the fit report) as JSON; the layout is not stored."""
+def save_cost_model(model: CostModel, path, report: Optional[FitReport] = None,
+                    profile: Optional[CostProfile] = None) -> None:
+    """Write the per-micro-batch coefficients as JSON (the layout is not stored), with the fit report and the
+    transferable profile when given (``profile``, else the report's): ``CostModel.from_model(model, parallel,
+    profile=path)`` rebuilds the model for another model or layout from that section."""
     import json
 
-    d = {k: v for k, v in model.to_dict().items() if k in ("linear_s_per_token", "attention_s_per_sq_token",
-                                                            "overhead_s") + CP_COMM_KEYS and v is not None}
+    d = {k: v for k, v in model.to_dict().items() if k in FILE_KEYS and v is not None}
+    prof = profile.to_dict() if profile is not None else (report.profile if report is not None else None)
+    if prof is not None:
+        d["profile"] = prof
     if report is not None:
         d["fit"] = report.to_dict()
     with open(path, "w", encoding="utf-8") as fh:
@@ -473,28 +539,51 @@ def save_cost_model(model: CostModel, path, report: Optional[FitReport] = None) 
 
 
 def load_cost_model(path) -> CostModel:
-    """Read a cost-model JSON file written by :func:`save_cost_model` (or by hand)."""
+    """Read a cost-model JSON file written by :func:`save_cost_model` (or by hand). Required: the three
+    per-micro-batch numbers; optional: :data:`FILE_KEYS` (older files without them load with the old meaning:
+    no floor, no CP-member terms, one network), ``"fit"``, ``"profile"`` and keys starting with ``_``."""
     import json
 
+    flag = "--dynbatch-cost-model"
     try:
         with open(path, encoding="utf-8") as fh:
             d = json.load(fh)
     except (OSError, ValueError) as exc:
-        raise DynBatchConfigError("--dynbatch-cost-model", str(path), f"cannot be read as JSON ({exc})",
+        raise DynBatchConfigError(flag, str(path), f"cannot be read as JSON ({exc})",
                                   "pass a file written by save_cost_model / the calibration script") from None
+    if not isinstance(d, dict):
+        raise DynBatchConfigError(flag, str(path), "is not a JSON object", "write an object of cost-model keys")
     keys = ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s")
     missing = [k for k in keys if k not in d]
     if missing:
-        raise DynBatchConfigError("--dynbatch-cost-model", str(path), f"is missing {missing}",
+        raise DynBatchConfigError(flag, str(path), f"is missing {missing}",
                                   f"write the keys {list(keys)} (seconds per token, per squared token, per micro-batch)")
-    comm = {}
-    for k in CP_COMM_KEYS:
-        if d.get(k) is not None:
-            if not isinstance(d[k], (int, float)) or isinstance(d[k], bool):
-                raise DynBatchConfigError("--dynbatch-cost-model", str(path), f"{k} is {d[k]!r}", "write a number")
-            comm[k] = float(d[k])
-    return CostModel(*(float(d[k]) for k in keys), **comm)
+    unknown = sorted(k for k in d if k not in FILE_KEYS + ("fit", "profile") and not str(k).startswith("_"))
+    if unknown:
+        raise DynBatchConfigError(flag, str(path), f"has unknown key {unknown[0]!r}",
+                                  f"use only {list(FILE_KEYS)} (plus \"fit\", \"profile\", or keys starting with _)")
+    values = {}
+    for k in FILE_KEYS:
+        if d.get(k) is None:
+            continue
+        v = d[k]
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise DynBatchConfigError(flag, str(path), f"{k} is {v!r}", f"write a number for {k}")
+        values[k] = float(v)
+    if d.get("profile") is not None:
+        CostProfile.from_dict(d["profile"], where=f"{path}: profile")  # refused now, not at first use
+    try:
+        return CostModel(**values)
+    except DynBatchConfigError as exc:
+        raise DynBatchConfigError(flag, str(path), f"{exc.field} is {exc.value!r}: {exc.problem}", exc.fix) from None
 
 
-#: optional keys of a cost-model file: the CP communication term (dynamic CP)
+#: optional keys of a cost-model file: the CP communication term (dynamic CP) ...
 CP_COMM_KEYS = ("cp_comm_s_per_token", "cp_comm_s_per_step", "cp_comm_overlap")
+#: ... its inter-node numbers ...
+INTER_NODE_KEYS = ("cp_comm_inter_s_per_token", "cp_comm_inter_s_per_step")
+#: ... and the floor, the CP-member terms and the model's uncertainty
+EXTRA_KEYS = ("min_microbatch_s", "cp_min_microbatch_s", "cp_linear_overhead", "cp_chunk_tokens", "uncertainty")
+#: every number a cost-model file may hold
+FILE_KEYS = ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s") + CP_COMM_KEYS + INTER_NODE_KEYS + \
+    EXTRA_KEYS

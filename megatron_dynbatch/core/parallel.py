@@ -3,7 +3,9 @@
 Field names follow Megatron's ``ModelParallelConfig`` / argument names. Only what changes planning is here:
 ``dp`` (number of data-parallel replicas that split the global batch), ``tp``, ``pp``, ``cp``, ``ep``,
 ``vpp`` (virtual pipeline chunks per stage), ``microbatch_group_size_per_vp_stage`` (Megatron's ``N``;
-defaults to ``pp`` like Megatron) and ``sequence_parallel`` (tokens per micro-batch must divide by ``tp``).
+defaults to ``pp`` like Megatron), ``sequence_parallel`` (tokens per micro-batch must divide by ``tp``) and
+``gpus_per_node`` (GPUs of one NVLink node, default 8: with Megatron's rank order it says which CP groups
+cross nodes, :mod:`.topology`).
 
 A mapping may say what a run preset's ``parallel:`` says (:func:`parallel_from_mapping`, one function for both,
 so both accept and refuse the same keys with the same words): Megatron's long names
@@ -21,13 +23,15 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from .checks import as_bool, as_int, is_int
 from .errors import DynBatchConfigError
 
+#: GPUs per node when the layout does not say (an HGX/DGX H100 or H200 node: 8 GPUs on one NVLink switch fabric)
+DEFAULT_GPUS_PER_NODE = 8
 #: Largest parallel size accepted (a million GPUs): guards against nonsense that would allocate per-rank arrays.
 MAX_RANKS = 2 ** 20
 #: Megatron's argument names for the layout fields.
 ALIASES: Dict[str, str] = {
     "vp": "vpp", "virtual_pipeline_model_parallel_size": "vpp", "tensor_model_parallel_size": "tp",
     "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp", "expert_model_parallel_size": "ep",
-    "data_parallel_size": "dp"}
+    "data_parallel_size": "dp", "num_gpus_per_node": "gpus_per_node"}
 #: Keys of a layout mapping (a run preset's ``parallel:``) beyond the fields and their aliases.
 EXTRA_KEYS = ("world_size", "etp", "expert_tensor_parallel_size")
 
@@ -42,11 +46,13 @@ class ParallelConfig:
     vpp: int = 1
     microbatch_group_size_per_vp_stage: Optional[int] = None
     sequence_parallel: bool = False
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "vpp"):
-            value = as_int(getattr(self, name), f"parallel.{name}", minimum=1, maximum=MAX_RANKS,
-                           fix=f"pass {name}=1 or a larger whole number (at most {MAX_RANKS})")
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "gpus_per_node"):
+            fix = (f"pass the GPUs of one node, e.g. gpus_per_node={DEFAULT_GPUS_PER_NODE} (at most {MAX_RANKS})"
+                   if name == "gpus_per_node" else f"pass {name}=1 or a larger whole number (at most {MAX_RANKS})")
+            value = as_int(getattr(self, name), f"parallel.{name}", minimum=1, maximum=MAX_RANKS, fix=fix)
             object.__setattr__(self, name, value)  # NumPy integers become plain ints
         object.__setattr__(self, "sequence_parallel", as_bool(self.sequence_parallel, "parallel.sequence_parallel"))
         if self.vpp > 1 and self.pp < 2:
@@ -82,8 +88,9 @@ class ParallelConfig:
 
     @classmethod
     def from_any(cls, parallel: Union["ParallelConfig", Mapping[str, Any], None]) -> "ParallelConfig":
-        """Accept a ``ParallelConfig`` or a mapping (missing keys = 1) in the form a run preset's ``parallel:``
-        takes: the fields, Megatron's names for them, ``world_size`` and ``etp`` (:func:`parallel_from_mapping`)."""
+        """Accept a ``ParallelConfig`` or a mapping (missing keys = 1, ``gpus_per_node`` = 8) in the form a run
+        preset's ``parallel:`` takes: the fields, Megatron's names for them, ``world_size`` and ``etp``
+        (:func:`parallel_from_mapping`)."""
         if parallel is None:
             return cls()
         if isinstance(parallel, cls):
@@ -116,7 +123,9 @@ def parallel_from_mapping(parallel: Any) -> Tuple[ParallelConfig, Optional[int]]
         if name in par:
             raise DynBatchConfigError(f"parallel.{key}", value, f"gives {name} a second time",
                                       f"give {name} once (under one of its names)")
-        par[name] = 1 if (value is None and name == "vpp") else value
+        if value is None and name in ("vpp", "gpus_per_node"):  # unset: Megatron's default / an 8-GPU node
+            value = 1 if name == "vpp" else DEFAULT_GPUS_PER_NODE
+        par[name] = value
     etp, etp2 = par.pop("etp", None), par.pop("expert_tensor_parallel_size", None)
     if etp is not None and etp2 is not None and etp != etp2:
         raise DynBatchConfigError("parallel.etp", etp, f"conflicts with expert_tensor_parallel_size={etp2}",

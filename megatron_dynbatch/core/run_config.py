@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .alignment import Alignment
+from .checks import as_float
 from .checks import is_bool as _is_bool
 from .checks import is_int as _is_int
 from .errors import DynBatchConfigError
@@ -36,7 +37,7 @@ from .model_spec import ModelSpec
 from .presets import available_presets, available_run_presets, load_run_mapping, resolve_run_preset, run_preset_dirs
 from .parallel import ALIASES as _PARALLEL_ALIASES
 from .parallel import EXTRA_KEYS as _PARALLEL_EXTRA
-from .parallel import ParallelConfig, parallel_from_mapping
+from .parallel import DEFAULT_GPUS_PER_NODE, ParallelConfig, parallel_from_mapping
 
 __all__ = ["RunConfig", "run_preset_dirs", "available_run_presets", "LOSS_MODES", "BALANCE_MODES",
            "OVERSIZE_POLICIES", "MOE_DISPATCHERS", "dynamic_cp_problem"]
@@ -86,6 +87,11 @@ class RunConfig:
             ``docs/dynamic_cp.md``). Refused where the run cannot use it: a pool of one GPU, ``pp=2`` with
             ``vpp > 1``, ``group_size`` (GRPO groups on one DP rank), ``balance_by: tokens`` (dynamic CP balances
             the cost model's seconds) and Megatron's own ``--hybrid-context-parallel`` in ``megatron_args``.
+        cost_model: the cost model the planner uses: a profile name (``fitted``, the default; ``analytic``) or
+            a cost-model JSON file (``docs/cost_model.md``); passed as ``--dynbatch-cost-model``.
+        decision_margin: the planner leaves its default choice (fewest micro-batches; fixed CP under
+            ``dynamic_cp``) only for a modelled gain above this (relative); ``None`` = the cost model's
+            ``uncertainty``. Passed as ``--dynbatch-decision-margin``.
         max_seq_len: the longest sample the run can produce (prompt + response); checked against both budgets
             at construction, so a budget too small for it fails before step 1 (``OversizeSampleError``, or a
             warning under ``oversize: alone``), and passed to Megatron as ``--dynbatch-max-seq-length``.
@@ -109,6 +115,8 @@ class RunConfig:
     expert_tensor_parallel_size: Optional[int] = None
     moe_token_dispatcher_type: Optional[str] = None
     dynamic_cp: bool = False
+    cost_model: Optional[str] = None
+    decision_margin: Optional[float] = None
     max_seq_len: Optional[int] = None
     megatron_args: Tuple[str, ...] = ()
     description: str = ""
@@ -134,6 +142,7 @@ class RunConfig:
             raise DynBatchConfigError("dynamic_cp", self.dynamic_cp, "must be true or false",
                                       "write dynamic_cp: true (one dynamic-CP pool) or dynamic_cp: false")
         set_("dynamic_cp", bool(self.dynamic_cp))
+        self._check_cost_model()
         spec = self._resolve_model()
         set_("_spec", spec)
         if not isinstance(self.layout, ParallelConfig):
@@ -147,6 +156,18 @@ class RunConfig:
         self._check_layout(spec, par)
         self._check_moe(spec, par)
         self._check_dynamic_cp(par)
+
+    def _check_cost_model(self) -> None:
+        from .cost_profiles import PROFILES
+
+        if self.cost_model is not None and (not isinstance(self.cost_model, str) or
+                                            (self.cost_model not in PROFILES and not os.path.isfile(self.cost_model))):
+            raise DynBatchConfigError("cost_model", self.cost_model, "is neither a cost profile nor a file",
+                                      f"write one of {sorted(PROFILES)} or the path of a cost-model JSON file")
+        if self.decision_margin is not None:
+            object.__setattr__(self, "decision_margin", as_float(
+                self.decision_margin, "decision_margin", minimum=0.0, maximum=0.999,
+                fix="write a relative margin such as 0.03, or leave it out for the cost model's own uncertainty"))
 
     def _resolve_model(self) -> ModelSpec:
         if isinstance(self.model, str):
@@ -338,6 +359,10 @@ class RunConfig:
         }
         if self.dynamic_cp:  # only when on (as the Megatron flag does); it plans the log-prob passes too
             kwargs["dynamic_cp"] = True
+        if self.cost_model is not None:
+            kwargs["cost_model"] = self.cost_model
+        if self.decision_margin is not None:
+            kwargs["decision_margin"] = self.decision_margin
         return kwargs
 
     def to_megatron_args(self) -> List[str]:
@@ -384,6 +409,12 @@ class RunConfig:
             out += ["--dynbatch-group-reduce", self.group_reduce]
         if self.dynamic_cp:
             out.append("--dynbatch-dynamic-cp")
+        if self.cost_model is not None:
+            out += ["--dynbatch-cost-model", self.cost_model]
+        if self.decision_margin is not None:
+            out += ["--dynbatch-decision-margin", repr(self.decision_margin)]
+        if p.gpus_per_node != DEFAULT_GPUS_PER_NODE:
+            out += ["--dynbatch-gpus-per-node", str(p.gpus_per_node)]
         if self.max_seq_len is not None:
             out += ["--dynbatch-max-seq-length", str(self.max_seq_len)]
         return out + list(self.megatron_args)

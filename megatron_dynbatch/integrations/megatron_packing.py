@@ -60,7 +60,7 @@ def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, c
     ``max_seqlen_per_dp_cp_rank`` (per GPU; a micro-batch holds up to that x CP), DP/CP are the scheduler's,
     PP/VPP/TP/sequence parallelism come from the model ``config``; the FLOPs model from Megatron's ``args``
     (preferred: they know the vocabulary) or ``config``. ``--balance-by-flops`` is this planner's default here;
-    ``args.dynbatch_cost_model``, ``dynbatch_oversize`` and ``dynbatch_fp8_alignment`` apply when set."""
+    ``args.dynbatch_cost_model``, ``dynbatch_decision_margin``, ``dynbatch_oversize`` and ``dynbatch_fp8_alignment`` apply when set."""
     from ..core.model_spec import ModelSpec
     from ..core.parallel import ParallelConfig
 
@@ -91,10 +91,10 @@ def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, c
 
         kwargs["oversize"] = getattr(args, "dynbatch_oversize", None) or "error"
         kwargs["fp8_alignment"] = fp8_alignment_from_args(args)
-        if getattr(args, "dynbatch_cost_model", None):
-            from ..core.cost_model import load_cost_model
-
-            kwargs["cost_model"] = load_cost_model(args.dynbatch_cost_model)
+        if getattr(args, "dynbatch_cost_model", None):  # a profile name or a file: the planner resolves it
+            kwargs["cost_model"] = str(args.dynbatch_cost_model)
+        if getattr(args, "dynbatch_decision_margin", None) is not None:
+            kwargs["decision_margin"] = float(args.dynbatch_decision_margin)
     return kwargs
 
 

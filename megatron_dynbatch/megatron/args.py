@@ -20,7 +20,12 @@ flag                                        meaning
 ``--dynbatch-loss-mode M``                  token_mean | sample_mean | group_mean | token_sum
 ``--dynbatch-group-reduce {token,sample}``  how ``group_mean`` reduces inside a group
 ``--dynbatch-samples-per-step N``           split a global batch into optimizer steps of N samples
-``--dynbatch-cost-model FILE``              calibrated cost model (JSON) used by the planner
+``--dynbatch-cost-model NAME|FILE``         cost model the planner uses: profile ``fitted`` (default) or
+                                            ``analytic``, or a calibrated cost-model JSON file
+``--dynbatch-decision-margin X``            leave the default choice only for a modelled gain above X
+                                            (default: the cost model's uncertainty; ``docs/cost_model.md``)
+``--dynbatch-gpus-per-node N``              GPUs per node (default ``$LOCAL_WORLD_SIZE``, else 8): which CP
+                                            groups cross nodes
 ``--dynbatch-max-seq-length N``             the longest sample the run can produce (default ``--seq-length``);
                                             checked against both budgets at start-up
 ``--dynbatch-dynamic-cp``                   dynamic context parallelism: the dp x cp GPUs form one pool and
@@ -42,10 +47,11 @@ from typing import Any, Dict, Optional, Union
 
 from ..core.alignment import Alignment, fp8_multiple
 from ..core.checks import get_arg as _get
-from ..core.checks import is_int
+from ..core.checks import as_float, is_int
+from ..core.cost_profiles import PROFILES
 from ..core.errors import DynBatchConfigError
 from .loss import GROUP_REDUCE, LOSS_MODES
-from ..core.parallel import ParallelConfig
+from ..core.parallel import DEFAULT_GPUS_PER_NODE, MAX_RANKS, ParallelConfig
 
 __all__ = [
     "add_dynamic_batch_args",
@@ -86,9 +92,16 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--dynbatch-max-seq-length", type=int, default=None, metavar="N",
                    help="The longest sample this run can produce (default: --seq-length); checked at start-up "
                         "against --max-tokens-per-gpu and --log-probs-max-tokens-per-gpu.")
-    g.add_argument("--dynbatch-cost-model", type=str, default=None, metavar="FILE",
-                   help="Calibrated cost-model file (JSON: linear_s_per_token, attention_s_per_sq_token, overhead_s) "
-                        "that the planner uses to choose counts and, with --balance-by-flops, to balance time.")
+    g.add_argument("--dynbatch-cost-model", type=str, default=None, metavar="NAME|FILE",
+                   help="Cost model the planner uses to choose counts and, with --balance-by-flops, to balance time: "
+                        "a profile (fitted -- the default, fitted on H100 timings --, analytic) or a calibrated "
+                        "cost-model JSON file (docs/cost_model.md).")
+    g.add_argument("--dynbatch-decision-margin", type=float, default=None, metavar="X",
+                   help="Leave the default choice (fewest micro-batches; fixed CP under --dynbatch-dynamic-cp) only "
+                        "for a modelled gain above X (relative, e.g. 0.03); default: the cost model's uncertainty.")
+    g.add_argument("--dynbatch-gpus-per-node", type=int, default=None, metavar="N",
+                   help="GPUs per node (default: $LOCAL_WORLD_SIZE as torchrun sets it, else 8); with Megatron's rank "
+                        "order it tells which CP groups cross nodes.")
     g.add_argument("--dynbatch-dynamic-cp", action="store_true", default=False,
                    help="Dynamic context parallelism: plan the data-parallel x context-parallel GPUs as one pool and "
                         "give every micro-batch its own CP group (long sequences on more GPUs, short ones on one). "
@@ -142,7 +155,24 @@ def parallel_from_args(args: Any, world_size: Optional[int] = None) -> ParallelC
         dp=int(dp), tp=tp, pp=pp, cp=cp, ep=ep, vpp=int(vpp) if vpp else 1,
         microbatch_group_size_per_vp_stage=_get(args, "microbatch_group_size_per_vp_stage"),
         sequence_parallel=bool(_get(args, "sequence_parallel", False)),
+        gpus_per_node=gpus_per_node_from_args(args),
     )
+
+
+def gpus_per_node_from_args(args: Any) -> int:
+    """``--dynbatch-gpus-per-node``, else ``$LOCAL_WORLD_SIZE`` (torchrun's processes per node), else 8."""
+    value = _get(args, "dynbatch_gpus_per_node")
+    if value is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+        if not env:
+            return DEFAULT_GPUS_PER_NODE
+        flag, value = "$LOCAL_WORLD_SIZE", int(env) if env.isdigit() else env
+    else:
+        flag = "--dynbatch-gpus-per-node"
+    if not is_int(value) or not 1 <= value <= MAX_RANKS:
+        raise DynBatchConfigError(flag, value, "must be a whole number of GPUs per node (>= 1)",
+                                  "pass --dynbatch-gpus-per-node N, e.g. 8")
+    return int(value)
 
 
 def model_spec_from_args(args: Any):
@@ -204,9 +234,14 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
     if oversize not in (None, "error", "alone"):
         raise DynBatchConfigError("--dynbatch-oversize", oversize, "unknown policy", "use error or alone")
     cost_model = getattr(args, "dynbatch_cost_model", None)
-    if cost_model is not None and not os.path.isfile(str(cost_model)):
-        raise DynBatchConfigError("--dynbatch-cost-model", cost_model, "file not found",
-                                  "pass the path of a cost-model JSON file, or drop the flag")
+    if cost_model is not None and str(cost_model) not in PROFILES and not os.path.isfile(str(cost_model)):
+        raise DynBatchConfigError("--dynbatch-cost-model", cost_model, "is neither a cost profile nor a file",
+                                  f"pass one of {sorted(PROFILES)} or the path of a cost-model JSON file, or drop the flag")
+    margin = getattr(args, "dynbatch_decision_margin", None)
+    if margin is not None:
+        as_float(margin, "--dynbatch-decision-margin", minimum=0.0, maximum=0.999,
+                 fix="pass a relative margin such as 0.03, or drop the flag for the cost model's own uncertainty")
+    gpus_per_node_from_args(args)
     resolved = fp8_alignment_from_args(args)
     args.dynbatch_fp8_alignment = "none" if resolved is None else resolved  # stays resolved on re-reading
     if getattr(args, "dynbatch_dynamic_cp", False) and not use:
@@ -286,9 +321,12 @@ def plan_kwargs_from_args(args: Any, *, forward_only: bool = False, world_size: 
     if not forward_only and getattr(args, "dynbatch_samples_per_step", None):
         kwargs["samples_per_step"] = int(args.dynbatch_samples_per_step)
     if getattr(args, "dynbatch_cost_model", None):
-        from ..core.cost_model import load_cost_model
+        from ..core.cost_model import resolve_cost_model
 
         # With a calibrated model, --balance-by-flops balances its measured seconds (the planner's default
         # "time" mode when a model is given).
-        kwargs["cost_model"] = load_cost_model(args.dynbatch_cost_model)
+        kwargs["cost_model"] = resolve_cost_model(args.dynbatch_cost_model, kwargs["model"], kwargs["parallel"],
+                                                  field="--dynbatch-cost-model")
+    if getattr(args, "dynbatch_decision_margin", None) is not None:
+        kwargs["decision_margin"] = float(args.dynbatch_decision_margin)
     return kwargs

@@ -1,8 +1,8 @@
 """Running a dynamic-CP plan on megatron-core: the per-micro-batch CP process groups and the one place where
 megatron-core 0.16 reads the model's FIXED CP group for THD inputs.
 
-**Groups.** A :class:`~megatron_dynbatch.core.planner.dyncp_plan.DynamicCPPlan` runs each micro-batch on a
-node of the pool tree (:mod:`megatron_dynbatch.core.planner.pool`): GPUs ``start .. start + size - 1`` of the
+**Groups.** A :class:`~megatron_dynbatch.core.planner.dyncp.plan.DynamicCPPlan` runs each micro-batch on a
+node of the pool tree (:mod:`megatron_dynbatch.core.planner.dyncp.pool`): GPUs ``start .. start + size - 1`` of the
 data-parallel-with-context-parallel group (pool rank ``dp_rank * cp + cp_rank``).
 :func:`setup_dynamic_cp_groups` creates one process group per node, for every pool of the world (each
 pipeline stage and tensor-parallel rank has its own pool): every rank calls ``new_group`` for every group, in
@@ -43,7 +43,7 @@ import copy
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..core.errors import DynBatchConfigError
-from ..core.planner.pool import PoolTree, pool_tree
+from ..core.planner.dyncp.pool import PoolTree, pool_tree
 
 __all__ = ["DynamicCPGroups", "setup_dynamic_cp_groups", "get_dynamic_cp_groups", "destroy_dynamic_cp_groups",
            "microbatch_cp_group", "check_dynamic_cp_model"]

@@ -37,7 +37,7 @@ from ..core.errors import DynBatchConfigError
 from .loss import LOSS_MODES, LossNormalizer, loss_mask_stats, make_loss_func
 from ..core.parallel import ParallelConfig
 from ..core.planner import Plan, plan_global_batch
-from ..core.planner.dyncp_plan import DynamicCPPlan
+from ..core.planner.dyncp.plan import DynamicCPPlan
 from ..core.planner.inputs import check_group_ids
 
 __all__ = ["DynamicBatchIterator", "PLAN_KWARGS"]
@@ -75,7 +75,7 @@ class DynamicBatchIterator:
             ``dynamic_cp=True`` only the latter (a dynamic-CP plan has no DP ranks to keep a group on).
         pad_token_id: token id used on padding positions.
         device: where packed tensors go (default: where the sample tokens are).
-        cp_groups: under a dynamic-CP plan (:class:`~megatron_dynbatch.core.planner.dyncp_plan.DynamicCPPlan`), the
+        cp_groups: under a dynamic-CP plan (:class:`~megatron_dynbatch.core.planner.dyncp.plan.DynamicCPPlan`), the
             :class:`~megatron_dynbatch.megatron.dynamic_cp.DynamicCPGroups` whose process groups the micro-batches
             carry (default: created on first use when ``parallel_state`` is initialised). With such a plan the
             rank runs row ``dp_rank * cp + cp_rank`` of the plan (``self.row``), every micro-batch is packed with

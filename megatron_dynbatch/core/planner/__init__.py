@@ -2,8 +2,7 @@
 
 from .api import plan_global_batch, score_assignment
 from .counts import CountRule
-from .dyncp_assembly import build_dynamic_cp_plan
-from .dyncp_plan import DynamicCPPlan
+from .dyncp import DynamicCPPlan, build_dynamic_cp_plan
 from .local import local_microbatch_counts, plan_local_batch
 from .plan import Plan
 from .vpp import is_valid_microbatch_count, next_valid_microbatch_count

@@ -9,9 +9,11 @@ For each optimizer step (the whole batch, or consecutive slices of ``samples_per
 2. Start at the fewest micro-batches per rank the budget allows, ``M0 = ceil(slot tokens / (dp * cap))``,
    moved up to the next count Megatron's interleaved schedule accepts, and pack for that ``M``
    (:mod:`.packer`); if the packing is infeasible, try the next valid ``M``.
-3. Score a few more counts with the cost model and keep the fastest: with ``pp > 1`` counts up to the one
-   that minimises the modelled 1F1B bubble + per-micro-batch overhead, with ``pp == 1`` one more count when
-   the first leaves the ranks unbalanced (an extra micro-batch can unlock a better packing).
+3. Score a few more counts with the cost model: with ``pp > 1`` counts up to the one that minimises the
+   modelled 1F1B bubble + per-micro-batch overhead (never below the cost model's per-micro-batch floor), with
+   ``pp == 1`` one more count when the first leaves the ranks unbalanced (an extra micro-batch can unlock a
+   better packing). A larger count wins only by more than the **decision margin** (``decision_margin``, default
+   the cost model's ``uncertainty``); within it, the fewest micro-batches win.
 4. Order each rank's micro-batches: largest first with ``pp == 1`` (an out-of-memory shows on the first
    micro-batch); with ``pp > 1`` the arrangement (decreasing, increasing, small-at-both-ends) with the shortest
    simulated 1F1B makespan. The arrangement is a pattern over the weight ranks, the same on every DP rank,
@@ -46,12 +48,14 @@ from ..cost_model import CostModel
 from ..checks import as_bool
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from .dyncp import plan_dynamic_cp
 from .fallback import SearchBudget
 from .inputs import BALANCE_MODES, OVERSIZE_POLICIES, check_budget, check_lengths, resolve_costs, sample_flops
 from .ordering import mb_sums
 from .plan import Plan
 from .prepare import Prepared, prepare
 from .search import plan_step
+from .timing import rank_times_of
 
 __all__ = ["plan_global_batch", "score_assignment", "BALANCE_MODES", "OVERSIZE_POLICIES"]
 
@@ -80,6 +84,7 @@ def plan_global_batch(
     sequence_pad_multiple: Optional[int] = None,
     microbatch_pad_multiple: Optional[int] = None,
     dynamic_cp: bool = False,
+    decision_margin: Optional[float] = None,
 ) -> Plan:
     """Split a global batch over DP ranks and into micro-batches (see the module docstring).
 
@@ -100,7 +105,9 @@ def plan_global_batch(
         samples_per_step: split the batch into optimizer steps of exactly this many consecutive samples.
         oversize: policy for a sample longer than the budget: ``"error"`` (default) or ``"alone"``.
         fp8_alignment: ``None``, ``"fp8"``, ``"mxfp8"``, ``"nvfp4"``/``"blockwise"`` or a token multiple.
-        cost_model: step-time model used to choose counts and orders; default from ``model``.
+        cost_model: step-time model used to choose counts and orders: a ``CostModel``, a profile name
+            (``"fitted"`` -- the default with a model --, ``"analytic"``) or a cost-model JSON file
+            (``docs/cost_model.md``).
         num_microbatches: force ``M`` per rank and optimizer step, or a list with one count per step (raises if
             the budget cannot hold it; a count above one that packs always works while every rank has enough
             samples: micro-batches are split).
@@ -123,13 +130,16 @@ def plan_global_batch(
         microbatch_pad_multiple: a trainer's own padding multiple of each GPU's share of a micro-batch (slime:
             ``tp * data_pad_size_multiplier``), counted against the cap.
         dynamic_cp: treat the ``dp * cp`` GPUs as one pool and choose each micro-batch's CP group (size and
-            GPUs) per slot: returns a :class:`~.dyncp_plan.DynamicCPPlan` (strategy in :mod:`.dyncp`,
+            GPUs) per slot: returns a :class:`~.dyncp.plan.DynamicCPPlan` (strategy in :mod:`.dyncp`,
             ``docs/dynamic_cp.md``). Balances the cost model's seconds (``balance_by`` is not used); refuses
             ``group_ids``.
+        decision_margin: the planner leaves its default choice -- the fewest micro-batches that pack; under
+            ``dynamic_cp`` the fixed-CP plan -- only for a modelled gain above this (relative; ``None``: the cost
+            model's ``uncertainty``, 3.2% for the fitted profile, 0 for ``"analytic"``). Ties within it go to
+            fewer micro-batches; under ``dynamic_cp`` to fixed CP, then smaller groups, then groups inside one
+            node (``docs/cost_model.md``).
     """
     if as_bool(dynamic_cp, "dynamic_cp"):
-        from .dyncp import plan_dynamic_cp
-
         knobs = {"equal_samples_per_rank": equal_samples_per_rank or None,
                  "microbatch_group_ids": microbatch_group_ids, "min_num_microbatches": min_num_microbatches,
                  "num_microbatches_multiple": num_microbatches_multiple, "rollout_ids": rollout_ids,
@@ -145,7 +155,8 @@ def plan_global_batch(
         return plan_dynamic_cp(lengths, model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
                                group_ids=group_ids, samples_per_step=samples_per_step, oversize=oversize,
                                fp8_alignment=fp8_alignment, cost_model=cost_model,
-                               num_microbatches=num_microbatches, refine_rounds=refine_rounds)
+                               num_microbatches=num_microbatches, refine_rounds=refine_rounds,
+                               decision_margin=decision_margin)
     t_start = time.perf_counter()
     prep = prepare(lengths, model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
                    balance_by_flops=balance_by_flops, balance_by=balance_by, group_ids=group_ids,
@@ -154,7 +165,8 @@ def plan_global_batch(
                    equal_samples_per_rank=equal_samples_per_rank, microbatch_group_ids=microbatch_group_ids,
                    min_num_microbatches=min_num_microbatches, num_microbatches_multiple=num_microbatches_multiple,
                    rollout_ids=rollout_ids, rollouts_per_step=rollouts_per_step,
-                   sequence_pad_multiple=sequence_pad_multiple, microbatch_pad_multiple=microbatch_pad_multiple)
+                   sequence_pad_multiple=sequence_pad_multiple, microbatch_pad_multiple=microbatch_pad_multiple,
+                   decision_margin=decision_margin)
     par, cm, align = prep.par, prep.cm, prep.align
     micro_batches: List[List[List[int]]] = [[] for _ in range(par.dp)]
     per_step: List[int] = []
@@ -164,7 +176,7 @@ def plan_global_batch(
     for s, step in enumerate(prep.steps):
         forced = None if prep.forced is None else prep.forced[s]
         bins, lb_m = plan_step(step.inp, par, cm, step.sq, forced, prep.rounds, align, prep.budget, prep.rule,
-                               search)
+                               search, prep.margin)
         per_step.append(len(bins[0]))
         for r, rank in enumerate(prep.step_samples(step, bins)):
             micro_batches[r].extend(rank)
@@ -174,6 +186,31 @@ def plan_global_batch(
     plan = _assemble(prep, micro_batches, per_step, lb_count, lb_time)
     plan.planning_time_s = time.perf_counter() - t_start
     return plan
+
+
+def executed_shapes(micro_batches: Sequence[Sequence[Sequence[int]]], lengths: Any, align: Alignment,
+                    pad_to_longest: bool = False, fixed_microbatch_tokens: Optional[int] = None):
+    """``(tokens, sq_tokens)`` per rank and micro-batch as an assignment runs (see :func:`score_assignment`): the
+    packed tokens after alignment and the sum of squared lengths attention runs over -- packed THD micro-batches
+    (real lengths), fixed-shape ``[b, s]`` rows padded to the longest sample (``pad_to_longest``: attention over
+    the padded square), or fixed-width buffers (``fixed_microbatch_tokens``: the unused tail runs as one more
+    causal sequence, an empty buffer as one full-width sequence)."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    aligned = align.seq_len(lens).astype(np.int64)
+    sq = lens.astype(np.float64) ** 2
+    mbs = micro_batches
+    if pad_to_longest:
+        tokens = [[len(mb) * int(aligned[mb].max()) if mb else 0 for mb in rank] for rank in mbs]
+        sqs = [[len(mb) * float(aligned[mb].max()) ** 2 if mb else 0.0 for mb in rank] for rank in mbs]
+    elif fixed_microbatch_tokens is not None:
+        width = int(fixed_microbatch_tokens)
+        tokens = [[width for _ in rank] for rank in mbs]
+        sqs = [[float(sq[mb].sum()) + float(max(width - int(aligned[mb].sum()), 0)) ** 2 if mb else float(width) ** 2
+                for mb in rank] for rank in mbs]
+    else:
+        tokens = [[align.padded_total(int(aligned[mb].sum())) if mb else 0 for mb in rank] for rank in mbs]
+        sqs = [[float(sq[mb].sum()) for mb in rank] for rank in mbs]
+    return tokens, sqs
 
 
 def score_assignment(
@@ -210,17 +247,7 @@ def score_assignment(
     mbs = [[[int(i) for i in mb] for mb in rank] for rank in micro_batches]
     aligned = align.seq_len(lens).astype(np.int64)
     sq = lens.astype(np.float64) ** 2
-    if pad_to_longest:
-        tokens = [[len(mb) * int(aligned[mb].max()) if mb else 0 for mb in rank] for rank in mbs]
-        sqs = [[len(mb) * float(aligned[mb].max()) ** 2 if mb else 0.0 for mb in rank] for rank in mbs]
-    elif fixed_microbatch_tokens is not None:
-        width = int(fixed_microbatch_tokens)
-        tokens = [[width for _ in rank] for rank in mbs]
-        sqs = [[float(sq[mb].sum()) + float(max(width - int(aligned[mb].sum()), 0)) ** 2 if mb else float(width) ** 2
-                for mb in rank] for rank in mbs]
-    else:
-        tokens = [[align.padded_total(int(aligned[mb].sum())) if mb else 0 for mb in rank] for rank in mbs]
-        sqs = [[float(sq[mb].sum()) for mb in rank] for rank in mbs]
+    tokens, sqs = executed_shapes(mbs, lens, align, pad_to_longest, fixed_microbatch_tokens)
     per_step = list(microbatches_per_step) if microbatches_per_step else [max((len(r) for r in mbs), default=0)]
     plan = _build_plan(mbs, per_step, tokens, sqs, sample_flops(coeffs, aligned, sq), lens, par, align, cap, cm,
                        balance_by_flops=False, algorithm=algorithm)
@@ -242,19 +269,6 @@ def _assemble(prep: Prepared, micro_batches, per_step, lb_count: int, lb_time: f
     plan.lower_bound_step_time = lb_time
     plan.oversize_samples = prep.oversize_samples
     return plan
-
-
-def rank_times_of(mb_time: Sequence[Sequence[float]], per_step: Sequence[int], cm: CostModel) -> np.ndarray:
-    """Per-rank times of per-micro-batch times ``mb_time[r][j]``: optimizer steps one after another (EP groups
-    in lockstep inside each step); ranks with different micro-batch counts (baselines) are timed each alone."""
-    if len({len(r) for r in mb_time}) == 1:
-        rank_time = np.zeros(len(mb_time))
-        start = 0
-        for count in per_step:
-            rank_time += cm.step_time([t[start:start + count] for t in mb_time])
-            start += count
-        return rank_time
-    return np.array([cm.rank_time(t) for t in mb_time])
 
 
 def _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par: ParallelConfig, align: Alignment, cap: int,

@@ -11,8 +11,8 @@ from typing import Any, Mapping, Optional, Tuple
 import numpy as np
 
 from ..alignment import Alignment
-from ..checks import MAX_TOKENS, as_array, as_bool, as_int, scalar, whole_number
-from ..cost_model import CostModel
+from ..checks import MAX_TOKENS, as_array, as_bool, as_float, as_int, scalar, whole_number
+from ..cost_model import CostModel, resolve_cost_model
 from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from ..parallel import ParallelConfig
 
@@ -179,23 +179,27 @@ def check_oversize_policy(oversize: str) -> None:
                                   f"use one of {OVERSIZE_POLICIES}")
 
 
-def resolve_costs(model: Any, par: ParallelConfig, cost_model: Optional[CostModel]) -> Tuple[Any, CostModel]:
-    """The model's FLOPs coefficients (``None`` without a model) and the cost model to plan and score with:
-    the given one (placed on this layout), else one derived from the model's FLOPs, else a token-only one."""
+def resolve_costs(model: Any, par: ParallelConfig, cost_model: Any) -> Tuple[Any, CostModel]:
+    """The model's FLOPs coefficients (``None`` without a model) and the cost model to plan and score with
+    (:func:`~megatron_dynbatch.core.cost_model.resolve_cost_model`: a ``CostModel``, a profile name or a file;
+    default: ``CostModel.from_model`` with the default profile, else a token-only model)."""
     coeffs = None
     if model is not None:
         from ..flops import flops_coefficients
         from ..model_spec import ModelSpec
 
         coeffs = flops_coefficients(ModelSpec.from_any(model))
-    if cost_model is not None:
-        if not isinstance(cost_model, CostModel):
-            raise DynBatchConfigError("cost_model", type(cost_model).__name__, "must be a CostModel",
-                                      "build one with CostModel.from_model(...) or load_cost_model(path)")
-        return coeffs, cost_model.with_layout(par)
-    if coeffs is not None:
-        return coeffs, CostModel.from_flops(coeffs.linear, coeffs.quadratic, par)
-    return coeffs, CostModel.tokens_only(par)
+    return coeffs, resolve_cost_model(cost_model, model, par)
+
+
+def check_margin(decision_margin: Any, cm: CostModel) -> float:
+    """The decision margin (docs/cost_model.md): ``None`` -> the cost model's ``uncertainty``; else a number in
+    ``[0, 1)``."""
+    if decision_margin is None:
+        return float(cm.uncertainty)
+    return as_float(decision_margin, "decision_margin", minimum=0.0, maximum=0.999,
+                    fix="pass a relative margin such as 0.03 (3%), 0 to take any modelled gain, or None for the "
+                        "cost model's own uncertainty")
 
 
 def sample_flops(coeffs: Any, aligned: np.ndarray, sq: np.ndarray) -> np.ndarray:

@@ -12,6 +12,10 @@ from ..alignment import Alignment
 from ..parallel import ParallelConfig
 
 
+#: ``to_dict()["kind"]`` -> the :class:`Plan` subclass that reads it back (filled by ``__init_subclass__``)
+_KINDS: Dict[str, type] = {}
+
+
 @dataclass
 class Plan:
     """A dynamic-batching plan for one global batch.
@@ -143,12 +147,18 @@ class Plan:
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
 
+    def __init_subclass__(cls, kind: Optional[str] = None, **kwargs: Any) -> None:
+        """A subclass declaring ``kind=...`` is what :meth:`from_dict` builds for a dict with that ``"kind"`` (so
+        this module never imports its subclasses)."""
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            _KINDS[kind] = cls
+
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
-        if d.get("kind") == "dynamic_cp" and cls is Plan:  # a dynamic-CP plan (dyncp_plan.py)
-            from .dyncp_plan import DynamicCPPlan
-
-            return DynamicCPPlan.from_dict(d)
+        kind = d.get("kind")
+        if kind is not None and cls is Plan and kind in _KINDS:  # a subclass's plan (e.g. dyncp/plan.py)
+            return _KINDS[kind].from_dict(d)
         return cls(
             micro_batches=[[list(map(int, mb)) for mb in rank] for rank in d["micro_batches"]],
             microbatches_per_step=list(d["microbatches_per_step"]),

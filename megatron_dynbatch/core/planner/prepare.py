@@ -20,8 +20,8 @@ from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .counts import CountRule
-from .inputs import (balance_mode, check_budget, check_lengths, check_oversize_policy, oversize_mask, resolve_costs,
-                     sample_flops)
+from .inputs import (balance_mode, check_budget, check_lengths, check_margin, check_oversize_policy, oversize_mask,
+                     resolve_costs, sample_flops)
 from .packer import StepInput
 from .steps import Items, build_items, split_steps
 
@@ -58,6 +58,8 @@ class Prepared:
     rule: CountRule
     forced: Optional[List[int]]
     rounds: int
+    #: a larger micro-batch count must beat the first feasible one by more than this (relative; search.py)
+    margin: float = 0.0
 
     def step_samples(self, step: Step, local_bins: List[List[List[int]]]) -> List[List[List[int]]]:
         """``bins[r][j]`` of local item indices -> global sample indices."""
@@ -72,7 +74,7 @@ def prepare(lengths, *, model=None, parallel=None, max_tokens_per_gpu, balance_b
             group_ids=None, samples_per_step=None, oversize="error", fp8_alignment=None, cost_model=None,
             num_microbatches=None, refine_rounds=None, equal_samples_per_rank=False, microbatch_group_ids=None,
             min_num_microbatches=None, num_microbatches_multiple=None, rollout_ids=None, rollouts_per_step=None,
-            sequence_pad_multiple=None, microbatch_pad_multiple=None) -> Prepared:
+            sequence_pad_multiple=None, microbatch_pad_multiple=None, decision_margin=None) -> Prepared:
     """Check and derive (see :func:`~megatron_dynbatch.core.planner.api.plan_global_batch` for the arguments)."""
     par = ParallelConfig.from_any(parallel)
     lens = check_lengths(lengths)
@@ -85,6 +87,7 @@ def prepare(lengths, *, model=None, parallel=None, max_tokens_per_gpu, balance_b
         raise DynBatchConfigError("model", None, "balancing by FLOPs needs the model's shape",
                                   "pass model=ModelSpec/dict/preset name, or balance_by_flops=False")
     coeffs, cm = resolve_costs(model, par, cost_model)
+    margin = check_margin(decision_margin, cm)
 
     aligned = align.seq_len(lens).astype(np.int64)
     sq = lens.astype(np.float64) ** 2
@@ -118,7 +121,7 @@ def prepare(lengths, *, model=None, parallel=None, max_tokens_per_gpu, balance_b
                         cap=cap_eff, samples=None if sizes is None else sizes[idx], equal_samples=equal)
         steps.append(Step(idx, inp, item_sq[idx]))
     return Prepared(par, lens, budget, cap, cap_eff, align, mode, coeffs, cm, aligned, sq, flops, items, over, steps,
-                    rule, forced, rounds)
+                    rule, forced, rounds, margin)
 
 
 def _forced_counts(num_microbatches: Any, rule: CountRule, n_steps: int) -> Optional[List[int]]:

@@ -7,9 +7,13 @@
    ...``) to a count that does, then bisect between the last failure and the first success. A count "packs"
    when the balancing packer (:mod:`.packer`) or one of the feasibility-first strategies (:mod:`.fallback`)
    fills it. Every tried count is cached, so no count is packed twice.
-3. **Score a few more counts** with the cost model and keep the fastest (with ``pp > 1`` up to the count that
-   minimises the modelled bubble + per-micro-batch overhead; with ``pp == 1`` one more when the first leaves
-   the ranks unbalanced).
+3. **Score a few more counts** with the cost model (with ``pp > 1`` up to the count that minimises the modelled
+   bubble + per-micro-batch overhead, never past the count whose micro-batches shrink to the cost model's
+   floor; with ``pp == 1`` one more when the first leaves the ranks unbalanced) and apply the **decision
+   margin**: a larger count replaces the first feasible one only when its modelled step time is lower by more
+   than the margin (``decision_margin``, default the cost model's ``uncertainty``); among the counts within the
+   margin of the fastest, the fewest micro-batches win (measured, splitting a rank into ever smaller
+   micro-batches costs more than a model without a floor says, docs/cost_model.md).
 
 Planning time is therefore ``O(log n)`` packings of ``O(n log n)`` each plus a constant number of scored
 counts, on every input (``megatron-dynbatch bench`` times adversarial shapes; docs/benchmarks.md records them).
@@ -18,7 +22,6 @@ Pure NumPy; deterministic.
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -156,9 +159,10 @@ def _largest_group_bins(inp: StepInput) -> int:
 
 def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, forced: Optional[int],
               rounds: int, align: Alignment, max_tokens_per_gpu: int, rule: Optional[CountRule] = None,
-              search: Optional[SearchBudget] = None):
+              search: Optional[SearchBudget] = None, margin: float = 0.0):
     """``(bins, lower-bound count)`` for one optimizer step (``bins[r][j]``: local item indices; ``sq``: each
-    item's sum of squared real lengths; ``search``: the bin-search budget shared by every step of one plan)."""
+    item's sum of squared real lengths; ``search``: the bin-search budget shared by every step of one plan;
+    ``margin``: the decision margin of step 3 of the module docstring)."""
     dp = par.dp
     n = inp.aligned.size
     lb_m = lower_bound_count(inp, dp)
@@ -182,15 +186,23 @@ def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray
         return best[0], lb_m
 
     chosen = _first_count(counts, lb_m, m_max, max_tokens_per_gpu)
-    best = counts.evaluate(chosen)
-    for cand in _candidate_counts(chosen, m_max, par, cm, inp, best, counts.rule):
+    first = counts.evaluate(chosen)
+    scored = [(chosen, first)]
+    for cand in _candidate_counts(chosen, m_max, par, cm, inp, first, counts.rule):
         res = counts.evaluate(cand)
-        if res is not None and res[1] < best[1] * (1 - 1e-9):
-            best, chosen = res, cand
-    if counts.pipeline_polish:  # spend the larger polishing budget on the winner only
-        final = counts.evaluate(chosen, polish_evals=FINAL_POLISH_EVALS)
-        if final is not None and final[1] <= best[1]:
-            best = final
+        if res is not None:
+            scored.append((cand, res))
+    chosen, best = within_margin(scored, margin)
+    if counts.pipeline_polish:  # spend the larger polishing budget on the winner only ...
+        fastest = min(scored, key=lambda mr: mr[1][1])[0]
+        finals = [(m, counts.evaluate(m, polish_evals=FINAL_POLISH_EVALS)) for m in sorted({chosen, fastest})]
+        finals = [(m, res) for m, res in finals if res is not None]
+        if finals:  # ... and on the fastest when the margin kept fewer: polish can widen the gap past the margin
+            chosen, final = within_margin(finals, margin)
+            if final[1] <= dict(scored)[chosen][1]:
+                best = final
+            else:
+                best = dict(scored)[chosen]
     return best[0], lb_m
 
 
@@ -340,6 +352,14 @@ def _forced_count_error(counts: _Counts, forced: int, lb_m: int, m_max: int, bud
     return DynBatchConfigError("num_microbatches", forced, why, fix)
 
 
+def within_margin(scored: List[Tuple[int, Result]], margin: float) -> Tuple[int, Result]:
+    """The decision rule (module docstring, step 3) over ``(count, result)`` pairs in increasing count order: the
+    fewest micro-batches whose modelled step time is within ``margin`` of the fastest (``1e-9`` absorbs rounding,
+    so with margin 0 the first of equally fast counts wins)."""
+    fastest = min(res[1] for _, res in scored)
+    return next((m, res) for m, res in scored if res[1] <= fastest * (1 + margin + 1e-9))
+
+
 def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, inp: StepInput, best,
                       rule: CountRule) -> List[int]:
     """Extra counts worth scoring after the first feasible ``m``."""
@@ -347,7 +367,7 @@ def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, in
     if par.pp > 1 and cm.overhead_s > 0:
         w = float(cm.work(inp.aligned, 0.0).sum()) / par.dp  # linear part is enough to locate the optimum
         bubble = (par.pp - 1) / max(1, par.vpp)
-        target = int(math.ceil(math.sqrt(bubble * max(w, 1e-12) / cm.overhead_s)))
+        target = cm.pipeline_count_target(max(w, 1e-12), bubble)
         hi = min(m_max, max(m, target))
         if hi > m:
             # Each scored count is a full packing: large steps score fewer (the analytic optimum ``hi`` always).

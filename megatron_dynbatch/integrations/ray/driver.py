@@ -186,7 +186,7 @@ def plan_rollout(
 def _refuse_dynamic_cp(plan: Plan) -> None:
     """The Ray driver ships one shard per DP rank; a dynamic-CP plan places samples on pool GPUs (a sample on
     a group spanning several DP ranks belongs to none of them), so it is refused with a clear message."""
-    from ...core.planner.dyncp_plan import DynamicCPPlan
+    from ...core.planner.dyncp.plan import DynamicCPPlan
 
     if isinstance(plan, DynamicCPPlan):
         raise DynBatchConfigError("dynamic_cp", True, "the Ray driver ships one shard per data-parallel rank, and a "

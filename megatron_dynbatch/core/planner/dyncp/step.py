@@ -3,13 +3,14 @@
 For each group size ``s`` of the pool tree and each sample: its slot length (a multiple of ``2s``, the group's
 :func:`~.pool.group_alignment`), whether it fits a GPU's budget there (``padded_total / s <=
 max_tokens_per_gpu``, i.e. slot length <= the group's effective cap) and its solo time ``tau(i, s)``
-(:meth:`CostModel.group_microbatch_time` without the per-micro-batch overhead: linear and attention work over
-``s`` GPUs, the exposed K/V exchange). ``s_min(i)`` is the smallest size from which on the sample fits every
-larger size too. The step also carries the two search limits every candidate obeys: a forced slot count and
-the refinement rounds.
+(:meth:`CostModel.group_work`: linear and attention work over ``s`` GPUs with the CP-member terms, the exposed K/V
+exchange -- at the inter-node numbers when groups of size ``s`` cross nodes (:func:`~...topology.spans_by_size`);
+no overhead, no floor). ``s_min(i)`` is the smallest size from which on the sample fits every larger size too.
+The step also carries the search limits every candidate obeys -- a forced slot count, the refinement rounds --
+and the decision margin the orchestration applies.
 
 Everything here is computed once per step and only read afterwards; samples are step-local indices
-``0 .. n-1`` (:meth:`~.dyncp_schedule.Schedule.slots` maps them back to the batch).
+``0 .. n-1`` (:meth:`~.schedule.Schedule.slots` maps them back to the batch).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..alignment import Alignment
-from ..cost_model import CostModel
-from ..parallel import ParallelConfig
-from .ordering import mb_sums
-from .packer import StepInput, best_fit_bin_count, pack_rank
+from ...alignment import Alignment
+from ...cost_model import CostModel
+from ...parallel import ParallelConfig
+from ...topology import spans_by_size
+from ..ordering import mb_sums
+from ..packer import StepInput, best_fit_bin_count, pack_rank
 from .pool import PoolTree, group_alignment
 
 Bins = List[List[int]]
@@ -56,18 +58,21 @@ class StepData:
     is the slot count every candidate must have (``None``: free) and ``rounds`` bounds local refinement."""
 
     def __init__(self, lens: np.ndarray, tree: PoolTree, cm: CostModel, par: ParallelConfig, budget: int,
-                 tile: int, oversize: np.ndarray, forced: Optional[int] = None, rounds: int = 0) -> None:
+                 tile: int, oversize: np.ndarray, forced: Optional[int] = None, rounds: int = 0,
+                 margin: float = 0.0) -> None:
         self.lens, self.tree, self.cm, self.par, self.budget = lens, tree, cm, par, budget
-        self.forced, self.rounds = forced, rounds
+        self.forced, self.rounds, self.margin = forced, rounds, margin
         self.sq = lens.astype(np.float64) ** 2
         self.oversize = oversize
         self.n = int(lens.size)
+        #: group size -> whether its groups cross nodes (priced at the inter-node numbers)
+        self.spans: Dict[int, bool] = spans_by_size(par, ((n.start, n.size) for n in tree.nodes))
         self.sizes: Dict[int, GroupSize] = {}
         for s in tree.sizes:
             align = group_alignment(par, s, tile)
             aligned = align.seq_len(lens).astype(np.int64)
             cap = align.effective_cap(budget * s)
-            tau = cm.group_microbatch_time(s, aligned, self.sq) - cm.overhead_s
+            tau = cm.group_work(s, aligned, self.sq, self.spans[s])
             self.sizes[s] = GroupSize(s, align, aligned, cap, aligned <= cap, tau)
         s_min = np.full(self.n, tree.root.size, dtype=np.int64)
         ok = np.ones(self.n, dtype=bool)
@@ -87,7 +92,7 @@ class StepData:
         sz = self.sizes[size]
         t = sz.align.total_multiple
         tokens = -(-mb_sums(bins, sz.aligned) // t) * t
-        return tokens, self.cm.group_microbatch_time(size, tokens, mb_sums(bins, self.sq))
+        return tokens, self.cm.group_microbatch_time(size, tokens, mb_sums(bins, self.sq), self.spans[size])
 
     def pack(self, size: int, samples: Sequence[int], k: Optional[int] = None) -> Optional[Bins]:
         """``samples`` in ``k`` micro-batches of a group of ``size`` (default: the fewest best fit needs)."""

@@ -1,11 +1,11 @@
 """Dynamic CP: the family of candidate schedules of one optimizer step.
 
-Interface: a *generator* takes the step's shared data (:class:`~.dyncp_step.StepData`, which also carries the
-forced slot count and the refinement rounds) and returns zero or more complete :class:`~.dyncp_schedule.Schedule`
-s; :func:`candidates` runs the :data:`FAMILY` in order. The orchestration (:mod:`.dyncp`) scores them all by
+Interface: a *generator* takes the step's shared data (:class:`~.step.StepData`, which also carries the
+forced slot count and the refinement rounds) and returns zero or more complete :class:`~.schedule.Schedule`
+s; :func:`candidates` runs the :data:`FAMILY` in order. The orchestration (:mod:`.orchestrate`) scores them all by
 simulation and keeps the fastest, the earliest on a tie -- so the order below is part of the result.
 
-* ``fixed-cp`` (:func:`fixed_cp`) -- the fixed-layout planner's plan (:func:`.search.plan_step` on the layout's
+* ``fixed-cp`` (:func:`fixed_cp`) -- the fixed-layout planner's plan (:func:`..search.plan_step` on the layout's
   alignment), every micro-batch on its DP rank's ``cp`` GPUs, in that planner's order. Having it in the family
   is what makes dynamic CP never slower than fixed CP *in the model*. None when the fixed layout cannot hold a
   sample or has fewer samples than DP ranks.
@@ -15,10 +15,11 @@ simulation and keeps the fastest, the earliest on a tie -- so the order below is
   since there one long micro-batch stalls every stage), at least the floor size (1, or ``cp``: the fixed
   layout below, the wide samples above it). Samples wider than the floor are placed top-down
   (:func:`place_wide`) and each node packs its own into the fewest micro-batches; the floor-size samples are
-  dealt over the floor units (:func:`~.dyncp_deal.deal_singles`) and packed per unit into exactly the slots its
+  dealt over the floor units (:func:`~.deal.deal_singles`) and packed per unit into exactly the slots its
   ancestors left. The slot count is the first feasible one from the budget's lower bound; with ``pp > 1``
-  up to :data:`EXTRA_COUNTS` larger ones too (smaller micro-batches shrink the 1F1B bubble). Size
-  assignments already tried are skipped.
+  up to :data:`EXTRA_COUNTS` larger ones too (smaller micro-batches shrink the 1F1B bubble; fewer when the step is
+  so large that they would deal more than :data:`EXTRA_COUNT_SAMPLES` samples). Size assignments already tried
+  are skipped.
 * ``all-root`` (:func:`all_root`) -- everything on the whole pool in the fewest valid micro-batches: always
   feasible when there are enough samples, a fallback and the right plan for a few giant sequences.
 
@@ -28,25 +29,26 @@ count, and the per-GPU budget (samples over it even on the whole pool excepted, 
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import DynBatchConfigError
-from .dyncp_deal import deal_singles
-from .dyncp_schedule import Schedule
-from .dyncp_step import Bins, StepData
-from .packer import StepInput, best_fit_bin_count
-from .search import plan_step
-from .vpp import next_valid_microbatch_count
+from ...errors import DynBatchConfigError
+from .deal import deal_singles
+from .schedule import Schedule
+from .step import Bins, StepData
+from ..packer import StepInput, best_fit_bin_count
+from ..search import plan_step
+from ..vpp import next_valid_microbatch_count
 
 #: widening thresholds of the tree candidates, as multiples of the mean per-GPU load (None: memory only) ...
 THRESHOLDS: Tuple[Optional[float], ...] = (None, 1.0, 0.5, 0.25)
 #: ... and the smaller ones tried with pp > 1, where one long micro-batch stalls the whole 1F1B pipeline
 PIPELINE_THRESHOLDS: Tuple[float, ...] = (0.125, 0.0625, 0.03125, 0.015625)
-#: extra slot counts scored with pp > 1 (besides the first feasible one)
+#: extra slot counts scored with pp > 1 (besides the first feasible one) ...
 EXTRA_COUNTS = 3
+#: ... while the tree candidates' extra counts deal at most this many samples in all (planning time of huge steps)
+EXTRA_COUNT_SAMPLES = 65_536
 #: the name of the fixed-layout candidate (the plan's ``fixed_cp_step_time`` is its makespan)
 FIXED_CP = "fixed-cp"
 
@@ -68,7 +70,8 @@ def fixed_cp(step: StepData) -> List[Schedule]:
     inp = StepInput(aligned=own.aligned, weight=step.cm.work(own.aligned, step.sq),
                     oversize=np.zeros(step.n, dtype=bool), units=None, cap=own.cap)
     try:
-        bins, _ = plan_step(inp, par, step.cm, step.sq, step.forced, step.rounds, own.align, step.budget)
+        bins, _ = plan_step(inp, par, step.cm, step.sq, step.forced, step.rounds, own.align, step.budget,
+                            margin=step.margin)
     except DynBatchConfigError:
         return []
     if any(len(r) != len(bins[0]) for r in bins):  # pragma: no cover - the fixed planner's counts are equal
@@ -81,10 +84,9 @@ def fixed_cp(step: StepData) -> List[Schedule]:
 def tree_candidates(step: StepData) -> List[Schedule]:
     """The tree candidates of every (floor, threshold) pair whose size assignment is new (module docstring)."""
     par = step.par
-    extra = EXTRA_COUNTS if par.pp > 1 else 0
     # mean per-GPU load if every sample ran on its smallest group: the widening scale
     mean_load = float((step.s_min * step.tau_at(step.s_min)).sum()) / step.tree.size
-    out: List[Schedule] = []
+    todo = []
     seen = set()
     floors = (1, par.cp) if par.cp > 1 else (1,)
     for floor in floors:
@@ -94,9 +96,11 @@ def tree_candidates(step: StepData) -> List[Schedule]:
             if key in seen or (floor > 1 and not (cls > floor).any()):  # (the fixed-CP plan covers that)
                 continue
             seen.add(key)
-            name = ("tree-" if floor == 1 else f"cp{floor}-tree-") + ("mem" if x is None else f"{x:g}")
-            out += _tree_schedules(step, name, cls, extra, floor)
-    return out
+            todo.append((("tree-" if floor == 1 else f"cp{floor}-tree-") + ("mem" if x is None else f"{x:g}"), cls,
+                         floor))
+    # extra slot counts (pp > 1) within a budget of samples dealt: large batches score fewer
+    extra = min(EXTRA_COUNTS, EXTRA_COUNT_SAMPLES // max(1, step.n * len(todo))) if par.pp > 1 else 0
+    return [sched for name, cls, floor in todo for sched in _tree_schedules(step, name, cls, extra, floor)]
 
 
 def widen(step: StepData, threshold: Optional[float]) -> np.ndarray:
@@ -218,9 +222,10 @@ def _tree_schedules(step: StepData, name: str, cls: np.ndarray, extra_counts: in
         m = next_valid_microbatch_count(m + 1, par)
     if out and extra_counts and step.cm.overhead_s > 0:
         # more, smaller micro-batches shrink the 1F1B bubble: up to the count that balances it with overhead
+        # (and never past micro-batches at the cost model's floor)
         bubble = (par.pp - 1) / max(1, par.vpp)
         mean = (float(pre.sum()) + float(one.tau[singles].sum())) / len(units)
-        target = int(math.ceil(math.sqrt(bubble * max(mean, 1e-12) / step.cm.overhead_s)))
+        target = step.cm.pipeline_count_target(max(mean, 1e-12), bubble, floor)
         top = min(hi, max(m, target))
         if top > m:
             raw = np.unique(np.geomspace(m + 1, top, num=min(extra_counts, top - m)).round().astype(int))
@@ -251,4 +256,4 @@ def all_root(step: StepData) -> List[Schedule]:
 FAMILY: Tuple[Generator, ...] = (fixed_cp, tree_candidates, all_root)
 
 __all__ = ["candidates", "fixed_cp", "tree_candidates", "all_root", "widen", "place_wide", "FAMILY", "FIXED_CP",
-           "THRESHOLDS", "PIPELINE_THRESHOLDS", "EXTRA_COUNTS", "Generator"]
+           "THRESHOLDS", "PIPELINE_THRESHOLDS", "EXTRA_COUNTS", "EXTRA_COUNT_SAMPLES", "Generator"]

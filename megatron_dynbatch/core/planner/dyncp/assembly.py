@@ -1,4 +1,4 @@
-"""Dynamic CP: slots in, :class:`~.dyncp_plan.DynamicCPPlan` out -- and fixed-CP plans scored on the same terms.
+"""Dynamic CP: slots in, :class:`~.plan.DynamicCPPlan` out -- and fixed-CP plans scored on the same terms.
 
 * :func:`assemble` is the one place a dynamic-CP plan is put together, from consecutive optimizer steps' slots
   (``(start, size, samples)`` groups in pool order), each GPU's simulated finish time per step and, when the
@@ -21,14 +21,15 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..alignment import Alignment, fp8_multiple
-from ..cost_model import CostModel
-from ..errors import DynBatchConfigError
-from ..parallel import ParallelConfig
-from .api import rank_times_of
-from .dyncp_plan import DynamicCPPlan, SlotList
-from .inputs import check_budget, check_lengths, resolve_costs, sample_flops
-from .plan import Plan
+from ...alignment import Alignment, fp8_multiple
+from ...cost_model import CostModel
+from ...errors import DynBatchConfigError
+from ...parallel import ParallelConfig
+from ...topology import fixed_cp_spans_nodes, group_spans_nodes
+from .plan import DynamicCPPlan, SlotList
+from ..inputs import check_budget, check_lengths, resolve_costs, sample_flops
+from ..plan import Plan
+from ..timing import rank_times_of
 from .pool import group_alignment
 from .pool_sim import simulate_pool
 
@@ -116,10 +117,10 @@ def _group_stats(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: i
     """For every group of every slot (slot-major, pool order): its size, its full padded token count and its
     time on each member (one vectorised :meth:`CostModel.group_microbatch_time` call)."""
     aligned: Dict[int, Tuple[Alignment, np.ndarray]] = {}
-    sizes, tokens, sq = [], [], []
+    sizes, tokens, sq, spans = [], [], [], []
     sq_all = lens.astype(np.float64) ** 2
     for slot in slots:
-        for _, size, samples in slot:
+        for start, size, samples in slot:
             if size not in aligned:
                 a = group_alignment(par, size, tile)
                 aligned[size] = (a, a.seq_len(lens).astype(np.int64))
@@ -127,9 +128,11 @@ def _group_stats(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: i
             sizes.append(size)
             tokens.append(a.padded_total(int(al[samples].sum())))
             sq.append(float(sq_all[samples].sum()))
+            spans.append(group_spans_nodes(start, size, par))
     size_a = np.asarray(sizes, dtype=np.int64)
     tok_a = np.asarray(tokens, dtype=np.int64)
-    return size_a, tok_a, cm.group_microbatch_time(size_a, tok_a, np.asarray(sq, dtype=np.float64))
+    return size_a, tok_a, cm.group_microbatch_time(size_a, tok_a, np.asarray(sq, dtype=np.float64),
+                                                   np.asarray(spans, dtype=bool))
 
 
 def _slot_times(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: int, cm: CostModel) -> np.ndarray:
@@ -144,22 +147,37 @@ def _slot_times(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: in
     return times
 
 
-def score_with_cp_comm(plan: Plan, *, model: Any = None, cost_model: Optional[CostModel] = None) -> Plan:
+def score_with_cp_comm(plan: Plan, *, model: Any = None, cost_model: Optional[CostModel] = None,
+                       lengths: Optional[Sequence[int]] = None,
+                       sq_tokens: Optional[Sequence[Sequence[float]]] = None) -> Plan:
     """A copy of a fixed-layout ``plan`` (``plan_global_batch`` or ``score_assignment``) whose micro-batch and
-    rank times include the CP communication of its ``cp``-GPU groups, so it compares with a dynamic-CP plan.
+    rank times include the CP communication of its ``cp``-GPU groups (inter-node numbers where those groups cross
+    nodes, :func:`~...topology.fixed_cp_spans_nodes`), so it compares with a dynamic-CP plan.
 
-    ``cost_model`` must be the one the plan was scored with (default: from ``model``): the attention part of each
-    micro-batch is recovered as ``time - overhead - linear * tokens``."""
+    ``cost_model`` must be the one the plan was scored with (default: from ``model``). The exchange hides behind
+    each micro-batch's attention: with ``sq_tokens`` (per rank and micro-batch, the squared lengths attention
+    runs over, e.g. a padded baseline's :func:`~..api.executed_shapes`) or the batch's ``lengths`` that comes
+    from its sequences; without either it is recovered from the micro-batch's time (exact unless the micro-batch
+    sits on the cost model's floor, where it overstates the attention and so understates the exposed
+    exchange)."""
     if isinstance(plan, DynamicCPPlan):
         return plan
     par = plan.parallel
     _, cm = resolve_costs(model, par, cost_model)
     cm = cp_comm_cost_model(cm, model, par)
+    spans = fixed_cp_spans_nodes(par)
+    sq_all = None if lengths is None else check_lengths(lengths).astype(np.float64) ** 2
     times = []
-    for tok, t in zip(plan.microbatch_tokens, plan.microbatch_time):
+    for r, (tok, t) in enumerate(zip(plan.microbatch_tokens, plan.microbatch_time)):
         tok_a, t_a = np.asarray(tok, dtype=np.float64), np.asarray(t, dtype=np.float64)
-        att = np.maximum(t_a - cm.overhead_s - cm.linear_s_per_token * tok_a, 0.0)
-        times.append((t_a + cm.cp_comm_time(par.cp, tok_a, att)).tolist())
+        if sq_tokens is not None:
+            att = cm.attention_s_per_sq_token * np.asarray(sq_tokens[r], dtype=np.float64)
+        elif sq_all is not None:
+            sq = np.array([float(sq_all[mb].sum()) for mb in plan.micro_batches[r]])
+            att = cm.attention_s_per_sq_token * sq
+        else:  # what is left of the time after the overhead and the token-linear work
+            att = np.maximum(t_a - cm.overhead_s - cm.work(tok_a, 0.0), 0.0)
+        times.append((t_a + cm.cp_comm_time(par.cp, tok_a, att, spans)).tolist())
     out = copy.copy(plan)
     out.microbatch_time = times
     out.rank_time = rank_times_of(times, plan.microbatches_per_step, cm)
@@ -172,7 +190,8 @@ def cp_comm_cost_model(cm: CostModel, model: Any, par: ParallelConfig) -> CostMo
         return cm
     if model is not None:
         d = CostModel.from_model(model, par)
-        return cm.with_cp_comm(d.cp_comm_s_per_token, d.cp_comm_s_per_step, d.cp_comm_overlap)
+        return cm.with_cp_comm(d.cp_comm_s_per_token, d.cp_comm_s_per_step, d.cp_comm_overlap,
+                               d.cp_comm_inter_s_per_token, d.cp_comm_inter_s_per_step)
     return cm.with_cp_comm(0.0, 0.0, 0.0)
 
 

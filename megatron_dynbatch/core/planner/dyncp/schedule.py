@@ -20,9 +20,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .dyncp_plan import SlotList
-from .dyncp_step import Bins, StepData
-from .ordering import PATTERNS, arrangement
+from .plan import SlotList
+from .step import Bins, StepData
+from ..ordering import PATTERNS, arrangement
 from .pool_sim import simulate_pool
 
 
@@ -65,6 +65,10 @@ class Schedule:
         if counts.min() != counts.max():
             raise AssertionError(f"GPU slot counts differ: {counts.min()}..{counts.max()}")
         self.m = int(counts[0])
+        used = {tree.nodes[v].size for v in self.node_bins}
+        #: the widest group it uses, and whether any of its groups crosses nodes (the tie-break of orchestrate.py)
+        self.widest = max(used, default=1)
+        self.crosses_nodes = any(step.spans[s] for s in used)
         self.order = list(range(self.m))  # slot permutation (execution order)
         self._finish: Optional[np.ndarray] = None
         self._arrays()

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .dyncp_step import StepData
+from .step import StepData
 
 
 def deal_singles(step: StepData, singles: np.ndarray, pre: np.ndarray, need: np.ndarray,
@@ -134,15 +134,9 @@ class _Units:
                     best = (dev[k], int(xa[k]), None)
             xb = np.asarray(self.leaves[b], dtype=np.int64)
             if xb.size and xa.size:
-                delta = tau[xa][:, None] - tau[xb][None, :]
-                ok = ((delta > 0) & (delta < gap)
-                      & (used[b] - aligned[xb][None, :] + aligned[xa][:, None] <= cap[b])
-                      & (used[a] - aligned[xa][:, None] + aligned[xb][None, :] <= cap[a]))
-                if ok.any():
-                    dev = np.where(ok, np.abs(delta - gap / 2), np.inf)
-                    p, q = np.unravel_index(int(np.argmin(dev)), dev.shape)
-                    if best is None or dev[p, q] < best[0]:
-                        best = (dev[p, q], int(xa[p]), int(xb[q]))
+                swap = best_swap(tau[xa], tau[xb], aligned[xa], aligned[xb], gap, cap[a] - used[a], cap[b] - used[b])
+                if swap is not None and (best is None or swap[0] < best[0]):
+                    best = (swap[0], int(xa[swap[1]]), int(xb[swap[2]]))
             if best is None or best[0] >= gap / 2:
                 return
             _, x, y = best
@@ -151,4 +145,62 @@ class _Units:
                 self.move(y, b, a)
 
 
-__all__ = ["deal_singles"]
+#: below this many (a, b) pairs :func:`best_swap` scans the whole matrix
+SMALL_SWAP = 4096
+
+
+def best_swap(ta: np.ndarray, tb: np.ndarray, ala: np.ndarray, alb: np.ndarray, gap: float, room_a: float,
+              room_b: float) -> Optional[Tuple[float, int, int]]:
+    """The swap of pass 3: ``(dev, p, q)`` minimising ``dev = |(ta[p] - tb[q]) - gap / 2|`` over the pairs with
+    ``0 < ta[p] - tb[q] < gap`` whose slot-length tokens still fit both units (``alb[q] - ala[p] <= room_a``,
+    ``ala[p] - alb[q] <= room_b``), the first ``(p, q)`` in row-major order on a tie; ``None`` if no pair fits.
+
+    Exact, in ``O((|a| + |b|) log |b|)`` instead of the ``|a| x |b|`` matrix: for each ``p`` only the values of
+    ``tb`` nearest to ``ta[p] - gap / 2`` can be best (the first element of each run of equal values: the lowest
+    ``q``). When such a nearest value does not fit and could still have beaten the answer, the full matrix
+    decides (rare: the token room binds)."""
+    if ta.size * tb.size <= SMALL_SWAP:  # the matrix is cheaper than the search for small units
+        dev, q = _rows_best(ta, tb, ala, alb, gap, room_a, room_b)
+        p = int(np.argmin(dev))
+        return (float(dev[p]), p, int(q[p])) if np.isfinite(dev[p]) else None
+    half = gap / 2
+    order = np.argsort(tb, kind="stable")
+    ts = tb[order]
+    pos = np.searchsorted(ts, ta - half, side="left")
+    right = np.minimum(pos, ts.size - 1)
+    left = np.searchsorted(ts, ts[np.maximum(pos - 1, 0)], side="left")  # first of the run left of the target
+    cands = []
+    for c, exists in ((left, pos > 0), (right, pos < ts.size)):
+        q = order[c]
+        delta = ta - tb[q]
+        dev = np.abs(delta - half)
+        # a nearest value outside (0, gap) means every value beyond it on its side is too; one without token
+        # room does not: another element of its run, or a value further out, may still fit
+        ranged = exists & (delta > 0) & (delta < gap)
+        room = (alb[q] - ala <= room_a) & (ala - alb[q] <= room_b)
+        cands.append((np.where(ranged & room, dev, np.inf), np.where(ranged & ~room, dev, np.inf), q))
+    (dev_l, miss_l, q_l), (dev_r, miss_r, q_r) = cands
+    take_r = (dev_r < dev_l) | ((dev_r == dev_l) & (q_r < q_l))
+    dev = np.where(take_r, dev_r, dev_l)
+    q = np.where(take_r, q_r, q_l)
+    p = int(np.argmin(dev))
+    missed = np.minimum(miss_l, miss_r)
+    worry = np.isfinite(missed) & ((missed < dev[p]) | ((missed == dev[p]) & (np.arange(ta.size) <= p)))
+    if worry.any():  # those rows in full: their best fitting value may lie anywhere
+        rows = np.flatnonzero(worry)
+        dev[rows], q[rows] = _rows_best(ta[rows], tb, ala[rows], alb, gap, room_a, room_b)
+        p = int(np.argmin(dev))
+    return (float(dev[p]), p, int(q[p])) if np.isfinite(dev[p]) else None
+
+
+def _rows_best(ta, tb, ala, alb, gap, room_a, room_b) -> Tuple[np.ndarray, np.ndarray]:
+    """Per row of ``ta``: the least ``dev`` of :func:`best_swap` over all of ``tb`` (inf if none fits) and its
+    first ``q``."""
+    delta = ta[:, None] - tb[None, :]
+    ok = (delta > 0) & (delta < gap) & (alb[None, :] - ala[:, None] <= room_a) & (ala[:, None] - alb[None, :] <= room_b)
+    dev = np.where(ok, np.abs(delta - gap / 2), np.inf)
+    q = np.argmin(dev, axis=1)
+    return dev[np.arange(ta.size), q], q
+
+
+__all__ = ["deal_singles", "best_swap"]

@@ -25,7 +25,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from ..cost_model import CostModel, simulate_1f1b_batch
+from ...cost_model import CostModel, simulate_1f1b_batch
 
 
 def slot_blocks(group_starts: Sequence[Sequence[int]], pool: int) -> List[np.ndarray]:

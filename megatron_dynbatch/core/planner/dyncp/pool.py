@@ -16,7 +16,7 @@ micro-batch on it is padded by that degree's rules (:func:`group_alignment`: ``2
 
 Planning on the tree (not on arbitrary GPU subsets) is what keeps the plan cheap and the schedule free of
 waiting: a node's micro-batches run before its children's, so the GPUs of a group always arrive at it
-together (see :mod:`.dyncp`). Pure Python; no torch.
+together (see :mod:`.orchestrate`). Pure Python; no torch.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import functools
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from ..alignment import Alignment
-from ..errors import DynBatchConfigError
-from ..parallel import ParallelConfig
+from ...alignment import Alignment
+from ...errors import DynBatchConfigError
+from ...parallel import ParallelConfig
 
 
 def _largest_pow2_below(n: int) -> int:

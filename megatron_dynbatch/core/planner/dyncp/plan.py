@@ -1,6 +1,6 @@
-"""``DynamicCPPlan``: a :class:`~.plan.Plan` whose "ranks" are the GPUs of the dynamic-CP pool.
+"""``DynamicCPPlan``: a :class:`~..plan.Plan` whose "ranks" are the GPUs of the dynamic-CP pool.
 
-Every statistic of :class:`~.plan.Plan` keeps its meaning with one substitution -- a rank is a pool GPU
+Every statistic of :class:`~..plan.Plan` keeps its meaning with one substitution -- a rank is a pool GPU
 (``dp_rank * cp + cp_rank`` of one pipeline stage), not a DP replica:
 
 * ``micro_batches[i][j]``: the samples GPU ``i`` works on in slot ``j`` (execution order). A sample on a group
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..alignment import Alignment
-from .plan import Plan
+from ...alignment import Alignment
+from ..plan import Plan
 from .pool import group_alignment, pool_tree
 
 #: a CP group of the pool: ``(first GPU, size)``
@@ -34,7 +34,7 @@ SlotList = List[Slot]
 
 
 @dataclass
-class DynamicCPPlan(Plan):
+class DynamicCPPlan(Plan, kind="dynamic_cp"):
     """A dynamic context-parallel plan (module docstring); build it with ``plan_global_batch(...,
     dynamic_cp=True)``."""
 
@@ -44,7 +44,7 @@ class DynamicCPPlan(Plan):
     #: the modelled step time of the fixed-CP plan of the same layout (NaN if it could not be planned)
     fixed_cp_step_time: float = float("nan")
     #: which candidate won each optimizer step, comma-separated: "fixed-cp", "tree-<threshold>",
-    #: "cp<cp>-tree-<threshold>" or "all-root" (see dyncp_candidates.py)
+    #: "cp<cp>-tree-<threshold>" or "all-root" (see candidates.py)
     candidate: str = ""
 
     # ------------------------------------------------------------------ pool views

@@ -6,25 +6,29 @@ runs one packed micro-batch, every sequence of it zig-zag split over the group's
 gets as many GPUs as pay off: short ones stay on one GPU (no K/V exchange at all), long ones are spread, and
 one that would set the step time alone is spread wider than memory needs.
 
-This module is the orchestration; the parts live next to it:
+This module is the orchestration; the parts live next to it in the ``dyncp`` package:
 
-* :mod:`.dyncp_step` -- per optimizer step and tree size: slot lengths, fit, solo times (``StepData``);
-* :mod:`.dyncp_candidates` -- the family of candidate schedules (``fixed-cp``, ``tree-<x>``, ``cp<cp>-tree-<x>``,
-  ``all-root``) behind one interface; :mod:`.dyncp_deal` deals the single-GPU samples of a tree candidate;
-* :mod:`.dyncp_schedule` -- one candidate as slots: simulated makespan (:mod:`.pool_sim`), slot arrangement;
-* :mod:`.dyncp_assembly` -- slots -> :class:`~.dyncp_plan.DynamicCPPlan`, and CP-communication scoring.
+* :mod:`.step` -- per optimizer step and tree size: slot lengths, fit, solo times (``StepData``);
+* :mod:`.candidates` -- the family of candidate schedules (``fixed-cp``, ``tree-<x>``, ``cp<cp>-tree-<x>``,
+  ``all-root``) behind one interface; :mod:`.deal` deals the single-GPU samples of a tree candidate;
+* :mod:`.schedule` -- one candidate as slots: simulated makespan (:mod:`.pool_sim`), slot arrangement;
+* :mod:`.assembly` -- slots -> :class:`~.plan.DynamicCPPlan`, and CP-communication scoring.
 
 Strategy (deterministic, no communication)
 ------------------------------------------
 1. Inputs are checked as for the fixed layout; the cost model gets its CP communication term
-   (:func:`~.dyncp_assembly.cp_comm_cost_model`). Samples over the budget even spread over the whole pool are
+   (:func:`~.assembly.cp_comm_cost_model`). Samples over the budget even spread over the whole pool are
    an :class:`OversizeSampleError`, or with ``oversize="alone"`` a warning and a micro-batch of their own.
-2. The batch is cut into optimizer steps (``samples_per_step``, :func:`.steps.step_of_sample`); each step is
+2. The batch is cut into optimizer steps (``samples_per_step``, :func:`..steps.step_of_sample`); each step is
    planned alone and the steps' slots follow each other.
 3. Per step, every candidate of the family is built and scored by simulating it (group members wait for each
    other; 1F1B with ``pp > 1``); with ``pp > 1`` each non-fixed candidate first takes the slot arrangement with
-   the shortest makespan. The fastest wins, the earliest in family order on a tie. No candidate: a
-   ``DynBatchConfigError`` (a forced count that cannot be met, or no count Megatron's VPP rule accepts).
+   the shortest makespan. **Decision margin** (:func:`choose`): the fixed-CP candidate wins unless another is
+   modelled faster by more than ``decision_margin`` (default: the cost model's ``uncertainty``, its measured
+   error); among the candidates within the margin of the fastest, the one whose widest group is smallest wins,
+   then one whose groups stay inside a node, then the fastest, then the earliest in family order. No
+   candidate: a ``DynBatchConfigError`` (a forced count that cannot be met, or no count Megatron's VPP rule
+   accepts).
 4. The plan records the winners' names (``candidate``), the fixed-CP candidate's makespan
    (``fixed_cp_step_time``, NaN when the fixed layout cannot plan the batch) and a lower bound no schedule beats
    (:func:`_lower_bound`).
@@ -36,8 +40,8 @@ Invariants (``tests/test_dyncp.py``, ``DynamicCPPlan.validate``; run on megatron
   optimizer step on all GPUs) and ``M`` obeys Megatron's interleaved-schedule rule (and equals a forced count);
 * no GPU holds more than ``max_tokens_per_gpu`` tokens after ``2 * g`` alignment and tail padding -- except
   a sample over the budget even on the whole pool, placed alone there under ``oversize="alone"``;
-* the modelled step time is never above the fixed-CP plan's (same cost model, same simulator), and with
-  ``pp == 1`` never below the lower bound;
+* the modelled step time is never above the fixed-CP plan's (same cost model, same simulator), and below it only
+  by more than the decision margin; with ``pp == 1`` never below the lower bound;
 * the plan depends only on the arguments.
 
 Not supported together with dynamic CP (a clear error): ``group_ids`` (a sample spread over several DP ranks'
@@ -53,20 +57,20 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..alignment import fp8_multiple
-from ..checks import as_int
-from ..cost_model import CostModel
-from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
-from ..parallel import ParallelConfig
-from .dyncp_assembly import StepSlots, assemble, build_dynamic_cp_plan, cp_comm_cost_model, score_with_cp_comm
-from .dyncp_candidates import FIXED_CP, THRESHOLDS, candidates
-from .dyncp_plan import DynamicCPPlan
-from .dyncp_schedule import Schedule
-from .dyncp_step import StepData
-from .inputs import check_budget, check_lengths, check_oversize_policy, resolve_costs
+from ...alignment import fp8_multiple
+from ...checks import as_int
+from ...cost_model import CostModel
+from ...errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
+from ...parallel import ParallelConfig
+from .assembly import StepSlots, assemble, cp_comm_cost_model
+from .candidates import FIXED_CP, candidates
+from .plan import DynamicCPPlan
+from .schedule import Schedule
+from .step import StepData
+from ..inputs import check_budget, check_lengths, check_margin, check_oversize_policy, resolve_costs
 from .pool import PoolTree, group_alignment, pool_tree
-from .steps import step_of_sample
-from .vpp import check_forced_count
+from ..steps import step_of_sample
+from ..vpp import check_forced_count
 
 
 def plan_dynamic_cp(
@@ -82,6 +86,7 @@ def plan_dynamic_cp(
     cost_model: Optional[CostModel] = None,
     num_microbatches: Optional[int] = None,
     refine_rounds: Optional[int] = None,
+    decision_margin: Optional[float] = None,
 ) -> DynamicCPPlan:
     """The dynamic-CP plan of a global batch (module docstring); called by ``plan_global_batch(...,
     dynamic_cp=True)``, which documents the arguments. Balancing is always by the cost model's seconds."""
@@ -102,6 +107,7 @@ def plan_dynamic_cp(
             "different sizes do not give", "use vpp=1, pp != 2, or dynamic_cp=False")
     coeffs, cm = resolve_costs(model, par, cost_model)
     cm = cp_comm_cost_model(cm, model, par)
+    margin = check_margin(decision_margin, cm)
     tile = fp8_multiple(fp8_alignment)
     tree = pool_tree(par.dp, par.cp)
     if num_microbatches is not None:
@@ -117,7 +123,7 @@ def plan_dynamic_cp(
     step_of, n_steps = step_of_sample(int(lens.size), samples_per_step)
     for step_samples in (np.flatnonzero(step_of == k) for k in range(n_steps)):
         st = StepData(lens[step_samples], tree, cm, par, budget, tile, over[step_samples],
-                      forced=num_microbatches, rounds=rounds)
+                      forced=num_microbatches, rounds=rounds, margin=margin)
         best, fixed = _plan_step(st)
         chosen.append(best.name)
         fixed_time += fixed.makespan() if fixed is not None else float("nan")
@@ -150,12 +156,20 @@ def _plan_step(step: StepData) -> Tuple[Schedule, Optional[Schedule]]:
             "pass more samples, or lower vpp")
     for c in cands:
         c.arrange()
-    best = cands[0]
-    for c in cands[1:]:
-        if c.makespan() < best.makespan() * (1 - 1e-9):
-            best = c
     fixed = next((c for c in cands if c.name == FIXED_CP), None)
-    return best, fixed
+    return choose(cands, fixed, step.margin), fixed
+
+
+def choose(cands: List[Schedule], fixed: Optional[Schedule], margin: float) -> Schedule:
+    """The decision rule (module docstring, step 3): the fixed-CP candidate unless another is faster by more than
+    ``margin`` (relative); otherwise, among the candidates within ``margin`` of the fastest, the one whose widest
+    group is smallest, then one whose groups all stay inside a node, then the fastest, then the earliest in family
+    order (``1e-9`` absorbs rounding)."""
+    limit = min(c.makespan() for c in cands) * (1 + margin + 1e-9)
+    if fixed is not None and fixed.makespan() <= limit:
+        return fixed
+    tied = [(c.widest, c.crosses_nodes, c.makespan(), k) for k, c in enumerate(cands) if c.makespan() <= limit]
+    return cands[min(tied)[3]]
 
 
 def _oversize(lens: np.ndarray, tree: PoolTree, par: ParallelConfig, budget: int, tile: int,
@@ -197,5 +211,4 @@ def _lower_bound(step: StepData) -> Tuple[float, int]:
     return bound, m_lo
 
 
-# build_dynamic_cp_plan and score_with_cp_comm live in dyncp_assembly.py; they stay importable from here
-__all__ = ["plan_dynamic_cp", "build_dynamic_cp_plan", "score_with_cp_comm", "THRESHOLDS"]
+__all__ = ["plan_dynamic_cp"]

@@ -1,0 +1,205 @@
+"""Fitting a cost profile to measured micro-batch timings: :func:`fit_records`.
+
+A record is one measured micro-batch share: ``[group_size, lengths, seconds]`` -- the time ONE GPU of a CP group
+of ``group_size`` GPUs spent, forward + backward, on its zig-zag share of a packed micro-batch of sequences of
+``lengths`` tokens (``group_size = 1``: a whole micro-batch on one GPU). The format of
+``benchmarks/gpu/results/*_cp_microbatches.json`` (``{"group_size", "lengths", "seconds"}`` items are accepted too,
+and a fourth list entry -- sample indices -- is ignored).
+
+The timings come from a slice of the model: ``measured_layers`` decoder layers at the per-TP-rank widths of
+``model`` with tensor-parallel size ``tp`` (``lm_head=True`` if the slice ran the output layer and loss too). In
+FLOPs of that slice (:mod:`.flops`; each sequence padded to ``2 * group_size`` as the zig-zag split does) the
+record's time is modelled as (one member's share, ``c = 1`` for ``group_size > 1`` else 0)::
+
+    floor   = layers * (min_per_layer_s + c * cp_min_per_layer_s)
+    compute = layers * overhead_per_layer_s + linear_flops / (peak * linear_efficiency) * (1 + c * cp_linear_overhead)
+              + (attention_flops + attention_per_sq * cp_chunk_tokens * tokens * (g - 1) / g) / (peak * attention_efficiency)
+    seconds = max(floor, compute)
+
+Given which records sit on the floor, both branches are linear in their unknowns; the fit alternates between
+assigning each record to the branch the current model puts it on and solving each branch by non-negative least
+squares on RELATIVE error (small micro-batches count as much as large ones), each group size weighted by
+``1 / sqrt(records of that size)`` so a few wide groups still shape their terms, until the assignment stops
+changing. It starts from the records whose nominal compute (60% / 30% of peak) is below half their time on the
+floor. Deterministic; NumPy only. The result transfers to any model and layout as a
+:class:`~.cost_profiles.CostProfile` (``FitReport.profile``); the returned :class:`~.cost_model.CostModel` is that
+profile applied to ``model`` with all its layers on ``parallel``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .checks import as_bool, as_int
+from .cost_model import CostModel, FitReport, nnls_relative
+from .cost_profiles import CostProfile, resolve_profile
+from .errors import DynBatchConfigError
+from .flops import FWD_BWD_FACTOR, flops_breakdown
+from .model_spec import ModelSpec
+from .parallel import ParallelConfig
+
+#: at most this many alternations between the floor/compute assignment and the two least-squares solves
+MAX_ROUNDS = 100
+#: nominal efficiencies that pick the records starting on the floor (compute below half the measured time)
+_NOMINAL = (0.6, 0.3)
+
+
+def parse_records(records: Sequence[Any]) -> Tuple[np.ndarray, List[np.ndarray], np.ndarray]:
+    """``(group sizes, lengths per record, seconds)`` from records in the module docstring's format, or a
+    ``DynBatchConfigError`` naming the first bad record."""
+    if isinstance(records, (str, bytes, Mapping)) or not hasattr(records, "__len__") or len(records) < 3:
+        raise DynBatchConfigError("records", type(records).__name__ if not hasattr(records, "__len__") else len(records),
+                                  "need at least 3 records [group_size, lengths, seconds]",
+                                  "measure micro-batches of several sizes (benchmarks/gpu/README.md)")
+    groups, lens, secs = [], [], []
+    for i, rec in enumerate(records):
+        try:
+            if isinstance(rec, Mapping):
+                g, lengths, s = rec["group_size"], rec["lengths"], rec["seconds"]
+            else:
+                g, lengths, s = rec[0], rec[1], rec[2]
+            g = as_int(g, f"records[{i}].group_size", minimum=1, maximum=2 ** 20)
+            arr = np.asarray(lengths)
+            if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer) or (arr < 1).any():
+                raise DynBatchConfigError(f"records[{i}].lengths", lengths, "must be a non-empty list of positive "
+                                          "integers", "give each sequence's token count")
+            s = float(s) if isinstance(s, (int, float, np.integer, np.floating)) and not isinstance(s, bool) else None
+            if s is None or not np.isfinite(s) or s <= 0:
+                raise DynBatchConfigError(f"records[{i}].seconds", rec, "must be a positive, finite number",
+                                          "drop failed or warm-up measurements")
+        except (KeyError, IndexError, TypeError):
+            raise DynBatchConfigError(f"records[{i}]", rec, "is not [group_size, lengths, seconds]",
+                                      "write one list (or object) per measured micro-batch share") from None
+        groups.append(g)
+        lens.append(arr.astype(np.int64))
+        secs.append(s)
+    return np.asarray(groups, dtype=np.int64), lens, np.asarray(secs, dtype=np.float64)
+
+
+def record_features(model: Any, records: Sequence[Any], *, measured_layers: int, tp: int = 1,
+                    lm_head: bool = False, peak_flops: float) -> Dict[str, np.ndarray]:
+    """:func:`slice_features` of records (each sequence padded to a multiple of ``2 * group_size``)."""
+    g, lens, secs = parse_records(records)
+    padded = np.array([float((-(-x // (2 * k)) * (2 * k)).sum()) for x, k in zip(lens, g.tolist())])
+    sq = np.array([float((x.astype(np.float64) ** 2).sum()) for x in lens])
+    out = slice_features(model, g, padded, sq, measured_layers=measured_layers, tp=tp, lm_head=lm_head,
+                         peak_flops=peak_flops)
+    out["seconds"] = secs
+    return out
+
+
+def slice_features(model: Any, group_sizes: Any, padded_tokens: Any, sq_tokens: Any, *, measured_layers: int,
+                   tp: int = 1, lm_head: bool = False, peak_flops: float) -> Dict[str, np.ndarray]:
+    """Per micro-batch share (``group_sizes``; each micro-batch's full padded token count and sum of squared
+    lengths), in seconds at ``peak_flops``: the slice's linear FLOPs of the member's tokens (``lin``), its attention
+    FLOPs (``att``), the chunk term per unit of ``cp_chunk_tokens`` (``chunk``); plus ``g`` and ``layers``."""
+    spec = ModelSpec.from_any(model)
+    layers = as_int(measured_layers, "measured_layers", minimum=1, maximum=spec.num_layers + (spec.mtp_num_layers or 0),
+                    fix=f"pass the decoder layers the timings ran (1 .. {spec.num_layers})")
+    tp = as_int(tp, "tp", minimum=1, maximum=2 ** 20, fix="pass the tensor-parallel size the widths were split by")
+    b = flops_breakdown(spec)
+    per_layer = (b.linear - b.logits_per_token) / spec.num_layers
+    head = b.logits_per_token / (1 + (spec.mtp_num_layers or 0)) if as_bool(lm_head, "lm_head") else 0.0
+    linear = per_layer * layers + head
+    quadratic = b.quadratic / spec.num_layers * layers
+    g = np.asarray(group_sizes, dtype=np.float64)
+    padded = np.asarray(padded_tokens, dtype=np.float64)
+    unit = FWD_BWD_FACTOR / tp / peak_flops
+    return {"g": g, "layers": np.full(g.shape, float(layers)), "lin": unit * linear * padded / g,
+            "att": unit * quadratic * np.asarray(sq_tokens, dtype=np.float64) / g,
+            "chunk": unit * quadratic * padded * (g - 1.0) / g}
+
+
+def fit_records(records: Sequence[Any], model: Any, *, measured_layers: int, tp: int = 1, lm_head: bool = False,
+                parallel: Optional[ParallelConfig] = None, base: Any = "fitted",
+                name: str = "calibrated") -> Tuple[CostModel, FitReport]:
+    """Fit the cost model to measured micro-batch shares (module docstring).
+
+    ``model``: the model the slices were cut from (preset, dict or ``ModelSpec``); ``measured_layers``, ``tp``,
+    ``lm_head``: the slice. ``base``: the profile that supplies what timings of compute cannot tell -- peak
+    FLOPs and the network (topology) numbers. Returns the model for ``model`` (all its layers) on ``parallel``
+    (default: ``tp`` alone) and a :class:`FitReport` with the error per group size, the ``uncertainty`` (mean over
+    group sizes of the mean absolute relative error) and the fitted ``profile`` -- ``save_cost_model(cm, path,
+    report)`` writes both, ``--dynbatch-cost-model`` / ``plan --cost-model`` read them."""
+    prof0 = resolve_profile(base, field="base")
+    feats = record_features(model, records, measured_layers=measured_layers, tp=tp, lm_head=lm_head,
+                            peak_flops=prof0.peak_flops)
+    profile, report = fit_profile([feats], base=prof0, name=name)
+    par = parallel if parallel is not None else ParallelConfig(tp=tp)
+    return CostModel.from_model(model, ParallelConfig.from_any(par), profile=profile), report
+
+
+def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any = "fitted",
+                name: str = "calibrated") -> Tuple[CostProfile, FitReport]:
+    """The profile fit itself, over the :func:`record_features` of one or more slices (several models' slices
+    fit one profile: that is how the default ``"fitted"`` profile was made, ``benchmarks/gpu/fit_profile.py``)."""
+    prof0 = resolve_profile(base, field="base")
+    f = {k: np.concatenate([np.asarray(s[k], dtype=np.float64) for s in feature_sets])
+         for k in ("g", "seconds", "layers", "lin", "att", "chunk")}
+    g, y, lay = f["g"], f["seconds"], f["layers"]
+    member = (g > 1).astype(np.float64)
+    x_compute = np.column_stack([lay, f["lin"], f["lin"] * member, f["att"], f["chunk"]])
+    x_floor = np.column_stack([lay, lay * member])
+    sizes, counts = np.unique(g, return_counts=True)
+    weight = 1.0 / np.sqrt(counts[np.searchsorted(sizes, g)])
+    scale = y * weight.mean() / weight  # relative error, each group size weighted by 1/sqrt(its records)
+    on_floor = f["lin"] / _NOMINAL[0] + f["att"] / _NOMINAL[1] < 0.5 * y
+    comp, flr = np.zeros(5), np.zeros(2)
+    for _ in range(MAX_ROUNDS):
+        comp = nnls_relative(x_compute[~on_floor], y[~on_floor], scale[~on_floor])
+        if on_floor.sum() >= 2:
+            flr = nnls_relative(x_floor[on_floor], y[on_floor], scale[on_floor])
+        now = x_floor @ flr > x_compute @ comp
+        if (now == on_floor).all():
+            break
+        on_floor = now
+    a, il, il_cp, ia, ia_chunk = comp.tolist()
+    if il <= 0 or ia <= 0:
+        raise DynBatchConfigError("records", int(y.size), "do not determine both the linear and the attention cost "
+                                  "(too few sizes and lengths measured)", "measure short and long sequences, "
+                                  "several per micro-batch, as benchmarks/gpu/README.md describes")
+    report = fit_report(np.maximum(x_floor @ flr, x_compute @ comp), y, g)
+    profile = prof0.replace(
+        name=name, linear_efficiency=min(1.0, 1.0 / il), attention_efficiency=min(1.0, 1.0 / ia), overhead_s=0.0,
+        overhead_per_layer_s=a, min_per_layer_s=float(flr[0]), cp_min_per_layer_s=float(flr[1]),
+        cp_linear_overhead=il_cp / il, cp_chunk_tokens=ia_chunk / ia, uncertainty=min(1.0, report.uncertainty))
+    return profile, FitReport(report.num_measurements, report.rel_rms_error, report.max_rel_error,
+                              report.per_group, profile.uncertainty, profile.to_dict())
+
+
+def fit_report(predicted: np.ndarray, seconds: np.ndarray, group_sizes: np.ndarray) -> FitReport:
+    """Relative errors of ``predicted`` against ``seconds``, overall and per group size (``uncertainty``: the mean
+    over group sizes of their mean absolute relative error)."""
+    rel = (np.asarray(predicted, dtype=np.float64) - seconds) / seconds
+    per: Dict[int, Dict[str, float]] = {}
+    for s in np.unique(group_sizes).tolist():
+        r = rel[group_sizes == s]
+        per[int(s)] = {"n": int(r.size), "mean_rel_error": float(r.mean()),
+                       "mean_abs_rel_error": float(np.abs(r).mean()),
+                       "p95_abs_rel_error": float(np.percentile(np.abs(r), 95))}
+    unc = float(np.mean([v["mean_abs_rel_error"] for v in per.values()]))
+    return FitReport(int(rel.size), float(np.sqrt(np.mean(rel ** 2))), float(np.abs(rel).max()), per, unc)
+
+
+def predict_records(cost_profile: Any, records: Sequence[Any], model: Any, *, measured_layers: int, tp: int = 1,
+                    lm_head: bool = False) -> np.ndarray:
+    """Seconds a profile predicts for records measured on a slice (the fit's own model; module docstring)."""
+    prof: CostProfile = resolve_profile(cost_profile)
+    return predict_features(prof, record_features(model, records, measured_layers=measured_layers, tp=tp,
+                                                  lm_head=lm_head, peak_flops=prof.peak_flops))
+
+
+def predict_features(profile: CostProfile, f: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Seconds ``profile`` predicts for :func:`slice_features` ``f`` computed at ``profile.peak_flops``."""
+    member = f["g"] > 1
+    floor = f["layers"] * (profile.min_per_layer_s + member * profile.cp_min_per_layer_s)
+    compute = (f["layers"] * profile.overhead_per_layer_s + profile.overhead_s
+               + f["lin"] / profile.linear_efficiency * (1.0 + member * profile.cp_linear_overhead)
+               + (f["att"] + f["chunk"] * profile.cp_chunk_tokens) / profile.attention_efficiency)
+    return np.maximum(floor, compute)
+
+
+__all__ = ["fit_records", "fit_profile", "fit_report", "predict_records", "predict_features", "parse_records",
+           "record_features", "slice_features"]
