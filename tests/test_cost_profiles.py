@@ -201,6 +201,30 @@ def test_under_pp_more_micro_batches_need_a_gain_above_the_margin():
     assert eager.predicted_step_time <= careful.predicted_step_time * (1 + 1e-9)
 
 
+def test_the_count_margin_is_charged_to_what_the_count_changes():
+    """A larger count's gain is weighed against the uncertainty of the terms a count changes (per-micro-batch fixed
+    costs, the pipeline bubble), not of the whole step: with pp=1 and large micro-batches the share is small, so a
+    better-balanced extra micro-batch wins (bench's sft-mix-8b: 13 micro-batches, 1.9% faster than 12); under
+    pp=4 vpp=2 the bubble and floors make it large, so a 0.03% gain does not buy 4 more micro-batches."""
+    from megatron_dynbatch.bench.workloads import WORKLOADS
+    from megatron_dynbatch.core.planner.search import count_dependent_share, within_margin
+
+    flat = CostModel.from_model("llama-3.1-8b", ParallelConfig(dp=8, tp=2, cp=2))
+    share = count_dependent_share(13, 10.3, flat)
+    assert 0 < share < 0.2 and share == pytest.approx(13 * float(flat.microbatch_time(0, 0)) / 10.3)
+    piped = CostModel.from_model("qwen3-32b", ParallelConfig(dp=8, tp=4, pp=4, vpp=2))
+    assert count_dependent_share(20, 5.9, piped) > 1.5 / 21.5  # the bubble alone
+    assert count_dependent_share(10**6, 1.0, piped) == 1.0
+    scored = [(12, ([], 10.51, 1.02)), (13, ([], 10.31, 1.0))]
+    assert within_margin(scored, 0.032)[0] == 12  # the whole-step margin keeps the fewer
+    assert within_margin(scored, 0.032, flat)[0] == 13  # charged to the count's share, the balance gain counts
+    for name, want in (("sft-mix-8b", 13), ("pp4-vpp2-qwen3-32b", 16)):
+        w = WORKLOADS[name]
+        plan = plan_global_batch(w.generate(0).lengths, model=w.model, parallel=w.parallel,
+                                 max_tokens_per_gpu=w.max_tokens_per_gpu)
+        assert plan.microbatches_per_step == [want], name
+
+
 # ------------------------------------------------------------------------------------------ the file
 def test_cost_model_file_round_trips_the_new_keys_and_old_files_still_load(tmp_path):
     cm = CostModel.from_model("qwen3-8b", ParallelConfig(tp=2))

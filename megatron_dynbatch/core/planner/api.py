@@ -13,7 +13,8 @@ For each optimizer step (the whole batch, or consecutive slices of ``samples_per
    modelled 1F1B bubble + per-micro-batch overhead (never below the cost model's per-micro-batch floor), with
    ``pp == 1`` one more count when the first leaves the ranks unbalanced (an extra micro-batch can unlock a
    better packing). A larger count wins only by more than the **decision margin** (``decision_margin``, default
-   the cost model's ``uncertainty``); within it, the fewest micro-batches win.
+   the cost model's ``uncertainty``) charged to the part of the step the count changes (per-micro-batch fixed
+   costs and the pipeline bubble); within it, the fewest micro-batches win.
 4. Order each rank's micro-batches: largest first with ``pp == 1`` (an out-of-memory shows on the first
    micro-batch); with ``pp > 1`` the arrangement (decreasing, increasing, small-at-both-ends) with the shortest
    simulated 1F1B makespan. The arrangement is a pattern over the weight ranks, the same on every DP rank,
@@ -135,9 +136,10 @@ def plan_global_batch(
             ``group_ids``.
         decision_margin: the planner leaves its default choice -- the fewest micro-batches that pack; under
             ``dynamic_cp`` the fixed-CP plan -- only for a modelled gain above this (relative; ``None``: the cost
-            model's ``uncertainty``, 3.2% for the fitted profile, 0 for ``"analytic"``). Ties within it go to
-            fewer micro-batches; under ``dynamic_cp`` to fixed CP, then smaller groups, then groups inside one
-            node (``docs/cost_model.md``).
+            model's ``uncertainty``, 3.2% for the fitted profile, 0 for ``"analytic"``). For the count it is
+            charged to the share of the step the count changes (per-micro-batch fixed costs, the pipeline
+            bubble). Ties within it go to fewer micro-batches; under ``dynamic_cp`` to fixed CP, then smaller
+            groups, then groups inside one node (``docs/cost_model.md``).
     """
     if as_bool(dynamic_cp, "dynamic_cp"):
         knobs = {"equal_samples_per_rank": equal_samples_per_rank or None,

@@ -11,9 +11,10 @@
    bubble + per-micro-batch overhead, never past the count whose micro-batches shrink to the cost model's
    floor; with ``pp == 1`` one more when the first leaves the ranks unbalanced) and apply the **decision
    margin**: a larger count replaces the first feasible one only when its modelled step time is lower by more
-   than the margin (``decision_margin``, default the cost model's ``uncertainty``); among the counts within the
-   margin of the fastest, the fewest micro-batches win (measured, splitting a rank into ever smaller
-   micro-batches costs more than a model without a floor says, docs/cost_model.md).
+   than the margin (``decision_margin``, default the cost model's ``uncertainty``) charged to the share of the
+   step a count changes -- per-micro-batch fixed costs and the pipeline bubble (:func:`count_dependent_share`);
+   among the counts within that margin of the fastest, the fewest micro-batches win (measured, splitting a rank
+   into ever smaller micro-batches costs more than a model without a floor says, docs/cost_model.md).
 
 Planning time is therefore ``O(log n)`` packings of ``O(n log n)`` each plus a constant number of scored
 counts, on every input (``megatron-dynbatch bench`` times adversarial shapes; docs/benchmarks.md records them).
@@ -192,13 +193,13 @@ def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray
         res = counts.evaluate(cand)
         if res is not None:
             scored.append((cand, res))
-    chosen, best = within_margin(scored, margin)
+    chosen, best = within_margin(scored, margin, cm)
     if counts.pipeline_polish:  # spend the larger polishing budget on the winner only ...
         fastest = min(scored, key=lambda mr: mr[1][1])[0]
         finals = [(m, counts.evaluate(m, polish_evals=FINAL_POLISH_EVALS)) for m in sorted({chosen, fastest})]
         finals = [(m, res) for m, res in finals if res is not None]
         if finals:  # ... and on the fastest when the margin kept fewer: polish can widen the gap past the margin
-            chosen, final = within_margin(finals, margin)
+            chosen, final = within_margin(finals, margin, cm)
             if final[1] <= dict(scored)[chosen][1]:
                 best = final
             else:
@@ -352,12 +353,30 @@ def _forced_count_error(counts: _Counts, forced: int, lb_m: int, m_max: int, bud
     return DynBatchConfigError("num_microbatches", forced, why, fix)
 
 
-def within_margin(scored: List[Tuple[int, Result]], margin: float) -> Tuple[int, Result]:
+def within_margin(scored: List[Tuple[int, Result]], margin: float,
+                  cm: Optional[CostModel] = None) -> Tuple[int, Result]:
     """The decision rule (module docstring, step 3) over ``(count, result)`` pairs in increasing count order: the
-    fewest micro-batches whose modelled step time is within ``margin`` of the fastest (``1e-9`` absorbs rounding,
-    so with margin 0 the first of equally fast counts wins)."""
-    fastest = min(res[1] for _, res in scored)
-    return next((m, res) for m, res in scored if res[1] <= fastest * (1 + margin + 1e-9))
+    fewest micro-batches whose modelled step time is within the margin of the fastest (``1e-9`` absorbs rounding,
+    so with margin 0 the first of equally fast counts wins). With ``cm`` the margin is ``margin`` times the share
+    of the fastest plan's step that rests on the terms a count changes (:func:`count_dependent_share`)."""
+    m_fast, fast = min(scored, key=lambda mr: mr[1][1])
+    eff = margin if cm is None else margin * count_dependent_share(m_fast, fast[1], cm)
+    return next((m, res) for m, res in scored if res[1] <= fast[1] * (1 + eff + 1e-9))
+
+
+def count_dependent_share(m: int, step: float, cm: CostModel) -> float:
+    """The share of a step of ``m`` micro-batches per rank that depends on the count: each micro-batch's fixed
+    cost (at least the cost model's per-micro-batch overhead or floor; ``t_mb / pp`` per stage) and, with
+    ``pp > 1``, the 1F1B bubble (``(pp - 1) / vpp`` of ``m + (pp - 1) / vpp`` stage slots). The rest -- the
+    token-linear and attention work, which every count of the same batch does in full -- is what the
+    measurements fit best (DP balance measured level within +-0.5%), so the measured uncertainty is charged to
+    this share only: splitting finer wins only when its gain clears the model's uncertainty on what the
+    splitting itself costs and saves."""
+    if step <= 0:
+        return 1.0
+    bubble = (cm.pp - 1) / max(cm.vpp, 1) if cm.pp > 1 else 0.0
+    fixed = float(cm.microbatch_time(0, 0))  # what any micro-batch costs at least: the overhead, or the floor
+    return min(1.0, bubble / (m + bubble) + m * fixed / cm.pp / step)
 
 
 def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, inp: StepInput, best,
