@@ -77,27 +77,52 @@ def test_readme_speedup_over_megatron_fixed_batching_is_what_bench_prints(defaul
            r"planner is ([\d.]+x) faster than Megatron's fixed micro-batches", "megatron-dynbatch bench")
 
 
-def test_readme_ahead_of_every_baseline_and_budget_breaks_are_what_bench_prints(default_run):
+#: how close "level" is: a step time at most this far above the fastest baseline's (bench prints 2 decimals of %)
+LEVEL = 1e-4
+
+
+def _standing(lines: List[str]) -> str:
+    """``ahead on A of N batches`` / ``... and level (within 0.01% of the fastest) on the rest`` from bench's
+    "vs the fastest baseline" headline line, checking that "level" holds."""
+    m = _headline_value(lines, r"ahead on (\d+) of (\d+) workloads, every seed \(its step time from ([\d.]+)% (above|below)")
+    ahead, n = int(m.group(1)), int(m.group(2))
+    if ahead == n:
+        return f"ahead on all {n}"
+    behind = float(m.group(3)) / 100 if m.group(4) == "above" else 0.0
+    assert behind <= LEVEL, (f"bench: the planner is {100 * behind:.2f}% behind the fastest baseline somewhere; "
+                             "README must say where")
+    return f"ahead on {ahead} of {n}"
+
+
+def test_readme_standing_against_the_baselines_and_budget_breaks_are_what_bench_prints(default_run):
     lines = headline(default_run)
-    m = _headline_value(lines, r"ahead on (\d+) of (\d+) workloads, every seed")
-    assert m.group(1) == m.group(2), "bench: the planner is no longer ahead everywhere; README must say where not"
     breaks = _budget_breaks(lines)
     assert all(breaks.get(a, 0) == 0 for a in ("dynbatch", "dynbatch-flops", "dynbatch-groups")), breaks
-    _check(f"ahead of every re-implemented baseline (Megatron fixed, slime, verl, NeMo-RL) on all {m.group(2)} "
-           f"batches, with zero micro-batches over the budget where verl and slime's FLOPs-balanced mode put "
-           f"{breaks['verl']} and {breaks['slime_flops']} micro-batches over it",
-           r"ahead of every re-implemented baseline[^.;]*", "megatron-dynbatch bench")
+    standing = _standing(lines)
+    rest = "" if standing.startswith("ahead on all") else " and level (within 0.01% of the fastest) on the rest"
+    _check(f"against every re-implemented baseline (Megatron fixed, slime, verl, NeMo-RL, Megatron-LM's own packing) "
+           f"it is {standing} batches{rest}, with zero micro-batches over the budget where verl and slime's "
+           f"FLOPs-balanced mode put {breaks['verl']} and {breaks['slime_flops']} micro-batches over it",
+           r"against every re-implemented baseline[^;]*", "megatron-dynbatch bench")
+    up = _headline_value(lines, r"megatron-dp-balanced on \d+ of \d+ workloads \(([\d.]+)x.*?megatron-rl-packing on "
+                                r"\d+ of \d+ workloads \(([\d.]+)x")
+    _check(f"upstream's own DpBalancedScheduler and Megatron RL's sequence packing take {up.group(1)}x and "
+           f"{up.group(2)}x its step time (geometric mean)", r"upstream's own DpBalancedScheduler[^;.]*",
+           "megatron-dynbatch bench")
 
 
 @pytest.mark.slow
 def test_readme_five_seed_claim_is_what_bench_prints():
     result = _bench(default_workloads(), 5)
     lines = headline(result)
-    m = _headline_value(lines, r"ahead on (\d+) of (\d+) workloads, every seed")
-    assert m.group(1) == m.group(2), "bench --seeds 5: the planner is behind somewhere; README must say where"
+    standing = _standing(lines)
     batches = len({(r.workload, r.seed) for r in result.rows})
-    _check(f"on all {batches} batches of megatron-dynbatch bench --seeds 5 as well",
-           r"on all \d+ batches of megatron-dynbatch bench --seeds 5", "megatron-dynbatch bench --seeds 5")
+    m = _headline_value(lines, r"ahead on (\d+) of (\d+) workloads, every seed")
+    claim = (f"on all {batches} batches of megatron-dynbatch bench --seeds 5 as well" if standing.startswith("ahead on all")
+             else f"over the {batches} batches of megatron-dynbatch bench --seeds 5 it is ahead on every seed of "
+                  f"{m.group(1)} of {m.group(2)} workloads and level (within 0.01%) elsewhere")
+    _check(claim, r"(?:on all \d+ batches|over the \d+ batches) of megatron-dynbatch bench --seeds 5[^.;]*",
+           "megatron-dynbatch bench --seeds 5")
 
 
 @pytest.mark.slow
@@ -131,12 +156,12 @@ def test_readme_dropin_claims_are_what_bench_prints():
 
     plain, model = geomeans("drop-in"), geomeans("drop-in+model")
     batches = len({(r.workload, r.seed) for r in rows})
-    never_slower = all(r.vs_own <= 1 + TOLERANCE for r in rows if r.algorithm == "drop-in+model")
-    assert never_slower, "bench --dropins: a drop-in with model= is slower on some batch; README must say so"
+    level = all(r.vs_own <= 1 + LEVEL for r in rows if r.algorithm == "drop-in+model")
+    assert level, "bench --dropins: a drop-in with model= is more than 0.01% slower on some batch; README must say so"
     assert sum(r.cap_violations for r in rows if r.algorithm.startswith("drop-in")) == 0
     _check(f"Each trainer drop-in takes {min(plain.values()):.3f}-{max(plain.values()):.3f}x the step time of that "
            f"trainer's own batching (geometric mean over {batches} batches; with model= "
-           f"{min(model.values()):.3f}-{max(model.values()):.3f}x, never slower on any batch) with none of its "
+           f"{min(model.values()):.3f}-{max(model.values()):.3f}x, never more than 0.01% slower on any batch) with none of its "
            f"budget breaks", r"Each trainer drop-in takes[^.]*", "megatron-dynbatch bench --dropins --seeds 3")
 
 
