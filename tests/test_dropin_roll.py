@@ -77,7 +77,9 @@ def test_exact_vpp_rule():
 
 
 def test_errors():
-    with pytest.raises(OversizeSampleError, match="max_tokens_per_microbatch_in_train to at least 1024"):
+    # the width (the configured sequence length) over the budget warns; the sample that is over it then raises
+    with pytest.raises(OversizeSampleError, match="max_tokens_per_microbatch_in_train to at least 1024"), \
+            pytest.warns(OversizeSampleWarning, match="configured sequence length 1000"):
         dynamic_batching_shard(grpo_batch([10, 1000], width=1000), 1, 512, 64)
     with pytest.raises(DynBatchConfigError, match="equal"):
         dynamic_batching_shard(grpo_batch([10, 20, 30], width=64), 2, 512, 64)
@@ -193,7 +195,7 @@ def test_budgets_and_errors_as_roll_passes_and_catches_them():
         assert batch.meta_info["micro_batch_indices"] == ref.meta_info["micro_batch_indices"]
     with pytest.raises(DynBatchConfigError, match="max_tokens_per_microbatch=1024.5: must be an integer"):
         dynamic_batching_shard(grpo_batch(lengths, width=400), 2, 1024.5, 64)
-    with pytest.raises(AssertionError, match="sample 1 has 1000 tokens"):
+    with pytest.raises(AssertionError, match="sample 1 has 1000 tokens"), pytest.warns(OversizeSampleWarning):
         dynamic_batching_shard(grpo_batch([10, 1000], width=1000), 1, 512, 64)
     with pytest.raises(AssertionError, match="origin_batch='0 samples': an empty batch"):
         dynamic_batching_shard(grpo_batch([], width=8), 1, 512, 64)
