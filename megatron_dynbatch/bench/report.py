@@ -116,7 +116,7 @@ def verdicts(result: BenchResult, variants: Sequence[str] = (PRIMARY,)) -> List[
             for r in rows:
                 if r.family == "baseline" and r.ok and r.step_time_s < mine[r.seed].step_time_s * (1 - 1e-9):
                     cap = f", {r.cap_violations} micro-batches over the cap" if r.cap_violations else ", within the cap"
-                    losers.append(f"{r.algorithm} on seed {r.seed} ({r.step_time_s:.4f} s < "
+                    losers.append(f"{r.algorithm} on seed {r.seed} ({r.algorithm} {r.step_time_s:.4f} s, {variant} "
                                   f"{mine[r.seed].step_time_s:.4f} s{cap})")
             worst = max(r.vs_best_baseline for r in mine.values())
             lb = max(r.vs_lower_bound for r in mine.values())
