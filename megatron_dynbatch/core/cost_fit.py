@@ -20,8 +20,10 @@ Given which records sit on the floor, both branches are linear in their unknowns
 assigning each record to the branch the current model puts it on and solving each branch by non-negative least
 squares on RELATIVE error (small micro-batches count as much as large ones), each group size weighted by
 ``1 / sqrt(records of that size)`` so a few wide groups still shape their terms, until the assignment stops
-changing. It starts from the records whose nominal compute (60% / 30% of peak) is below half their time on the
-floor. Deterministic; NumPy only. The result transfers to any model and layout as a
+changing. It starts from the records whose nominal compute (60% / 30% of peak, scaled by the records' median
+slowdown on a device more than 2x slower) is below half their time on the floor. Terms no record can show keep
+the ``base`` profile's values: without a CP share (``group_size > 1``) the CP-member terms; a device faster than
+the base's ``peak_flops`` raises the peak so both efficiencies stay <= 1. Deterministic; NumPy only. The result transfers to any model and layout as a
 :class:`~.cost_profiles.CostProfile` (``FitReport.profile``); the returned :class:`~.cost_model.CostModel` is that
 profile applied to ``model`` with all its layers on ``parallel``.
 """
@@ -145,7 +147,7 @@ def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any =
     sizes, counts = np.unique(g, return_counts=True)
     weight = 1.0 / np.sqrt(counts[np.searchsorted(sizes, g)])
     scale = y * weight.mean() / weight  # relative error, each group size weighted by 1/sqrt(its records)
-    on_floor = f["lin"] / _NOMINAL[0] + f["att"] / _NOMINAL[1] < 0.5 * y
+    on_floor = _initial_floor(f["lin"] / _NOMINAL[0] + f["att"] / _NOMINAL[1], y)
     comp, flr = np.zeros(5), np.zeros(2)
     for _ in range(MAX_ROUNDS):
         comp = nnls_relative(x_compute[~on_floor], y[~on_floor], scale[~on_floor])
@@ -161,12 +163,24 @@ def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any =
                                   "(too few sizes and lengths measured)", "measure short and long sequences, "
                                   "several per micro-batch, as benchmarks/gpu/README.md describes")
     report = fit_report(np.maximum(x_floor @ flr, x_compute @ comp), y, g)
+    up = max(1.0, 1.0 / il, 1.0 / ia)  # faster than the base's peak: raise the peak so efficiencies stay <= 1
+    cp_terms = {"cp_min_per_layer_s": float(flr[1]), "cp_linear_overhead": il_cp / il,
+                "cp_chunk_tokens": ia_chunk / ia} if member.any() else {}  # no CP share timed: keep the base's
     profile = prof0.replace(
-        name=name, linear_efficiency=min(1.0, 1.0 / il), attention_efficiency=min(1.0, 1.0 / ia), overhead_s=0.0,
-        overhead_per_layer_s=a, min_per_layer_s=float(flr[0]), cp_min_per_layer_s=float(flr[1]),
-        cp_linear_overhead=il_cp / il, cp_chunk_tokens=ia_chunk / ia, uncertainty=min(1.0, report.uncertainty))
+        name=name, peak_flops=prof0.peak_flops * up, linear_efficiency=1.0 / (il * up),
+        attention_efficiency=1.0 / (ia * up), overhead_s=0.0, overhead_per_layer_s=a, min_per_layer_s=float(flr[0]),
+        uncertainty=min(1.0, report.uncertainty), **cp_terms)
     return profile, FitReport(report.num_measurements, report.rel_rms_error, report.max_rel_error,
                               report.per_group, profile.uncertainty, profile.to_dict())
+
+
+def _initial_floor(nominal: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The records the fit starts with on the floor: nominal compute below half the measured time. On a device
+    more than 2x slower than the nominal efficiencies at the base's peak (a CPU, an older GPU) the nominal is first
+    scaled by the median slowdown of the larger half of the records, so the start does not put everything there."""
+    big = nominal >= np.median(nominal)
+    slow = float(np.median(y[big] / nominal[big])) if big.any() else 1.0
+    return nominal * (slow if slow > 2.0 else 1.0) < 0.5 * y
 
 
 def fit_report(predicted: np.ndarray, seconds: np.ndarray, group_sizes: np.ndarray) -> FitReport:
