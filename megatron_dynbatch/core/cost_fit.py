@@ -136,7 +136,9 @@ def fit_records(records: Sequence[Any], model: Any, *, measured_layers: int, tp:
 def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any = "fitted",
                 name: str = "calibrated") -> Tuple[CostProfile, FitReport]:
     """The profile fit itself, over the :func:`record_features` of one or more slices (several models' slices
-    fit one profile: that is how the default ``"fitted"`` profile was made, ``benchmarks/gpu/fit_profile.py``)."""
+    fit one profile: that is how the default ``"fitted"`` profile was made, ``benchmarks/gpu/fit_profile.py``).
+    A feature set may carry a ``"weight"`` per record (default 1; a group size's records count as their summed
+    weight): online calibration adds low-weight records predicted by the current model as a prior."""
     prof0 = resolve_profile(base, field="base")
     f = {k: np.concatenate([np.asarray(s[k], dtype=np.float64) for s in feature_sets])
          for k in ("g", "seconds", "layers", "lin", "att", "chunk")}
@@ -144,8 +146,10 @@ def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any =
     member = (g > 1).astype(np.float64)
     x_compute = np.column_stack([lay, f["lin"], f["lin"] * member, f["att"], f["chunk"]])
     x_floor = np.column_stack([lay, lay * member])
-    sizes, counts = np.unique(g, return_counts=True)
-    weight = 1.0 / np.sqrt(counts[np.searchsorted(sizes, g)])
+    w = np.concatenate([np.asarray(s["weight"], dtype=np.float64) if "weight" in s else np.ones(len(s["g"]))
+                        for s in feature_sets])
+    _, where = np.unique(g, return_inverse=True)
+    weight = w / np.sqrt(np.bincount(where, weights=w)[where])
     scale = y * weight.mean() / weight  # relative error, each group size weighted by 1/sqrt(its records)
     on_floor = _initial_floor(f["lin"] / _NOMINAL[0] + f["att"] / _NOMINAL[1], y)
     comp, flr = np.zeros(5), np.zeros(2)
