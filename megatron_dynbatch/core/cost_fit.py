@@ -134,11 +134,14 @@ def fit_records(records: Sequence[Any], model: Any, *, measured_layers: int, tp:
 
 
 def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any = "fitted",
-                name: str = "calibrated") -> Tuple[CostProfile, FitReport]:
+                name: str = "calibrated", ratio_fallback: bool = True) -> Tuple[CostProfile, FitReport]:
     """The profile fit itself, over the :func:`record_features` of one or more slices (several models' slices
     fit one profile: that is how the default ``"fitted"`` profile was made, ``benchmarks/gpu/fit_profile.py``).
     A feature set may carry a ``"weight"`` per record (default 1; a group size's records count as their summed
-    weight): online calibration adds low-weight records predicted by the current model as a prior."""
+    weight): online calibration adds low-weight records predicted by the current model as a prior. When the
+    records do not separate the linear from the attention cost (a small model at short lengths, where attention
+    is lost in the noise) and ``ratio_fallback`` is on, the fit is repeated with the attention / linear
+    efficiency ratio of ``base`` (the profile's name says so); a ``DynBatchConfigError`` if even that fails."""
     prof0 = resolve_profile(base, field="base")
     f = {k: np.concatenate([np.asarray(s[k], dtype=np.float64) for s in feature_sets])
          for k in ("g", "seconds", "layers", "lin", "att", "chunk")}
@@ -151,17 +154,16 @@ def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any =
     _, where = np.unique(g, return_inverse=True)
     weight = w / np.sqrt(np.bincount(where, weights=w)[where])
     scale = y * weight.mean() / weight  # relative error, each group size weighted by 1/sqrt(its records)
-    on_floor = _initial_floor(f["lin"] / _NOMINAL[0] + f["att"] / _NOMINAL[1], y)
-    comp, flr = np.zeros(5), np.zeros(2)
-    for _ in range(MAX_ROUNDS):
-        comp = nnls_relative(x_compute[~on_floor], y[~on_floor], scale[~on_floor])
-        if on_floor.sum() >= 2:
-            flr = nnls_relative(x_floor[on_floor], y[on_floor], scale[on_floor])
-        now = x_floor @ flr > x_compute @ comp
-        if (now == on_floor).all():
-            break
-        on_floor = now
+    start = _initial_floor(f["lin"] / _NOMINAL[0] + f["att"] / _NOMINAL[1], y)
+    comp, flr = _alternate(x_compute, x_floor, y, scale, start)
     a, il, il_cp, ia, ia_chunk = comp.tolist()
+    if (il <= 0 or ia <= 0) and ratio_fallback:  # attention lost in the noise: keep the base's split
+        k = prof0.linear_efficiency / prof0.attention_efficiency
+        tied = np.column_stack([lay, f["lin"] + k * f["att"], f["lin"] * member, f["chunk"]])
+        comp4, flr = _alternate(tied, x_floor, y, scale, start)
+        a, il, il_cp, ia_chunk = comp4.tolist()
+        ia, name = il * k, f"{name} (attention:linear ratio of {prof0.name})"
+        comp = np.array([a, il, il_cp, ia, ia_chunk])
     if il <= 0 or ia <= 0:
         raise DynBatchConfigError("records", int(y.size), "do not determine both the linear and the attention cost "
                                   "(too few sizes and lengths measured)", "measure short and long sequences, "
@@ -176,6 +178,22 @@ def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any =
         uncertainty=min(1.0, report.uncertainty), **cp_terms)
     return profile, FitReport(report.num_measurements, report.rel_rms_error, report.max_rel_error,
                               report.per_group, profile.uncertainty, profile.to_dict())
+
+
+def _alternate(x_compute: np.ndarray, x_floor: np.ndarray, y: np.ndarray, scale: np.ndarray,
+               on_floor: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The two branches' coefficients, alternating between assigning records to the branch the current
+    coefficients put them on and solving each branch (module docstring)."""
+    comp, flr = np.zeros(x_compute.shape[1]), np.zeros(x_floor.shape[1])
+    for _ in range(MAX_ROUNDS):
+        comp = nnls_relative(x_compute[~on_floor], y[~on_floor], scale[~on_floor])
+        if on_floor.sum() >= 2:
+            flr = nnls_relative(x_floor[on_floor], y[on_floor], scale[on_floor])
+        now = x_floor @ flr > x_compute @ comp
+        if (now == on_floor).all():
+            break
+        on_floor = now
+    return comp, flr
 
 
 def _initial_floor(nominal: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -69,6 +69,57 @@ def records_of(iterator: Any, step: Optional[int], seconds: Sequence[float]) -> 
     return out
 
 
+class TimingRecorder:
+    """Records one training step's micro-batches (``records``) and what they cover (``slice``) without refitting:
+    what a Ray actor sends its driver (:func:`megatron_dynbatch.integrations.ray.train_on_shard` with
+    ``record_timings=True``). Pass it as ``calibrator=`` to ``dynamic_forward_backward``; ``num_layers`` /
+    ``pp`` / ``tp`` are the fallbacks when the model does not show its decoder layers / when ``parallel_state`` is not
+    initialised."""
+
+    cost_model = None
+
+    def __init__(self, *, num_layers: int = 1, pp: int = 1, tp: int = 1, device: Any = None) -> None:
+        self.num_layers, self.pp, self.tp, self.device = int(num_layers), int(pp), int(tp), device
+        self.records: List[List[Any]] = []
+        self.slice: Optional[SliceInfo] = None
+
+    def slice_info(self, model: Any) -> SliceInfo:
+        """What this rank's recorded seconds cover (module docstring)."""
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        layers = 0
+        for chunk in chunks:
+            inner = chunk
+            while hasattr(inner, "module") and not hasattr(inner, "decoder"):
+                inner = inner.module
+            decoder = getattr(inner, "decoder", None)
+            layers += len(getattr(decoder, "layers", ())) if decoder is not None else 0
+        tp, last = self.tp, True
+        try:
+            from megatron.core import parallel_state as ps
+
+            if ps.model_parallel_is_initialized():
+                tp, last = ps.get_tensor_model_parallel_world_size(), ps.is_pipeline_last_stage(ignore_virtual=True)
+        except ImportError:  # pragma: no cover
+            pass
+        return SliceInfo(layers or max(1, self.num_layers // self.pp), tp, bool(last))
+
+    @contextlib.contextmanager
+    def step(self, model: Any, iterator: Any, step: Optional[int] = None) -> Iterator[None]:
+        """Record the micro-batches of one training schedule call."""
+        timer = MicroBatchTimer(self.device)
+        with timer.recording():
+            yield
+        self.records = records_of(iterator, step, timer.read())
+        self.slice = self.slice_info(model)
+
+    def end_step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def payload(self) -> Dict[str, Any]:
+        """``{"slice": {...}, "records": [...]}``: what ``OnlineCalibration.add_timings`` takes."""
+        return {"slice": None if self.slice is None else dict(self.slice.__dict__), "records": list(self.records)}
+
+
 class OnlineCalibrator:
     """Online calibration of one Megatron rank (module docstring). ``model`` / ``parallel``: what the planner plans
     (a ``ModelSpec`` or anything ``ModelSpec.from_any`` takes; the layout); ``interval``: refit every this many
@@ -85,7 +136,8 @@ class OnlineCalibrator:
         ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.state = OnlineCalibration(model, parallel, interval=interval, window=window, skip_steps=skip_steps,
                                        base=base, ranks=ranks, merge=merge or _sum_over_world, log=log)
-        self.device = device
+        par = self.state.parallel
+        self.recorder = TimingRecorder(num_layers=self.state.model.num_layers, pp=par.pp, tp=par.tp, device=device)
 
     @property
     def cost_model(self) -> Any:
@@ -98,25 +150,7 @@ class OnlineCalibrator:
 
     def slice_info(self, model: Any) -> SliceInfo:
         """What this rank's recorded seconds cover (module docstring)."""
-        chunks = model if isinstance(model, (list, tuple)) else [model]
-        layers = 0
-        for chunk in chunks:
-            inner = chunk
-            while hasattr(inner, "module") and not hasattr(inner, "decoder"):
-                inner = inner.module
-            decoder = getattr(inner, "decoder", None)
-            layers += len(getattr(decoder, "layers", ())) if decoder is not None else 0
-        tp, last = self.state.parallel.tp, True
-        try:
-            from megatron.core import parallel_state as ps
-
-            if ps.model_parallel_is_initialized():
-                tp, last = ps.get_tensor_model_parallel_world_size(), ps.is_pipeline_last_stage(ignore_virtual=True)
-        except ImportError:  # pragma: no cover
-            pass
-        if layers == 0:
-            layers = max(1, self.state.model.num_layers // self.state.parallel.pp)
-        return SliceInfo(layers, tp, bool(last))
+        return self.recorder.slice_info(model)
 
     @contextlib.contextmanager
     def step(self, model: Any, iterator: Any, step: Optional[int] = None) -> Iterator[None]:
@@ -124,10 +158,9 @@ class OnlineCalibrator:
         if not self.state.recording:
             yield
             return
-        timer = MicroBatchTimer(self.device)
-        with timer.recording():
+        with self.recorder.step(model, iterator, step):
             yield
-        self.state.add(records_of(iterator, step, timer.read()), self.slice_info(model))
+        self.state.add(self.recorder.records, self.recorder.slice)
 
     def end_step(self, plan: Any = None, lengths: Any = None,
                  plan_kwargs: Optional[Dict[str, Any]] = None) -> Optional[RefitLog]:
@@ -136,4 +169,4 @@ class OnlineCalibrator:
         return self.state.end_step(plan, lengths, plan_kwargs)
 
 
-__all__ = ["OnlineCalibrator", "records_of"]
+__all__ = ["OnlineCalibrator", "TimingRecorder", "records_of"]

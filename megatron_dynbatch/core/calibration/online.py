@@ -38,13 +38,14 @@ planner's hard limits whatever the model says.
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..checks import as_bool, as_int
+from ..checks import as_array, as_bool, as_int, is_int, scalar, whole_number
 from ..cost_fit import fit_profile, fit_report, predict_features, record_features, slice_features
 from ..cost_model import CostModel, resolve_cost_model
 from ..cost_profiles import CostProfile, resolve_profile
@@ -159,11 +160,11 @@ def clean_records(records: Any) -> Tuple[List[List[Any]], int]:
     dropped = 0
     for rec in records if isinstance(records, (list, tuple)) else []:
         try:
-            g, lengths, s = rec[0], rec[1], rec[2]
-            lens = [int(x) for x in lengths]
-            ok = (isinstance(g, (int, np.integer)) and not isinstance(g, bool) and g >= 1 and lens
-                  and all(x >= 1 for x in lens) and isinstance(s, (int, float, np.integer, np.floating))
-                  and not isinstance(s, bool) and math.isfinite(float(s)) and 0 < float(s) <= MAX_RECORD_S)
+            g, lengths, s = scalar(rec[0]), as_array(rec[1]), scalar(rec[2])
+            lens = [whole_number(x) for x in lengths]
+            ok = (is_int(g) and g >= 1 and bool(lens) and all(x is not None and x >= 1 for x in lens)
+                  and isinstance(s, (int, float, np.integer, np.floating)) and not isinstance(s, (bool, np.bool_))
+                  and math.isfinite(float(s)) and 0 < float(s) <= MAX_RECORD_S)
         except (TypeError, ValueError, IndexError, KeyError):
             ok = False
         if ok:
@@ -195,8 +196,7 @@ class OnlineCalibration:
         self.window = as_int(window, "calibration window", minimum=16, maximum=10 ** 7,
                              fix="keep at least 16 recent records, e.g. 4096")
         self.skip_steps = as_int(skip_steps, "skip_steps", minimum=0, maximum=10 ** 9, fix="pass e.g. 1")
-        self.base_profile = resolve_profile("fitted" if base is None or isinstance(base, CostModel) else base,
-                                            field="--dynbatch-cost-model")
+        self.base_profile = _shape_of(base)
         self._base_model = base if isinstance(base, CostModel) else None
         self._base_choice = base
         self.ranks = int(ranks)
@@ -224,6 +224,31 @@ class OnlineCalibration:
         self.dropped += bad
         self._window.extend((slice_info, r) for r in good)
         return len(good)
+
+    def add_timings(self, timings: Any) -> int:
+        """Add what a rank recorded as ``{"slice": {"measured_layers", "tp", "lm_head"}, "records": [...]}`` (a Ray
+        actor's ``ShardResult.timings``); ``None`` adds nothing. Returns how many records were kept."""
+        if timings is None:
+            return 0
+        if not isinstance(timings, dict) or not isinstance(timings.get("slice"), dict):
+            raise DynBatchConfigError("timings", type(timings).__name__, "is not {'slice': {...}, 'records': [...]}",
+                                      "pass ShardResult.timings of train_on_shard(..., record_timings=True) unchanged")
+        return self.add(timings.get("records", []), SliceInfo(**timings["slice"]))
+
+    @classmethod
+    def from_run_config(cls, run: Any, **kwargs: Any) -> "OnlineCalibration":
+        """The online calibration a run preset asks for (``online_calibration``, ``calibration_interval``, its
+        ``cost_model`` as the base); ``kwargs`` as for the constructor."""
+        from ..run_config import RunConfig
+
+        rc = RunConfig.from_any(run)
+        if not rc.online_calibration:
+            raise DynBatchConfigError("online_calibration", False, f"the run preset {rc.name!r} does not turn it on",
+                                      "write online_calibration: true in the preset (or build OnlineCalibration "
+                                      "yourself)")
+        kwargs.setdefault("interval", rc.calibration_interval or DEFAULT_INTERVAL)
+        kwargs.setdefault("base", rc.cost_model)
+        return cls(rc.model_spec(), rc.parallel(), **kwargs)
 
     @property
     def num_records(self) -> int:
@@ -271,7 +296,7 @@ class OnlineCalibration:
         prof = None
         for prior in ([], self._prior(feats, scale_profile(current, ratio))):  # the window alone first
             try:
-                prof = self._fit(feats, prior)
+                prof = self._fit(feats, prior, current)
                 break
             except DynBatchConfigError:  # undetermined: add the prior, then keep the current shape
                 continue
@@ -282,13 +307,16 @@ class OnlineCalibration:
         prof = prof.replace(uncertainty=min(1.0, fit_report(pred, secs, gs).uncertainty))  # on the window only
         return prof, timed_cp, feats
 
-    def _fit(self, feats: Dict[SliceInfo, Dict[str, np.ndarray]], prior: List[Dict[str, np.ndarray]]) -> CostProfile:
-        """One fit of the window (plus ``prior``), repeated without the records it misses by over :data:`OUTLIER`."""
-        prof, _ = fit_profile(list(feats.values()) + prior, base=self.base_profile, name="online")
+    def _fit(self, feats: Dict[SliceInfo, Dict[str, np.ndarray]], prior: List[Dict[str, np.ndarray]],
+             current: CostProfile) -> CostProfile:
+        """One fit of the window (plus ``prior``; with it, attention and linear may keep ``current``'s ratio),
+        repeated without the records it misses by over :data:`OUTLIER`."""
+        kw = dict(base=current, name="online", ratio_fallback=bool(prior))
+        prof, _ = fit_profile(list(feats.values()) + prior, **kw)
         keep = {sl: np.abs(predict_features(prof, f) / f["seconds"] - 1.0) <= OUTLIER for sl, f in feats.items()}
         if not all(k.all() for k in keep.values()):
             trimmed = [{k: v[keep[sl]] for k, v in f.items()} for sl, f in feats.items() if keep[sl].sum()]
-            prof, _ = fit_profile(trimmed + prior, base=self.base_profile, name="online")
+            prof, _ = fit_profile(trimmed + prior, **kw)
         return prof
 
     def _prior(self, feats: Dict[SliceInfo, Dict[str, np.ndarray]], prof: CostProfile) -> List[Dict[str, np.ndarray]]:
@@ -335,6 +363,19 @@ class OnlineCalibration:
         if self.log is not None:
             self.log(entry.line())
         return entry
+
+
+def _shape_of(base: Any) -> CostProfile:
+    """The profile behind ``base``: a profile name or a file with a ``"profile"`` section; ``"fitted"`` for a
+    ``CostModel`` or a coefficients-only file (they carry no per-layer terms to shape the prior with)."""
+    if base is None or isinstance(base, CostModel):
+        return resolve_profile("fitted")
+    try:
+        return resolve_profile(base, field="--dynbatch-cost-model")
+    except DynBatchConfigError:
+        if isinstance(base, str) and os.path.isfile(base):
+            return resolve_profile("fitted")
+        raise
 
 
 def _change(plan: Any, lengths: Any, new: CostModel, model: Any,

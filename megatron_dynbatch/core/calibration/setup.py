@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..checks import as_bool, as_int
 from ..errors import DynBatchConfigError
+from ..cost_profiles import resolve_profile
 from ..model_spec import ModelSpec
 from ..parallel import ParallelConfig
 from .budget import fit_to_budget, point_seconds
@@ -120,6 +121,7 @@ def plan_calibration(model: Any, *, parallel: Any = None, max_tokens_per_gpu: An
         raise DynBatchConfigError("--tp", par.tp, f"does not divide the heads ({spec_m.num_attention_heads}) and FFN "
                                   f"width ({spec_m.ffn_hidden_size}) of {spec_m.name or 'the model'}",
                                   "pass the model's tensor-parallel size")
+    resolve_profile(base, field="--base")  # refused now, not after timing
     dev = _device(device)
     n_layers = as_int(layers, "--layers", minimum=1, maximum=spec_m.num_layers,
                       fix=f"time 1 or 2 decoder layers (at most the model's {spec_m.num_layers})")
