@@ -38,7 +38,7 @@ def add_calibrate_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentP
     c.add_argument("--dynamic-cp", action="store_true", help="the layout plans dynamic CP: time every pool group size")
     c.add_argument("--max-tokens-per-gpu", default=None, metavar="N", help="training budget: the largest per-GPU share timed")
     c.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
-    c.add_argument("--layers", default="2", metavar="N", help="decoder layers in the slice (default 2)")
+    c.add_argument("--layers", default=None, metavar="N", help="decoder layers in the slice (default 2)")
     c.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default bf16 on a GPU, fp32 on a CPU)")
     c.add_argument("--spec", default="auto", help="layer spec: auto (TE where installed), local or te")
     c.add_argument("--lm-head", action="store_true", help="time the embedding, LM head and loss too")
@@ -179,19 +179,24 @@ def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace
 
 
 def _time(setup: Any, threads: Optional[int], *, quiet: bool) -> Any:
-    from .measure.calibrate import run_calibration
-
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-
     def progress(i: int, n: int, elapsed: float) -> None:
         if not quiet and sys.stderr.isatty():
             print(f"\r  timing {i + 1}/{n} ({elapsed:.0f} s)", end="", file=sys.stderr, flush=True)
 
     try:
+        from .measure.calibrate import run_calibration
+
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
         return run_calibration(setup, progress=progress)
+    except ImportError as exc:  # torch or megatron-core missing (or broken)
+        from .requirements import import_problem
+
+        problem = import_problem("torch", "megatron.core") or str(exc)
+        raise DynBatchConfigError("calibrate", setup.device, f"timing needs torch and megatron-core: {problem}",
+                                  "run bash scripts/setup.sh --test, or pass --dry-run / --from-records") from None
     finally:
         if not quiet and sys.stderr.isatty():
             print(file=sys.stderr)

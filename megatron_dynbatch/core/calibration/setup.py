@@ -101,13 +101,14 @@ def _choice(value: Any, flag: str, choices: Sequence[str]) -> str:
 
 
 def plan_calibration(model: Any, *, parallel: Any = None, max_tokens_per_gpu: Any, device: Any = "cuda",
-                     layers: Any = 2, dtype: Optional[str] = None, spec: str = "auto", lm_head: Any = False,
+                     layers: Any = None, dtype: Optional[str] = None, spec: str = "auto", lm_head: Any = False,
                      dynamic_cp: Any = False, group_sizes: Optional[Sequence[Any]] = None,
                      tokens: Optional[Sequence[Any]] = None, seqs: Optional[Sequence[Any]] = None,
                      warmup: Any = 1, repeats: Any = 3, max_seconds: Any = None, base: Any = "fitted") -> CalibrationSetup:
     """Validate a calibration run and build its grid (module docstring). ``model``: anything
     ``ModelSpec.from_any`` takes (a preset name, a YAML/JSON file, Megatron's args); ``parallel``: the layout to
-    plan for (its ``tp`` sets the slice's widths); ``group_sizes``: default the layout's
+    plan for (its ``tp`` sets the slice's widths); ``layers``: default 2 (1 for a one-layer model); ``group_sizes``:
+    default the layout's
     (:func:`.grid.layout_group_sizes`)."""
     spec_m = ModelSpec.from_any(model)
     if spec_m.num_experts:
@@ -123,7 +124,7 @@ def plan_calibration(model: Any, *, parallel: Any = None, max_tokens_per_gpu: An
                                   "pass the model's tensor-parallel size")
     resolve_profile(base, field="--base")  # refused now, not after timing
     dev = _device(device)
-    n_layers = as_int(layers, "--layers", minimum=1, maximum=spec_m.num_layers,
+    n_layers = as_int(min(2, spec_m.num_layers) if layers is None else layers, "--layers", minimum=1, maximum=spec_m.num_layers,
                       fix=f"time 1 or 2 decoder layers (at most the model's {spec_m.num_layers})")
     kind = _choice(spec, "--spec", SPECS)
     dt = _choice(dtype if dtype is not None else ("fp32" if dev == "cpu" else "bf16"), "--dtype", DTYPES)
