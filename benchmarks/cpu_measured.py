@@ -19,9 +19,11 @@ between steps; no optimizer step is taken, so the weights never change):
 * ``dynbatch-calibrated`` -- the same planner with a cost model calibrated on THIS machine: before the ranks start,
   ``megatron-dynbatch calibrate --device cpu`` times a slice of the same model (1 thread, embedding + LM head
   included) over its grid and writes the file the plan reads (``--calibrated-cost-model FILE`` reuses one);
-* ``dynbatch-online`` -- online calibration: starts from the default model's plan, times every micro-batch of every
-  round (``perf_counter``), refits after every round (the warm-up round is not recorded; one all-reduce of the
-  fitted coefficients) and plans the next round with the refit -- its rounds show the refits converging.
+* ``dynbatch-online`` -- online calibration: starts from the calibrated model when ``dynbatch-calibrated`` runs too
+  (the recommended set-up: an offline calibration refined online), else from the default one
+  (``--online-base default`` forces that), times every micro-batch of every round (``perf_counter``), refits after
+  every round (the warm-up round is not recorded; one all-reduce of the fitted coefficients) and plans the next
+  round with the refit -- its rounds show the refits converging.
 
 The two ranks are DP ranks (``--pp 1``, the default) or the two stages of a pipeline (``--pp 2``: DP = 1), where the
 micro-batch count trades the 1F1B bubble against the per-micro-batch cost -- the choice the cost model makes and the
@@ -90,9 +92,10 @@ def make_samples(lengths: Sequence[int], vocab: int, seed: int) -> List[Dict[str
 
 # ------------------------------------------------------------------------------------------------- plans
 def build_plans(lengths: np.ndarray, spec: Any, budget: int, parallel: Dict[str, int], algorithms: Sequence[str],
-                calibrated: Optional[str] = None) -> Dict[str, Any]:
+                calibrated: Optional[str] = None, online_base: Optional[str] = None) -> Dict[str, Any]:
     """``name -> {"plan": Plan | None, "padded": bool, "error": str | None, "notes": [...]}``; ``calibrated``: the
-    cost-model file ``dynbatch-calibrated`` plans with."""
+    cost-model file ``dynbatch-calibrated`` plans with; ``online_base``: the file ``dynbatch-online`` starts from
+    (``None``: the default model)."""
     from megatron_dynbatch.bench.baselines import BaselineContext, run_baseline
     from megatron_dynbatch.core.planner import plan_global_batch
 
@@ -100,7 +103,7 @@ def build_plans(lengths: np.ndarray, spec: Any, budget: int, parallel: Dict[str,
     out: Dict[str, Any] = {}
     for name in algorithms:
         if name in PLANNERS:
-            cm = calibrated if name == "dynbatch-calibrated" else None  # dynbatch-online: its first plan
+            cm = calibrated if name == "dynbatch-calibrated" or (name == "dynbatch-online" and online_base) else None
             plan = plan_global_batch(lengths, model=spec, parallel=parallel, max_tokens_per_gpu=budget, cost_model=cm)
             out[name] = {"plan": plan, "padded": False, "error": None, "notes": []}
             continue
@@ -163,12 +166,12 @@ class _OnlineRunner:
     ``rounds``: micro-batches per rank and the refit's log."""
 
     def __init__(self, samples: Any, ddp: Any, spec: Any, parallel: Dict[str, int], budget: int,
-                 stamps: List[float]) -> None:
+                 stamps: List[float], base: Optional[str]) -> None:
         from megatron_dynbatch.megatron.online_calibration import OnlineCalibrator
 
         self.samples, self.ddp, self.stamps = samples, ddp, stamps
         self.kwargs = {"model": spec, "parallel": parallel, "max_tokens_per_gpu": budget}
-        self.cal = OnlineCalibrator(spec, parallel, interval=1, log=None)
+        self.cal = OnlineCalibrator(spec, parallel, interval=1, log=None, base=base)
         self.lengths = np.asarray([len(x["tokens"]) for x in samples])
         self.iterators: Dict[Any, Any] = {}
         self.rounds: List[Dict[str, Any]] = []
@@ -178,7 +181,7 @@ class _OnlineRunner:
         from megatron_dynbatch.megatron.iterator import DynamicBatchIterator
         from megatron_dynbatch.megatron.schedule import default_forward_step, dynamic_forward_backward
 
-        plan = plan_global_batch(self.lengths, cost_model=self.cal.cost_model, **self.kwargs)
+        plan = plan_global_batch(self.lengths, cost_model=self.cal.state.current(), **self.kwargs)
         key = json.dumps(plan.micro_batches)
         if key not in self.iterators:
             self.iterators[key] = DynamicBatchIterator(self.samples, plan)
@@ -244,7 +247,7 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
         parallel = {"dp": world_size // pp, "pp": pp}
         dp_rank, pp_rank = parallel_state.get_data_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
         plans = build_plans(lengths, spec, opts["max_tokens_per_gpu"], parallel, opts["algorithms"],
-                            opts.get("calibrated_cost_model"))
+                            opts.get("calibrated_cost_model"), opts.get("online_base"))
         fb = get_forward_backward_func()
 
         results: Dict[str, Any] = {}
@@ -270,7 +273,8 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
                        num_microbatches=len(batches), seq_length=max(b["shape"][1] for b in batches),
                        micro_batch_size=max(b["shape"][0] for b in batches), forward_only=False)
             elif name == "dynbatch-online":
-                online = _OnlineRunner(samples, ddp, spec, parallel, opts["max_tokens_per_gpu"], stamps)
+                online = _OnlineRunner(samples, ddp, spec, parallel, opts["max_tokens_per_gpu"], stamps,
+                                       opts.get("online_base"))
                 run_step = online.run
                 padded_tokens = int(sum(plan.microbatch_tokens[dp_rank]))
                 mb_meta = []  # changes every round: not part of the cpu-fit
@@ -411,7 +415,8 @@ def _online_summary(rows: Dict[str, Any], per_rank: List[Dict[str, Any]], opts: 
     timed = [None] * opts["warmup"] + list(row["step_s_all"])
     out = [dict(r, step_s=t, warmup=k < opts["warmup"]) for k, (r, t) in enumerate(zip(rounds, timed))]
     base = rows.get("dynbatch", {}).get("step_s")
-    return {"rounds": out, "ratio_last_vs_dynbatch": (row["step_s_all"][-1] / base) if base else None}
+    return {"rounds": out, "ratio_last_vs_dynbatch": (row["step_s_all"][-1] / base) if base else None,
+            "base": opts.get("online_base") or "default (fitted)"}
 
 
 def summarise(per_rank: List[Dict[str, Any]], opts: Dict[str, Any], wall_s: float) -> Dict[str, Any]:
@@ -514,12 +519,16 @@ def format_table(summary: Dict[str, Any]) -> str:
                      f"(rel rms err {fit['fit']['rel_rms_error']:.1%}, n={fit['fit']['num_measurements']})")
     cal = summary.get("calibration") or {}
     if cal.get("measured_ratio") is not None:
-        lines.append(f"calibrated on this CPU ({cal.get('wall_s', 0):.0f} s, fit error {cal.get('fit_error', 0):.1%}): "
+        how = (f"on this CPU ({cal['wall_s']:.0f} s, fit error {cal['fit_error']:.1%})" if "wall_s" in cal else
+               f"from {cal['file']}")
+        lines.append(f"calibrated {how}: "
                      f"dynbatch-calibrated / dynbatch measured {cal['measured_ratio']:.3f} (per round "
                      f"{', '.join(f'{x:.3f}' for x in cal['measured_ratio_per_round'])}), modelled by the calibrated "
                      f"model {cal['modelled_ratio']:.3f}; micro-batches per rank {cal['microbatches'][0]} -> "
                      f"{cal['microbatches'][1]}")
     online = summary.get("online") or {}
+    if online.get("rounds"):
+        lines.append(f"dynbatch-online starts from: {online['base']}")
     for k, r in enumerate(online.get("rounds", [])):
         fit = r["refit"]
         lines.append(f"online round {k}{' (warm-up)' if r['warmup'] else ''}: {r['microbatches']} micro-batches per "
@@ -579,6 +588,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="pipeline stages (2: the ranks are one pipeline)")
     p.add_argument("--calibrated-cost-model", metavar="FILE", default=None,
                    help="cost-model file for dynbatch-calibrated (default: calibrate on this CPU first)")
+    p.add_argument("--online-base", choices=("calibrated", "default"), default="calibrated",
+                   help="dynbatch-online starts from the calibrated model (when dynbatch-calibrated runs) or the "
+                        "default one")
     g = p.add_argument_group("workload")
     g.add_argument("--prompts", type=int, default=16, help="GRPO prompts")
     g.add_argument("--group-size", type=int, default=4, help="responses per prompt")
@@ -622,6 +634,8 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.mkdtemp()
             opts["calibration"] = calibrate_here(opts, out_dir)
         opts["calibrated_cost_model"] = opts["calibration"]["file"]
+        if args.online_base == "calibrated":
+            opts["online_base"] = opts["calibrated_cost_model"]
     per_rank = run_ranks(_worker, 2, opts, timeout=args.timeout, threads_per_rank=1)
     summary = summarise(per_rank, opts, time.perf_counter() - t0)
     print(format_table(summary))

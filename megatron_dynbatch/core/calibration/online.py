@@ -19,9 +19,11 @@ ShardResult` timings). Its contract:
   fit then adds a **prior** -- the calibration grid (:func:`.grid.build_grid` over the window's group sizes and sizes)
   timed by the model planning now, scaled to the window (the median ratio of measured to predicted seconds),
   together weighing :data:`PRIOR_WEIGHT` of the window -- which holds the shape of the terms the window does not
-  determine (start from an offline ``calibrate`` file as ``base`` for the best prior). The window is fitted alone
-  first; the prior joins only when that is undetermined, and where even then it is, the refit is the current
-  profile scaled by that ratio (:func:`scale_profile`);
+  determine (start from an offline ``calibrate`` file as ``base`` for the best prior). A window of
+  :data:`MIN_ALONE` records or more is fitted alone first, the prior joining only when that is undetermined; a
+  smaller one (a few steps of same-sized micro-batches, which pin the terms only by accident) always has the
+  prior; where even that is undetermined, the refit is the current profile scaled by that ratio
+  (:func:`scale_profile`);
 * the vector goes through ``merge`` -- identity on one process; on a Megatron job a SUM all-reduce over every
   rank -- and the **shared model** is built from the merged vector only (:func:`merged_profile`: the mean over the
   ranks whose fit succeeded, per-layer seconds averaged, the CP-member terms over the ranks that timed CP shares).
@@ -61,6 +63,9 @@ DEFAULT_INTERVAL = 50
 DEFAULT_WINDOW = 4096
 #: the prior's records together weigh this share of the window's
 PRIOR_WEIGHT = 0.1
+#: a window is fitted alone only from this many records on (fewer: a few steps' same-sized micro-batches, which pin
+#: the terms only by accident -- the prior holds them until the window has seen enough)
+MIN_ALONE = 64
 #: the merged vector: [fitted, overhead/layer, s per linear FLOP, s per attention FLOP, floor/layer, uncertainty,
 #: records, timed CP shares, cp linear overhead, cp chunk tokens, cp floor/layer]
 VECTOR_SIZE = 11
@@ -294,7 +299,10 @@ class OnlineCalibration:
         secs = np.concatenate([f["seconds"] for f in feats.values()])
         ratio = float(np.median(secs / np.concatenate([predict_features(current, f) for f in feats.values()])))
         prof = None
-        for prior in ([], self._prior(feats, scale_profile(current, ratio))):  # the window alone first
+        attempts = [self._prior(feats, scale_profile(current, ratio))]
+        if self.num_records >= MIN_ALONE:
+            attempts.insert(0, [])  # a large window alone first
+        for prior in attempts:
             try:
                 prof = self._fit(feats, prior, current)
                 break
