@@ -136,3 +136,15 @@ def test_without_measurable_attention_the_fit_keeps_the_bases_split():
     assert got.attention_efficiency / got.linear_efficiency == pytest.approx(
         FITTED.attention_efficiency / FITTED.linear_efficiency, rel=1e-9)
     assert report.uncertainty < 0.05  # the tied fit still reproduces the timings
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, float("nan"), float("inf")])
+def test_record_weights_must_be_positive_and_finite(weight):
+    from megatron_dynbatch.core.cost_fit import fit_profile, record_features
+
+    grid = build_grid(2048, [1])
+    f = record_features(TINY, _records(FITTED, grid), measured_layers=2, peak_flops=FITTED.peak_flops)
+    f["weight"] = np.full(len(grid), weight)
+    with pytest.raises(DynBatchConfigError) as exc:
+        fit_profile([f])
+    assert exc.value.field == "weight"

@@ -82,6 +82,9 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
                                  "plan_off": runs["off"]["plan"],
                                  "cap_violations": runs["on"]["cap_violations"],
                                  "max_tokens": runs["on"]["max_tokens"], "cap": runs["on"]["cap"]})
+        if layout == "dp":
+            out["hook"] = _hook_steps(model, spec, parallel, kwargs)
+            out["ray"] = _ray_shard_timings(model, spec, parallel)
         out["history"] = [{"step": h.step, "fit_error": h.fit_error, "profile": h.profile, "records": h.records,
                            "ranks_fitted": h.ranks_fitted, "line": h.line()} for h in cal.history]
         out["cost_model"] = None if cal.cost_model is None else cal.cost_model.to_dict()
@@ -90,6 +93,52 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
         return out
     finally:
         megatron_cpu.destroy()
+
+
+def _hook_steps(model, spec, parallel, kwargs) -> dict:
+    """The Megatron-LM hook (``DynamicForwardBackward``) with ``--dynbatch-online-calibration``: it keeps one
+    calibrator across iterations and its losses equal the hook's without the flag."""
+    from argparse import Namespace
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_dynbatch.demo import synthetic_rl_batch
+    from megatron_dynbatch.integrations.megatron_lm import DynamicForwardBackward
+
+    losses = {}
+    hooks = {}
+    for online in (True, False):
+        args = Namespace(dynbatch_online_calibration=online, dynbatch_calibration_interval=1 if online else None,
+                         dynbatch_cost_model=None, curr_iteration=0, log_interval=1000)
+        hooks[online] = hook = DynamicForwardBackward(get_forward_backward_func(), args,
+                                                      plan_kwargs=lambda a: dict(kwargs))
+        losses[online] = []
+        for step in range(3):
+            for d in (model if isinstance(model, list) else [model]):
+                d.zero_grad_buffer()
+            batch = iter([synthetic_rl_batch(24, seed=200 + step, max_len=90)])
+            out = hook(data_iterator=batch, model=model, num_microbatches=1, seq_length=1, micro_batch_size=1)
+            losses[online].append(float(out[0]["lm loss"]) if out else None)
+    cal = hooks[True].calibrator
+    return {"losses_on": losses[True], "losses_off": losses[False], "refits": len(cal.history),
+            "off_calibrator": hooks[False].calibrator is None}
+
+
+def _ray_shard_timings(model, spec, parallel) -> dict:
+    """Ray actors without Ray: ``train_on_shard(..., record_timings=True)`` sends this rank's micro-batch times
+    back in ``ShardResult.timings`` (the driver's ``update_calibration`` refits from them in the test)."""
+    import torch.distributed as dist
+
+    from megatron_dynbatch.demo import synthetic_rl_batch
+    from megatron_dynbatch.integrations.ray import plan_rollout, train_on_shard
+
+    samples = synthetic_rl_batch(24, seed=300, max_len=90)
+    rollout = plan_rollout(samples, model=spec, parallel=parallel, max_tokens_per_gpu=96, put=False, log_probs=False)
+    for d in (model if isinstance(model, list) else [model]):
+        d.zero_grad_buffer()
+    res = train_on_shard(model, rollout.shards[dist.get_rank()], record_timings=True, return_outputs=False)
+    return {"timings": res.timings, "num_microbatches": res.num_microbatches,
+            "plan": rollout.plan.to_dict(), "lengths": rollout.shards[0].lengths.tolist()}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -123,3 +172,42 @@ def test_online_calibration_never_changes_the_math_and_keeps_ranks_identical(res
     for r in per_rank:
         assert r["slice"]["measured_layers"] == layers // pp
         assert r["slice"]["lm_head"] == r["last"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_megatron_lm_hook_and_the_ray_actors_record_without_changing_the_loss(results):
+    layout, per_rank = results
+    if layout != "dp":
+        pytest.skip("checked once, on the DP layout")
+    from megatron_dynbatch.core.calibration.online import OnlineCalibration
+    from megatron_dynbatch.integrations.ray import RolloutPlan, update_calibration
+    from megatron_dynbatch.integrations.ray.shards import ShardResult
+
+    for r in per_rank:
+        hook = r["hook"]
+        assert hook["refits"] == 2 and hook["off_calibrator"]  # step 1 warm-up, a refit after steps 2 and 3
+        for on, off in zip(hook["losses_on"], hook["losses_off"]):
+            assert on == pytest.approx(off, rel=1e-6)
+        t = r["ray"]["timings"]
+        assert t["slice"] == {"measured_layers": 2, "tp": 1, "lm_head": True}
+        assert len(t["records"]) == r["ray"]["num_microbatches"] and all(s > 0 for _, _, s in t["records"])
+    # the driver: every actor's timings, one refit per interval, no collective
+    model = {"name": "t", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 256, "swiglu": True, "vocab_size": VOCAB}
+    cal = OnlineCalibration(model, {"dp": 2}, interval=1, skip_steps=0)
+    results_ = [ShardResult(batch_id="b", dp_rank=i, kind="train", step=0, sample_indices=[], per_sample=None,
+                            loss=None, local_loss_sum=None, num_microbatches=0, is_output_rank=True, seconds=0.0,
+                            local_tokens=0, timings=r["ray"]["timings"]) for i, r in enumerate(per_rank)]
+    from megatron_dynbatch.demo import synthetic_rl_batch
+    from megatron_dynbatch.integrations.ray import plan_rollout
+
+    rollout = plan_rollout(synthetic_rl_batch(24, seed=300, max_len=90), model=model, parallel={"dp": 2},
+                           max_tokens_per_gpu=96, put=False, log_probs=False, calibration=cal)
+    assert isinstance(rollout, RolloutPlan) and rollout.plan.micro_batches == per_rank[0]["ray"]["plan"]["micro_batches"]
+    log = update_calibration(cal, results_ + [None], rollout)
+    assert log is not None and log.records == sum(len(r["ray"]["timings"]["records"]) for r in per_rank)
+    assert log.profile is not None and log.change is not None and cal.cost_model is not None
+    # the next rollout plans with the refit
+    assert plan_rollout(synthetic_rl_batch(24, seed=301, max_len=90), model=model, parallel={"dp": 2},
+                        max_tokens_per_gpu=96, put=False, log_probs=False, calibration=cal).plan.cap_violations == 0

@@ -151,6 +151,9 @@ def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any =
     x_floor = np.column_stack([lay, lay * member])
     w = np.concatenate([np.asarray(s["weight"], dtype=np.float64) if "weight" in s else np.ones(len(s["g"]))
                         for s in feature_sets])
+    if not (np.isfinite(w).all() and (w > 0).all()):
+        raise DynBatchConfigError("weight", "non-positive or non-finite", "record weights must be positive, finite "
+                                  "numbers", "leave 'weight' out (1 per record) or pass positive weights")
     _, where = np.unique(g, return_inverse=True)
     weight = w / np.sqrt(np.bincount(where, weights=w)[where])
     scale = y * weight.mean() / weight  # relative error, each group size weighted by 1/sqrt(its records)
