@@ -22,7 +22,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from ._argparse import SuggestingArgumentParser
 from ._cli_io import read_values as _read_values

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from megatron_dynbatch import DynBatchConfigError, plan_global_batch
-from megatron_dynbatch.core.calibration.online import (MAX_RECORD_S, OnlineCalibration, SliceInfo, clean_records,
-                                                        merged_profile, profile_vector, scale_profile)
+from megatron_dynbatch.core.calibration.online import OnlineCalibration
+from megatron_dynbatch.core.calibration.records import MAX_RECORD_S, SliceInfo, clean_records
+from megatron_dynbatch.core.calibration.shared import merged_profile, profile_vector, scale_profile
 from megatron_dynbatch.core.cost_fit import predict_records
 from megatron_dynbatch.core.cost_model import CostModel
 from megatron_dynbatch.core.cost_profiles import FITTED, CostProfile

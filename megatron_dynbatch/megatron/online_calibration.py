@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from ..core.calibration.online import DEFAULT_INTERVAL, DEFAULT_WINDOW, OnlineCalibration, RefitLog, SliceInfo
+from ..core.calibration.online import DEFAULT_INTERVAL, DEFAULT_WINDOW, OnlineCalibration, RefitLog
+from ..core.calibration.records import SliceInfo
 from .step_timer import MicroBatchTimer
 
 

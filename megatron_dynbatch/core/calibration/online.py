@@ -8,13 +8,13 @@ ShardResult` timings). Its contract:
 * **records** ``[group_size, lengths, seconds]`` (:mod:`..cost_fit`) of what ONE rank spent on a micro-batch,
   forward + backward, together with the *slice* that rank runs (:class:`SliceInfo`: the decoder layers on its
   pipeline stage, the TP size of its widths, whether its stage holds the LM head). Non-finite, non-positive or
-  over-:data:`MAX_RECORD_S` timings and malformed records are dropped (and counted), never fitted;
+  over-:data:`.records.MAX_RECORD_S` timings and malformed records are dropped (and counted), never fitted;
 * a **bounded window**: the latest ``window`` records; the first ``skip_steps`` steps are not recorded (warm-up:
   allocator, autotuning);
 * every ``interval`` steps :meth:`OnlineCalibration.end_step` **refits**: :func:`..cost_fit.fit_profile` over the
   window (one feature set per slice, so stages of different depth fit one per-layer profile), then once more
   without records the first fit misses by more than :data:`OUTLIER` (a GC pause, a straggling collective), and
-  packs the result into a small vector (:func:`profile_vector`). Training micro-batches are all about the
+  packs the result into a small vector (:func:`.shared.profile_vector`). Training micro-batches are all about the
   budget's size, so the window alone may not separate the per-micro-batch overhead from the per-token cost: the
   fit then adds a **prior** -- the calibration grid (:func:`.grid.build_grid` over the window's group sizes and sizes)
   timed by the model planning now, scaled to the window (the median ratio of measured to predicted seconds),
@@ -23,9 +23,9 @@ ShardResult` timings). Its contract:
   :data:`MIN_ALONE` records or more is fitted alone first, the prior joining only when that is undetermined; a
   smaller one (a few steps of same-sized micro-batches, which pin the terms only by accident) always has the
   prior; where even that is undetermined, the refit is the current profile scaled by that ratio
-  (:func:`scale_profile`);
+  (:func:`.shared.scale_profile`);
 * the vector goes through ``merge`` -- identity on one process; on a Megatron job a SUM all-reduce over every
-  rank -- and the **shared model** is built from the merged vector only (:func:`merged_profile`: the mean over the
+  rank -- and the **shared model** is built from the merged vector only (:func:`.shared.merged_profile`: the mean over the
   ranks whose fit succeeded, per-layer seconds averaged, the CP-member terms over the ranks that timed CP shares).
   Every rank thus plans with a bit-identical :class:`~..cost_model.CostModel` (same vector, same arithmetic), and no
   rank's plan depends on records only it has seen;
@@ -39,24 +39,23 @@ planner's hard limits whatever the model says.
 
 from __future__ import annotations
 
-import math
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..checks import as_array, as_bool, as_int, is_int, scalar, whole_number
+from ..checks import as_int
 from ..cost_fit import fit_profile, fit_report, predict_features, record_features, slice_features
 from ..cost_model import CostModel, resolve_cost_model
 from ..cost_profiles import CostProfile, resolve_profile
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from .records import SliceInfo, clean_records
 from .report import fit_line
+from .shared import merged_profile, profile_vector, scale_profile
 
-#: a recorded micro-batch slower than this is a measurement error, not a micro-batch
-MAX_RECORD_S = 3600.0
 #: records the first fit misses by more than this (relative) are dropped before the final fit
 OUTLIER = 1.0
 DEFAULT_INTERVAL = 50
@@ -66,24 +65,6 @@ PRIOR_WEIGHT = 0.1
 #: a window is fitted alone only from this many records on (fewer: a few steps' same-sized micro-batches, which pin
 #: the terms only by accident -- the prior holds them until the window has seen enough)
 MIN_ALONE = 64
-#: the merged vector: [fitted, overhead/layer, s per linear FLOP, s per attention FLOP, floor/layer, uncertainty,
-#: records, timed CP shares, cp linear overhead, cp chunk tokens, cp floor/layer]
-VECTOR_SIZE = 11
-
-
-@dataclass(frozen=True)
-class SliceInfo:
-    """What one rank's recorded seconds cover: ``measured_layers`` decoder layers at the widths of ``tp``, with the
-    LM head and loss (``lm_head``) on the last pipeline stage."""
-
-    measured_layers: int
-    tp: int = 1
-    lm_head: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "measured_layers", as_int(self.measured_layers, "slice.measured_layers", minimum=1))
-        object.__setattr__(self, "tp", as_int(self.tp, "slice.tp", minimum=1))
-        object.__setattr__(self, "lm_head", as_bool(self.lm_head, "slice.lm_head"))
 
 
 @dataclass
@@ -114,71 +95,6 @@ class RefitLog:
         if self.change is not None:
             text += " | " + self.change.describe("previous model", "refitted model")
         return text
-
-
-def profile_vector(profile: Optional[CostProfile], records: int, timed_cp: bool) -> np.ndarray:
-    """A fitted profile as the vector the ranks sum (:data:`VECTOR_SIZE`; all zeros for "no fit")."""
-    v = np.zeros(VECTOR_SIZE)
-    if profile is None:
-        return v
-    v[:7] = [1.0, profile.overhead_per_layer_s, 1.0 / (profile.peak_flops * profile.linear_efficiency),
-             1.0 / (profile.peak_flops * profile.attention_efficiency), profile.min_per_layer_s,
-             profile.uncertainty, float(records)]
-    if timed_cp:
-        v[7:] = [1.0, profile.cp_linear_overhead, profile.cp_chunk_tokens, profile.cp_min_per_layer_s]
-    return v
-
-
-def merged_profile(summed: Sequence[float], base: CostProfile, name: str = "online") -> Optional[CostProfile]:
-    """The shared profile from the SUM of every rank's :func:`profile_vector` (None if no rank fitted): means over
-    the ranks that fitted; CP-member terms from those that timed CP shares, else ``base``'s."""
-    v = np.asarray(summed, dtype=np.float64)
-    if v.shape != (VECTOR_SIZE,) or not np.isfinite(v).all() or v[0] < 1:
-        return None
-    n = v[0]
-    a, s_lin, s_att, floor, unc = (v[1:6] / n).tolist()
-    peak = max(base.peak_flops, 1.0 / s_lin, 1.0 / s_att)  # efficiencies stay <= 1 (see cost_fit)
-    cp = {}
-    if v[7] >= 1:
-        cp = dict(zip(("cp_linear_overhead", "cp_chunk_tokens", "cp_min_per_layer_s"), (v[8:] / v[7]).tolist()))
-    return base.replace(name=name, peak_flops=peak, linear_efficiency=1.0 / (s_lin * peak),
-                        attention_efficiency=1.0 / (s_att * peak), overhead_s=0.0, overhead_per_layer_s=a,
-                        min_per_layer_s=floor, uncertainty=min(1.0, unc), **cp)
-
-
-def scale_profile(profile: CostProfile, ratio: float) -> CostProfile:
-    """``profile`` with every compute time multiplied by ``ratio`` (efficiencies divided; the peak raised where an
-    efficiency would pass 1); the network numbers unchanged."""
-    r = float(ratio) if np.isfinite(ratio) and ratio > 0 else 1.0
-    lin, att = profile.linear_efficiency / r, profile.attention_efficiency / r
-    up = max(1.0, lin, att)
-    return profile.replace(peak_flops=profile.peak_flops * up, linear_efficiency=lin / up,
-                           attention_efficiency=att / up, overhead_s=profile.overhead_s * r,
-                           overhead_per_layer_s=profile.overhead_per_layer_s * r,
-                           min_per_layer_s=profile.min_per_layer_s * r,
-                           cp_min_per_layer_s=profile.cp_min_per_layer_s * r)
-
-
-def clean_records(records: Any) -> Tuple[List[List[Any]], int]:
-    """The well-formed records of ``records`` (as plain lists) and how many were dropped (module docstring)."""
-    out: List[List[Any]] = []
-    dropped = 0
-    for rec in records if isinstance(records, (list, tuple)) else []:
-        try:
-            g, lengths, s = scalar(rec[0]), as_array(rec[1]), scalar(rec[2])
-            lens = [whole_number(x) for x in lengths]
-            ok = (is_int(g) and g >= 1 and bool(lens) and all(x is not None and x >= 1 for x in lens)
-                  and isinstance(s, (int, float, np.integer, np.floating)) and not isinstance(s, (bool, np.bool_))
-                  and math.isfinite(float(s)) and 0 < float(s) <= MAX_RECORD_S)
-        except (TypeError, ValueError, IndexError, KeyError):
-            ok = False
-        if ok:
-            out.append([int(g), lens, float(s)])
-        else:
-            dropped += 1
-    if not isinstance(records, (list, tuple)):
-        dropped += 1
-    return out, dropped
 
 
 class OnlineCalibration:
@@ -398,6 +314,4 @@ def _change(plan: Any, lengths: Any, new: CostModel, model: Any,
         return None
 
 
-__all__ = ["OnlineCalibration", "RefitLog", "SliceInfo", "clean_records", "merged_profile", "profile_vector",
-           "scale_profile",
-           "MAX_RECORD_S", "DEFAULT_INTERVAL", "DEFAULT_WINDOW"]
+__all__ = ["OnlineCalibration", "RefitLog", "DEFAULT_INTERVAL", "DEFAULT_WINDOW", "MIN_ALONE", "PRIOR_WEIGHT"]
