@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""MEASURED step times on real megatron-core (CPU, 2 gloo ranks): fixed padded batches vs slime vs verl vs dynbatch.
+"""MEASURED step times on real megatron-core (CPU, 2 gloo ranks): fixed padded batches vs slime vs verl vs dynbatch,
+and dynbatch planned with a cost model calibrated on this CPU vs with the default (H100-fitted) one.
 
 Unlike ``megatron-dynbatch bench`` (which *predicts* H100 step times with the cost model), this script runs
 real forward + backward passes of a small GPT (megatron-core ``GPTModel``, local layer spec with the THD CPU
@@ -13,7 +14,20 @@ between steps; no optimizer step is taken, so the weights never change):
   the model's non-THD (sbhd) path, Megatron's own ``DotProductAttention`` with a causal mask.
 * ``slime``, ``verl`` -- the baselines module's assignments (``baselines.run_baseline``), packed THD by
   ``DynamicBatchIterator`` from a ``Plan`` built by ``score_assignment``, run by ``dynamic_forward_backward``.
-* ``dynbatch`` -- ``plan_global_batch`` with the model's ``ModelSpec.from_megatron(config)``.
+* ``dynbatch`` -- ``plan_global_batch`` with the model's ``ModelSpec.from_megatron(config)`` and the default cost
+  model (the ``fitted`` profile: H100 timings);
+* ``dynbatch-calibrated`` -- the same planner with a cost model calibrated on THIS machine: before the ranks start,
+  ``megatron-dynbatch calibrate --device cpu`` times a slice of the same model (1 thread, embedding + LM head
+  included) over its grid and writes the file the plan reads (``--calibrated-cost-model FILE`` reuses one);
+* ``dynbatch-online`` -- online calibration: starts from the calibrated model when ``dynbatch-calibrated`` runs too
+  (the recommended set-up: an offline calibration refined online), else from the default one
+  (``--online-base default`` forces that), times every micro-batch of every round (``perf_counter``), refits after
+  every round (the warm-up round is not recorded; one all-reduce of the fitted coefficients) and plans the next
+  round with the refit -- its rounds show the refits converging.
+
+The two ranks are DP ranks (``--pp 1``, the default) or the two stages of a pipeline (``--pp 2``: DP = 1), where the
+micro-batch count trades the 1F1B bubble against the per-micro-batch cost -- the choice the cost model makes and the
+calibration corrects.
 
 Per algorithm it reports the median over ``--steps`` (after ``--warmup`` untimed steps) of: the step wall time
 (barrier to barrier, max over ranks), each rank's compute time before the gradient all-reduce (the entry of
@@ -26,6 +40,7 @@ and the same ratio under a cost model FITTED to this run's measured THD micro-ba
 Run (2-core CPU: ~3-4 minutes with the defaults)::
 
     python benchmarks/cpu_measured.py --json tmp/cpu_measured.json
+    python benchmarks/cpu_measured.py --pp 2 --prompts 8 --max-tokens-per-gpu 4096 --algorithms dynbatch,dynbatch-calibrated
 """
 
 from __future__ import annotations
@@ -42,7 +57,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-ALGORITHMS = ("fixed_padded", "slime", "verl", "dynbatch")
+ALGORITHMS = ("fixed_padded", "slime", "verl", "dynbatch", "dynbatch-calibrated", "dynbatch-online")
+#: the algorithms planned by this package's planner (dynbatch-online starts from the default model's plan)
+PLANNERS = ("dynbatch", "dynbatch-calibrated", "dynbatch-online")
 
 
 # ------------------------------------------------------------------------------------------------- batch
@@ -74,16 +91,20 @@ def make_samples(lengths: Sequence[int], vocab: int, seed: int) -> List[Dict[str
 
 
 # ------------------------------------------------------------------------------------------------- plans
-def build_plans(lengths: np.ndarray, spec: Any, budget: int, dp: int, algorithms: Sequence[str]) -> Dict[str, Any]:
-    """``name -> {"plan": Plan | None, "padded": bool, "error": str | None, "notes": [...]}``."""
+def build_plans(lengths: np.ndarray, spec: Any, budget: int, parallel: Dict[str, int], algorithms: Sequence[str],
+                calibrated: Optional[str] = None, online_base: Optional[str] = None) -> Dict[str, Any]:
+    """``name -> {"plan": Plan | None, "padded": bool, "error": str | None, "notes": [...]}``; ``calibrated``: the
+    cost-model file ``dynbatch-calibrated`` plans with; ``online_base``: the file ``dynbatch-online`` starts from
+    (``None``: the default model)."""
     from megatron_dynbatch.bench.baselines import BaselineContext, run_baseline
     from megatron_dynbatch.core.planner import plan_global_batch
 
-    ctx = BaselineContext.build({"dp": dp}, budget, model=spec)
+    ctx = BaselineContext.build(parallel, budget, model=spec)
     out: Dict[str, Any] = {}
     for name in algorithms:
-        if name == "dynbatch":
-            plan = plan_global_batch(lengths, model=spec, parallel={"dp": dp}, max_tokens_per_gpu=budget)
+        if name in PLANNERS:
+            cm = calibrated if name == "dynbatch-calibrated" or (name == "dynbatch-online" and online_base) else None
+            plan = plan_global_batch(lengths, model=spec, parallel=parallel, max_tokens_per_gpu=budget, cost_model=cm)
             out[name] = {"plan": plan, "padded": False, "error": None, "notes": []}
             continue
         run = run_baseline(name, lengths, ctx)
@@ -139,6 +160,41 @@ def _padded_forward_step(stamps: List[float]):
     return forward_step
 
 
+class _OnlineRunner:
+    """``dynbatch-online``: each round plans with the online calibrator's current model (iterators cached per
+    plan, so packing is not timed), runs the step with the calibrator (refit after every round) and keeps
+    ``rounds``: micro-batches per rank and the refit's log."""
+
+    def __init__(self, samples: Any, ddp: Any, spec: Any, parallel: Dict[str, int], budget: int,
+                 stamps: List[float], base: Optional[str]) -> None:
+        from megatron_dynbatch.megatron.online_calibration import OnlineCalibrator
+
+        self.samples, self.ddp, self.stamps = samples, ddp, stamps
+        self.kwargs = {"model": spec, "parallel": parallel, "max_tokens_per_gpu": budget}
+        self.cal = OnlineCalibrator(spec, parallel, interval=1, log=None, base=base)
+        self.lengths = np.asarray([len(x["tokens"]) for x in samples])
+        self.iterators: Dict[Any, Any] = {}
+        self.rounds: List[Dict[str, Any]] = []
+
+    def run(self) -> None:
+        from megatron_dynbatch.core.planner import plan_global_batch
+        from megatron_dynbatch.megatron.iterator import DynamicBatchIterator
+        from megatron_dynbatch.megatron.schedule import default_forward_step, dynamic_forward_backward
+
+        plan = plan_global_batch(self.lengths, cost_model=self.cal.state.current(), **self.kwargs)
+        key = json.dumps(plan.micro_batches)
+        if key not in self.iterators:
+            self.iterators[key] = DynamicBatchIterator(self.samples, plan)
+        it = self.iterators[key]
+        step_fn = _stamped(default_forward_step(it, num_microbatches=it.num_microbatches), self.stamps)
+        before = len(self.cal.history)
+        dynamic_forward_backward(self.ddp, it, forward_step_func=step_fn, calibrator=self.cal)
+        log = self.cal.history[-1] if len(self.cal.history) > before else None
+        self.rounds.append({"microbatches": plan.num_microbatches, "refit": None if log is None else {
+            "fit_error": log.fit_error, "records": log.records, "line": log.line(),
+            "model_change": None if log.change is None else log.change.model_change}})
+
+
 def _stamped(forward_step: Any, stamps: List[float]):
     def wrapped(data_iterator: Any, model: Any):
         stamps.append(time.perf_counter())
@@ -162,7 +218,8 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
     from megatron_dynbatch.megatron.schedule import default_forward_step, dynamic_forward_backward
     from megatron_dynbatch.testing import megatron_cpu
 
-    megatron_cpu.init_cpu_distributed(rank, world_size, seed=opts["seed"], timeout_s=float(opts["timeout"]))
+    pp = int(opts["pp"])
+    megatron_cpu.init_cpu_distributed(rank, world_size, pp=pp, seed=opts["seed"], timeout_s=float(opts["timeout"]))
     try:
         config = megatron_cpu.tiny_gpt_config(
             num_layers=opts["num_layers"], hidden_size=opts["hidden_size"], num_attention_heads=opts["heads"],
@@ -185,7 +242,12 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
         spec = ModelSpec.from_megatron(config, vocab_size=opts["vocab"])
         lengths = np.asarray(opts["lengths"], dtype=np.int64)
         samples = make_samples(lengths, opts["vocab"], opts["seed"])
-        plans = build_plans(lengths, spec, opts["max_tokens_per_gpu"], world_size, opts["algorithms"])
+        from megatron.core import parallel_state
+
+        parallel = {"dp": world_size // pp, "pp": pp}
+        dp_rank, pp_rank = parallel_state.get_data_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        plans = build_plans(lengths, spec, opts["max_tokens_per_gpu"], parallel, opts["algorithms"],
+                            opts.get("calibrated_cost_model"), opts.get("online_base"))
         fb = get_forward_backward_func()
 
         results: Dict[str, Any] = {}
@@ -197,7 +259,7 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
             results[name] = res
             if entry["error"] is not None:
                 continue
-            mbs = plan.micro_batches[rank]
+            mbs = plan.micro_batches[dp_rank]
             stamps: List[float] = []
             if entry["padded"]:
                 batches = _padded_microbatches(samples, mbs)
@@ -210,10 +272,17 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
                     fb(forward_step_func=step_fn, data_iterator=iter(batches), model=ddp,
                        num_microbatches=len(batches), seq_length=max(b["shape"][1] for b in batches),
                        micro_batch_size=max(b["shape"][0] for b in batches), forward_only=False)
+            elif name == "dynbatch-online":
+                online = _OnlineRunner(samples, ddp, spec, parallel, opts["max_tokens_per_gpu"], stamps,
+                                       opts.get("online_base"))
+                run_step = online.run
+                padded_tokens = int(sum(plan.microbatch_tokens[dp_rank]))
+                mb_meta = []  # changes every round: not part of the cpu-fit
+                res["online"] = online.rounds
             else:
                 it = DynamicBatchIterator(samples, plan)  # one iterator per algorithm: packed micro-batches are cached
-                padded_tokens = int(sum(plan.microbatch_tokens[rank]))
-                mb_meta = [{"padded_tokens": int(plan.microbatch_tokens[rank][j]),
+                padded_tokens = int(sum(plan.microbatch_tokens[dp_rank]))
+                mb_meta = [{"padded_tokens": int(plan.microbatch_tokens[dp_rank][j]),
                             "sq": float(sum(int(lengths[i]) ** 2 for i in mb))} for j, mb in enumerate(mbs)]
 
                 def run_step(it=it, step_fn=_stamped(default_forward_step(it, num_microbatches=it.num_microbatches),
@@ -246,10 +315,13 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
                 if k == opts["warmup"] + opts["steps"] - 1:
                     grads = [float(p.main_grad.abs().sum()) for p in ddp.module.parameters() if p.requires_grad]
                     results[name]["grad_abs_sum"] = float(sum(grads))
-        out = {"rank": rank, "results": results}
+        out = {"rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank, "results": results}
         if rank == 0:
             out["plans"] = {name: (None if e["plan"] is None else {
-                "micro_batches": e["plan"].micro_batches, "predicted_step_s": float(e["plan"].predicted_step_time),
+                "micro_batches": e["plan"].micro_batches, "predicted_step_s": _default_model_step(name, e["plan"],
+                                                                                                  lengths, spec, opts),
+                "predicted_step_s_own": float(e["plan"].predicted_step_time),
+                "plan_dict": e["plan"].to_dict() if name in PLANNERS else None,
                 "predicted_imbalance": float(e["plan"].imbalance), "cap_violations": int(e["plan"].cap_violations),
                 "microbatch_tokens": e["plan"].microbatch_tokens, "padding_tokens": int(e["plan"].padding_tokens),
                 "padded": e["padded"]}) for name, e in plans.items()}
@@ -257,6 +329,16 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
         return out
     finally:
         megatron_cpu.destroy()
+
+
+def _default_model_step(name: str, plan: Any, lengths: np.ndarray, spec: Any, opts: Dict[str, Any]) -> float:
+    """The default (H100) model's step time of ``plan``: the ``pred x`` column compares every plan in one model
+    (only ``dynbatch-calibrated`` was planned -- and scored -- with another)."""
+    if name != "dynbatch-calibrated":
+        return float(plan.predicted_step_time)
+    from megatron_dynbatch.core.calibration.compare import rescore
+
+    return rescore(plan, lengths, model=spec, cost_model=None, max_tokens_per_gpu=opts["max_tokens_per_gpu"])
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -290,18 +372,59 @@ def _cpu_fitted_ratios(per_rank: List[Dict[str, Any]], plans: Dict[str, Any], le
     for name, p in plans.items():
         if p is None:
             continue
-        plan = score_assignment(p["micro_batches"], lengths, model=spec, parallel={"dp": 2},
+        plan = score_assignment(p["micro_batches"], lengths, model=spec, parallel={"dp": 2},  # pp == 1 here
                                 max_tokens_per_gpu=budget, cost_model=cm, pad_to_longest=p["padded"])
         out["predicted_step_s"][name] = float(plan.predicted_step_time)
         out.setdefault("predicted_imbalance", {})[name] = float(plan.imbalance)
     return out
 
 
+def _parallel(opts: Dict[str, Any]) -> Dict[str, int]:
+    return {"dp": 2 // int(opts["pp"]), "pp": int(opts["pp"])}
+
+
+def _calibration_summary(rows: Dict[str, Any], plans: Dict[str, Any], lengths: np.ndarray, opts: Dict[str, Any],
+                         spec: Any) -> Dict[str, Any]:
+    """``dynbatch-calibrated`` vs ``dynbatch``: measured step ratio, and both plans scored by the calibrated model."""
+    from megatron_dynbatch.core.calibration.compare import rescore
+
+    cal, default = rows.get("dynbatch-calibrated", {}), rows.get("dynbatch", {})
+    info = dict(opts.get("calibration") or {})
+    if not (cal.get("step_s") and default.get("step_s")):
+        return info
+    path = opts["calibrated_cost_model"]
+    from megatron_dynbatch.core.planner import Plan
+
+    default_plan = Plan.from_dict(plans["dynbatch"]["plan_dict"])
+    info.update(measured_ratio=cal["step_s"] / default["step_s"],
+                measured_ratio_per_round=[c / d for c, d in zip(cal["step_s_all"], default["step_s_all"])],
+                modelled_default_plan_s=rescore(default_plan, lengths, model=spec, cost_model=path,
+                                                max_tokens_per_gpu=opts["max_tokens_per_gpu"]),
+                modelled_calibrated_plan_s=plans["dynbatch-calibrated"]["predicted_step_s_own"],
+                microbatches=[default["microbatches_per_rank"], cal["microbatches_per_rank"]])
+    info["modelled_ratio"] = info["modelled_calibrated_plan_s"] / info["modelled_default_plan_s"]
+    return info
+
+
+def _online_summary(rows: Dict[str, Any], per_rank: List[Dict[str, Any]], opts: Dict[str, Any]) -> Dict[str, Any]:
+    """``dynbatch-online`` round by round (warm-up rounds included): micro-batches, refit error, step time."""
+    row = rows.get("dynbatch-online", {})
+    rounds = per_rank[0]["results"].get("dynbatch-online", {}).get("online")
+    if not rounds or not row.get("step_s_all"):
+        return {}
+    timed = [None] * opts["warmup"] + list(row["step_s_all"])
+    out = [dict(r, step_s=t, warmup=k < opts["warmup"]) for k, (r, t) in enumerate(zip(rounds, timed))]
+    base = rows.get("dynbatch", {}).get("step_s")
+    return {"rounds": out, "ratio_last_vs_dynbatch": (row["step_s_all"][-1] / base) if base else None,
+            "base": opts.get("online_base") or "default (fitted)"}
+
+
 def summarise(per_rank: List[Dict[str, Any]], opts: Dict[str, Any], wall_s: float) -> Dict[str, Any]:
     lengths = np.asarray(opts["lengths"], dtype=np.int64)
     plans = per_rank[0]["plans"]
     spec = per_rank[0]["spec"]
-    fitted = _cpu_fitted_ratios(per_rank, plans, lengths, opts["max_tokens_per_gpu"], spec)
+    # per-micro-batch spans from forward-step stamps are micro-batch times only without a pipeline
+    fitted = _cpu_fitted_ratios(per_rank, plans, lengths, opts["max_tokens_per_gpu"], spec) if opts["pp"] == 1 else {}
     rows: Dict[str, Any] = {}
     for name in opts["algorithms"]:
         r0 = per_rank[0]["results"][name]
@@ -316,8 +439,9 @@ def summarise(per_rank: List[Dict[str, Any]], opts: Dict[str, Any], wall_s: floa
             compute = [[r["results"][name]["steps"][k]["compute_s"] for k in range(n)] for r in per_rank]
             allreduce = [[r["results"][name]["steps"][k]["allreduce_s"] for k in range(n)] for r in per_rank]
             imb = [max(c[k] for c in compute) / (sum(c[k] for c in compute) / len(compute)) for k in range(n)]
-            real = sum(r["results"][name]["real_tokens"] for r in per_rank)
-            padded = sum(r["results"][name]["padded_tokens"] for r in per_rank)
+            first = [r for r in per_rank if r.get("pp_rank", 0) == 0]  # each DP rank's tokens once
+            real = sum(r["results"][name]["real_tokens"] for r in first)
+            padded = sum(r["results"][name]["padded_tokens"] for r in first)
             row.update(
                 step_s=_median(step), step_s_all=step, step_s_min=min(step), step_s_max=max(step),
                 rank_compute_s=[_median(c) for c in compute],
@@ -339,6 +463,8 @@ def summarise(per_rank: List[Dict[str, Any]], opts: Dict[str, Any], wall_s: floa
             row["predicted_ratio_vs_fixed"] = row["predicted_step_s_h100"] / base["predicted_step_s_h100"]
         if base.get("cpu_fitted_predicted_step_s") and row.get("cpu_fitted_predicted_step_s"):
             row["cpu_fitted_ratio_vs_fixed"] = row["cpu_fitted_predicted_step_s"] / base["cpu_fitted_predicted_step_s"]
+    calibration = _calibration_summary(rows, plans, lengths, opts, spec)
+    online = _online_summary(rows, per_rank, opts)
     import torch
 
     return {
@@ -351,6 +477,8 @@ def summarise(per_rank: List[Dict[str, Any]], opts: Dict[str, Any], wall_s: floa
                     "torch": torch.__version__, "threads_per_rank": 1, "gpu": False},
         "model_spec": spec,
         "cpu_fitted_cost_model": fitted,
+        "calibration": calibration,
+        "online": online,
         "algorithms": rows,
         "wall_s": wall_s,
     }
@@ -361,19 +489,19 @@ def _fmt(x: Any, f: str) -> str:
 
 
 def format_table(summary: Dict[str, Any]) -> str:
-    head = (f"{'algorithm':<13} {'step s':>7} {'min-max':>11} {'x fixed':>7} {'pred x':>7} {'cpu-fit x':>9} {'tok/s':>7} "
+    head = (f"{'algorithm':<19} {'step s':>7} {'min-max':>11} {'x fixed':>7} {'pred x':>7} {'cpu-fit x':>9} {'tok/s':>7} "
             f"{'compute s r0/r1':>16} {'imbal':>6} {'pred imb':>8} {'fit imb':>7} {'allred s':>8} {'pad %':>6} {'mb/rank':>8} "
             f"{'cap viol':>8}  notes")
     lines = [head, "-" * len(head)]
     for name, r in summary["algorithms"].items():
         if r.get("error") is not None:
-            lines.append(f"{name:<13} not run: {r['error']}")
+            lines.append(f"{name:<19} not run: {r['error']}")
             continue
         comp = "/".join(f"{c:.2f}" for c in r["rank_compute_s"])
         mbr = "/".join(str(m) for m in r["microbatches_per_rank"])
         ar = min(r["allreduce_s"])  # the last rank to arrive: the collective itself, no waiting
         lines.append(
-            f"{name:<13} {r['step_s']:>7.2f} {r['step_s_min']:>5.2f}-{r['step_s_max']:<5.2f} {_fmt(r.get('measured_ratio_vs_fixed'), '.3f'):>7} "
+            f"{name:<19} {r['step_s']:>7.2f} {r['step_s_min']:>5.2f}-{r['step_s_max']:<5.2f} {_fmt(r.get('measured_ratio_vs_fixed'), '.3f'):>7} "
             f"{_fmt(r.get('predicted_ratio_vs_fixed'), '.3f'):>7} {_fmt(r.get('cpu_fitted_ratio_vs_fixed'), '.3f'):>9} "
             f"{r['tokens_per_s']:>7.0f} {comp:>16} {r['measured_imbalance']:>6.3f} "
             f"{_fmt(r.get('predicted_imbalance'), '.3f'):>8} {_fmt(r.get('cpu_fitted_predicted_imbalance'), '.3f'):>7} {ar:>8.3f} {100 * r['padding_fraction']:>6.1f} "
@@ -382,13 +510,33 @@ def format_table(summary: Dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"batch: {b['samples']} samples, {b['tokens']} tokens, lengths {b['min']}..{b['max']} "
                  f"(median {b['median']:.0f}, {b['at_max']} at the max); budget {summary['settings']['max_tokens_per_gpu']} "
-                 f"tokens/GPU; dp=2 gloo ranks, 1 thread each")
+                 f"tokens/GPU; {_layout_text(summary['settings'])}, 1 thread each")
     fit = summary.get("cpu_fitted_cost_model") or {}
     if fit:
         c = fit["coefficients"]
         lines.append(f"cpu-fitted cost model (THD micro-batches): {c['overhead_s'] * 1e3:.1f} ms + "
                      f"{c['linear_s_per_token'] * 1e6:.1f} us/token + {c['attention_s_per_sq_token'] * 1e9:.2f} ns/sq-token "
                      f"(rel rms err {fit['fit']['rel_rms_error']:.1%}, n={fit['fit']['num_measurements']})")
+    cal = summary.get("calibration") or {}
+    if cal.get("measured_ratio") is not None:
+        how = (f"on this CPU ({cal['wall_s']:.0f} s, fit error {cal['fit_error']:.1%})" if "wall_s" in cal else
+               f"from {cal['file']}")
+        lines.append(f"calibrated {how}: "
+                     f"dynbatch-calibrated / dynbatch measured {cal['measured_ratio']:.3f} (per round "
+                     f"{', '.join(f'{x:.3f}' for x in cal['measured_ratio_per_round'])}), modelled by the calibrated "
+                     f"model {cal['modelled_ratio']:.3f}; micro-batches per rank {cal['microbatches'][0]} -> "
+                     f"{cal['microbatches'][1]}")
+    online = summary.get("online") or {}
+    if online.get("rounds"):
+        lines.append(f"dynbatch-online starts from: {online['base']}")
+    for k, r in enumerate(online.get("rounds", [])):
+        fit = r["refit"]
+        lines.append(f"online round {k}{' (warm-up)' if r['warmup'] else ''}: {r['microbatches']} micro-batches per "
+                     f"rank" + (f", step {r['step_s']:.2f} s" if r["step_s"] else "") +
+                     (f"; refit after it: fit error {fit['fit_error']:.1%} on {fit['records']} records, predicted "
+                      f"step of its plan {fit['model_change']:+.1%} vs the model it was planned with"
+                      if fit and fit["fit_error"] is not None and fit["model_change"] is not None else
+                      "; not recorded (warm-up)" if r["warmup"] else ""))
     lines.append("step s: median step wall time (barrier to barrier, max over ranks; min-max over the timed steps); x fixed: / fixed_padded; "
                  "pred x: the cost model's (H100) predicted ratio; cpu-fit x: ratio under the cost model fitted to "
                  "this run's THD micro-batch times; imbal: measured max/mean rank compute before the all-reduce; pred imb / fit imb: the "
@@ -396,6 +544,36 @@ def format_table(summary: Dict[str, Any]) -> str:
                  "rank to arrive (the gloo all-reduce itself)")
     lines.append(f"(wall time {summary['wall_s']:.0f} s)")
     return "\n".join(lines)
+
+
+def _layout_text(settings: Dict[str, Any]) -> str:
+    return "dp=2 gloo ranks" if settings.get("pp", 1) == 1 else f"dp=1 x pp={settings['pp']} gloo ranks (stages)"
+
+
+def calibrate_here(opts: Dict[str, Any], out_dir: str) -> Dict[str, Any]:
+    """``megatron-dynbatch calibrate --device cpu`` on the benchmark's model and layout (1 thread, embedding and LM
+    head included): the cost-model file ``dynbatch-calibrated`` plans with, and what the calibration reported."""
+    import subprocess
+
+    os.makedirs(out_dir, exist_ok=True)
+    model = os.path.join(out_dir, "cpu_measured_model.json")
+    with open(model, "w", encoding="utf-8") as fh:
+        json.dump({"name": "cpu-measured", "num_layers": opts["num_layers"], "hidden_size": opts["hidden_size"],
+                   "num_attention_heads": opts["heads"], "num_query_groups": opts["query_groups"],
+                   "ffn_hidden_size": opts["ffn_hidden_size"], "swiglu": True, "vocab_size": opts["vocab"]}, fh)
+    path = os.path.join(out_dir, "cpu_calibrated_cost_model.json")
+    par = _parallel(opts)
+    cmd = [sys.executable, "-m", "megatron_dynbatch.cli", "calibrate", "--model", model, "--device", "cpu",
+           "--max-tokens-per-gpu", str(opts["max_tokens_per_gpu"]), "--dp", str(par["dp"]), "--pp", str(par["pp"]),
+           "--lm-head", "--cpu-threads", "1", "--output", path, "--json"]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=opts["timeout"])
+    if done.returncode != 0:
+        raise SystemExit(f"calibration failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+    report = json.loads(done.stdout)
+    return {"file": path, "command": " ".join(cmd[2:]), "wall_s": time.perf_counter() - t0,
+            "timed": report.get("timed"), "fit_error": report["fit"].get("uncertainty"),
+            "per_group": report["fit"].get("per_group"), "profile": report["fit"].get("profile")}
 
 
 # -------------------------------------------------------------------------------------------------- main
@@ -407,6 +585,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="batch lengths, tokens and weights")
     p.add_argument("--json", metavar="OUT", help="write the full results as JSON here")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset of " + ",".join(ALGORITHMS))
+    p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="pipeline stages (2: the ranks are one pipeline)")
+    p.add_argument("--calibrated-cost-model", metavar="FILE", default=None,
+                   help="cost-model file for dynbatch-calibrated (default: calibrate on this CPU first)")
+    p.add_argument("--online-base", choices=("calibrated", "default"), default="calibrated",
+                   help="dynbatch-online starts from the calibrated model (when dynbatch-calibrated runs) or the "
+                        "default one")
     g = p.add_argument_group("workload")
     g.add_argument("--prompts", type=int, default=16, help="GRPO prompts")
     g.add_argument("--group-size", type=int, default=4, help="responses per prompt")
@@ -436,11 +620,22 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             "prompts": args.prompts, "group_size": args.group_size, "max_len": args.max_len,
             "max_tokens_per_gpu": args.max_tokens_per_gpu, "num_layers": args.num_layers,
             "hidden_size": args.hidden_size, "heads": args.heads, "query_groups": args.query_groups,
-            "ffn_hidden_size": args.ffn_hidden_size, "vocab": args.vocab, "timeout": args.timeout}
+            "ffn_hidden_size": args.ffn_hidden_size, "vocab": args.vocab, "timeout": args.timeout, "pp": args.pp}
     opts["lengths"] = make_lengths(opts).tolist()
     from megatron_dynbatch.testing.multiproc import run_ranks
 
     t0 = time.perf_counter()
+    if "dynbatch-calibrated" in algos:
+        if args.calibrated_cost_model:
+            opts["calibration"] = {"file": args.calibrated_cost_model}
+        else:
+            import tempfile
+
+            out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.mkdtemp()
+            opts["calibration"] = calibrate_here(opts, out_dir)
+        opts["calibrated_cost_model"] = opts["calibration"]["file"]
+        if args.online_base == "calibrated":
+            opts["online_base"] = opts["calibrated_cost_model"]
     per_rank = run_ranks(_worker, 2, opts, timeout=args.timeout, threads_per_rank=1)
     summary = summarise(per_rank, opts, time.perf_counter() - t0)
     print(format_table(summary))

@@ -7,6 +7,7 @@ Subcommands
 ``plan``   plan one global batch read from a file and print a summary and the per-rank micro-batches;
 ``flops``  FLOPs of a model at given sequence lengths and the linear/quadratic coefficients the planner uses;
 ``runs``   list the run presets, print one as YAML, or print the Megatron flags it implies;
+``calibrate`` time the user's model on their device and write a calibrated cost-model file (``_cli_calibrate.py``);
 ``demo``   a tiny GPT trained with real megatron-core on CPU ranks (``megatron_dynbatch.demo``, imported only
            when asked for).
 
@@ -21,11 +22,10 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
-
-import numpy as np
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from ._argparse import SuggestingArgumentParser
+from ._cli_io import read_values as _read_values
 from ._cli_summary import group_line, plan_summary, rank_table
 from .core.errors import DynBatchConfigError
 
@@ -67,51 +67,6 @@ def _fp8(text: str) -> Any:
         return int(text)
     except ValueError:
         return text
-
-
-def _read_values(path: str, flag: str, *, integers: bool) -> List[Any]:
-    """Values from ``.txt`` (one per line; blank lines and ``#`` comments skipped), ``.json`` (a list, or an
-    object with a ``lengths``/``group_ids`` list) or ``.npy``."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DynBatchConfigError(flag, path, "file not found", "pass an existing .txt, .json or .npy file")
-    suffix = p.suffix.lower()
-    try:
-        if suffix == ".npy":
-            values = np.load(p, allow_pickle=False).tolist()
-        elif suffix == ".json":
-            with open(p, encoding="utf-8") as fh:
-                values = json.load(fh)
-            if isinstance(values, dict):
-                key = next((k for k in ("lengths", "group_ids") if k in values), None)
-                if key is None:
-                    raise DynBatchConfigError(flag, path, "a JSON object needs a 'lengths' or 'group_ids' list",
-                                              "write a JSON list, or {\"lengths\": [...]}")
-                values = values[key]
-        else:
-            with open(p, encoding="utf-8") as fh:
-                values = [ln.split("#", 1)[0].strip() for ln in fh]
-            values = [v for v in values if v]
-    except (ValueError, OSError) as exc:
-        if isinstance(exc, DynBatchConfigError):
-            raise
-        raise DynBatchConfigError(flag, path, f"cannot be read ({exc})",
-                                  "use .txt (one value per line), .json (a list) or .npy") from None
-    if not isinstance(values, list):
-        raise DynBatchConfigError(flag, path, "does not hold a list of values", "write one value per sample")
-    if integers:
-        out = []
-        for i, v in enumerate(values):
-            try:
-                f = float(v)
-                if isinstance(v, bool) or f != int(f):
-                    raise ValueError
-                out.append(int(f))
-            except (TypeError, ValueError):
-                raise DynBatchConfigError(f"{flag}[{i}]", v, "is not a whole token count",
-                                          "write one integer per sample") from None
-        return out
-    return values
 
 
 def _add_layout_args(p: argparse.ArgumentParser, *, dp: bool = True) -> None:
@@ -459,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = SuggestingArgumentParser(
         prog=PROG, description="FLOPs-balanced dynamic micro-batching for Megatron-Core: benchmark, plan, FLOPs.",
         epilog="Start with 'megatron-dynbatch bench'; docs/quickstart.md walks through the rest.")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,plan,flops,runs,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,plan,flops,runs,calibrate,demo}")
 
     b = sub.add_parser("bench", help="run the built-in benchmark (defaults: every default workload, all algorithms)",
                        description="Plan every built-in workload with dynbatch and the baselines, score all with "
@@ -561,6 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("action", choices=("list", "show", "args"))
     r.add_argument("preset", nargs="?", default=None, help="run preset name or YAML path (for show / args)")
     r.set_defaults(func=_cmd_runs)
+
+    from ._cli_calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub, _add_layout_args, _layout)
 
     d = sub.add_parser("demo", help="train a tiny GPT with real megatron-core on CPU ranks (needs torch)",
                        description="Runs megatron_dynbatch.demo; arguments after 'demo' are passed to it.")

@@ -81,25 +81,6 @@ def test_flash_causal_mask_is_bottom_right_aligned():
 
 
 # ------------------------------------------------------------------------------------------ the dispatch
-@pytest.fixture(scope="module")
-def cuda_world1():
-    """megatron-core's parallel_state as a world of one (NCCL), unless this process already has one."""
-    pytest.importorskip("megatron.core")
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_dynbatch.testing.multiproc import free_port
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if dist.get_world_size() != 1:
-        pytest.skip("torch.distributed already initialised with world_size > 1")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-
-
 def _core(groups, cls=None, **cfg):
     from megatron.core.transformer.enums import AttnMaskType
 

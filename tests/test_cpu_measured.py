@@ -61,3 +61,27 @@ def test_tiny_run_reports_every_algorithm(tmp_path, capsys):
         assert math.isfinite(row["grad_abs_sum"]) and row["grad_abs_sum"] > 0  # a real backward ran
     assert summary["algorithms"]["fixed_padded"]["padding_fraction"] > 0  # padded path really padded
     assert summary["algorithms"]["dynbatch"]["padding_fraction"] == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_tiny_pipeline_run_compares_calibrated_and_online_plans_with_the_default(tmp_path, capsys):
+    """--pp 2: the two ranks are one pipeline; dynbatch-calibrated plans with a model calibrated on this CPU first
+    (megatron-dynbatch calibrate), dynbatch-online refits after every round. Structure only (no timing asserts)."""
+    mod = _load()
+    argv = [a for a in TINY] + ["--pp", "2", "--steps", "2", "--algorithms", "dynbatch,dynbatch-calibrated,dynbatch-online",
+                                "--json", str(tmp_path / "pp.json")]
+    argv[argv.index("--num-layers") + 1] = "2"
+    mod.main(argv)
+    table = capsys.readouterr().out
+    summary = json.loads((tmp_path / "pp.json").read_text())
+    cal = summary["calibration"]
+    assert cal["file"].endswith(".json") and 0 <= cal["fit_error"] < 1 and cal["timed"] >= 6
+    for key in ("measured_ratio", "modelled_ratio", "modelled_default_plan_s", "modelled_calibrated_plan_s"):
+        assert isinstance(cal[key], float) and math.isfinite(cal[key]) and cal[key] > 0, key
+    assert "dynbatch-calibrated / dynbatch measured" in table
+    rounds = summary["online"]["rounds"]
+    assert len(rounds) == 2 and rounds[0]["refit"] is None  # the first round is the calibrator's warm-up
+    assert rounds[-1]["refit"]["fit_error"] is not None and "online round 1" in table
+    for row in summary["algorithms"].values():
+        assert row["error"] is None and row["cap_violations"] == 0

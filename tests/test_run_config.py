@@ -377,6 +377,7 @@ def _errors_quoted_in_troubleshooting():
         lambda: RunConfig.from_dict(_base(tp=8)),
         lambda: plan([10, 2.5], parallel={"dp": 1}, max_tokens_per_gpu=100),
         *_dropin_error_cases(),
+        *_calibration_error_cases(),
     ]
     out = []
     for case in cases:
@@ -414,6 +415,26 @@ def _dropin_error_cases():
     return cases
 
 
+def _calibration_error_cases():
+    """Calibration's errors docs/troubleshooting.md quotes (issue 18 item 4)."""
+    from megatron_dynbatch.core.calibration.grid import build_grid
+    from megatron_dynbatch.core.calibration.setup import plan_calibration
+
+    cases = [lambda: build_grid(1024, [1], tokens=[2048]),
+             lambda: build_grid(1024, [1], tokens=[512, 1024], seqs=[1], floor=False),
+             lambda: plan_calibration("tiny-gpt", parallel={"dp": 2, "cp": 2}, max_tokens_per_gpu=512, spec="te"),
+             lambda: plan_calibration("qwen3-30b-a3b", max_tokens_per_gpu=512),
+             lambda: plan_calibration("tiny-gpt", max_tokens_per_gpu=512, device="cpu", max_seconds=5)]
+    try:
+        from megatron_dynbatch.integrations.ray import plan_rollout
+
+        cases.append(lambda: plan_rollout(lengths=[10, 20], sample_refs=[1, 2], loss_mask_sums=[5, 5], put=False,
+                                          run_config=RunConfig.from_dict(_base(online_calibration=True))))
+    except ImportError:  # torch
+        pass
+    return cases
+
+
 def _dropin_warnings():
     import warnings
 
@@ -434,6 +455,8 @@ def test_troubleshooting_quotes_the_real_messages():
     messages = _errors_quoted_in_troubleshooting()
     parser = args_mod.add_dynamic_batch_args(argparse.ArgumentParser())
     for argv, extra in ((["--use-dynamic-batch-size"], {}), (["--balance-by-flops"], {}),
+                        (["--dynbatch-online-calibration"], {}), (["--use-dynamic-batch-size", "--max-tokens-per-gpu",
+                                                                   "100", "--dynbatch-calibration-interval", "50"], {}),
                         (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "100"],
                          {"num_experts": 8, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"})):
         ns = parser.parse_args(argv)

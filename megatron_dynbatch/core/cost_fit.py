@@ -20,8 +20,10 @@ Given which records sit on the floor, both branches are linear in their unknowns
 assigning each record to the branch the current model puts it on and solving each branch by non-negative least
 squares on RELATIVE error (small micro-batches count as much as large ones), each group size weighted by
 ``1 / sqrt(records of that size)`` so a few wide groups still shape their terms, until the assignment stops
-changing. It starts from the records whose nominal compute (60% / 30% of peak) is below half their time on the
-floor. Deterministic; NumPy only. The result transfers to any model and layout as a
+changing. It starts from the records whose nominal compute (60% / 30% of peak, scaled by the records' median
+slowdown on a device more than 2x slower) is below half their time on the floor. Terms no record can show keep
+the ``base`` profile's values: without a CP share (``group_size > 1``) the CP-member terms; a device faster than
+the base's ``peak_flops`` raises the peak so both efficiencies stay <= 1. Deterministic; NumPy only. The result transfers to any model and layout as a
 :class:`~.cost_profiles.CostProfile` (``FitReport.profile``); the returned :class:`~.cost_model.CostModel` is that
 profile applied to ``model`` with all its layers on ``parallel``.
 """
@@ -132,9 +134,14 @@ def fit_records(records: Sequence[Any], model: Any, *, measured_layers: int, tp:
 
 
 def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any = "fitted",
-                name: str = "calibrated") -> Tuple[CostProfile, FitReport]:
+                name: str = "calibrated", ratio_fallback: bool = True) -> Tuple[CostProfile, FitReport]:
     """The profile fit itself, over the :func:`record_features` of one or more slices (several models' slices
-    fit one profile: that is how the default ``"fitted"`` profile was made, ``benchmarks/gpu/fit_profile.py``)."""
+    fit one profile: that is how the default ``"fitted"`` profile was made, ``benchmarks/gpu/fit_profile.py``).
+    A feature set may carry a ``"weight"`` per record (default 1; a group size's records count as their summed
+    weight): online calibration adds low-weight records predicted by the current model as a prior. When the
+    records do not separate the linear from the attention cost (a small model at short lengths, where attention
+    is lost in the noise) and ``ratio_fallback`` is on, the fit is repeated with the attention / linear
+    efficiency ratio of ``base`` (the profile's name says so); a ``DynBatchConfigError`` if even that fails."""
     prof0 = resolve_profile(base, field="base")
     f = {k: np.concatenate([np.asarray(s[k], dtype=np.float64) for s in feature_sets])
          for k in ("g", "seconds", "layers", "lin", "att", "chunk")}
@@ -142,11 +149,45 @@ def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any =
     member = (g > 1).astype(np.float64)
     x_compute = np.column_stack([lay, f["lin"], f["lin"] * member, f["att"], f["chunk"]])
     x_floor = np.column_stack([lay, lay * member])
-    sizes, counts = np.unique(g, return_counts=True)
-    weight = 1.0 / np.sqrt(counts[np.searchsorted(sizes, g)])
+    w = np.concatenate([np.asarray(s["weight"], dtype=np.float64) if "weight" in s else np.ones(len(s["g"]))
+                        for s in feature_sets])
+    if not (np.isfinite(w).all() and (w > 0).all()):
+        raise DynBatchConfigError("weight", "non-positive or non-finite", "record weights must be positive, finite "
+                                  "numbers", "leave 'weight' out (1 per record) or pass positive weights")
+    _, where = np.unique(g, return_inverse=True)
+    weight = w / np.sqrt(np.bincount(where, weights=w)[where])
     scale = y * weight.mean() / weight  # relative error, each group size weighted by 1/sqrt(its records)
-    on_floor = f["lin"] / _NOMINAL[0] + f["att"] / _NOMINAL[1] < 0.5 * y
-    comp, flr = np.zeros(5), np.zeros(2)
+    start = _initial_floor(f["lin"] / _NOMINAL[0] + f["att"] / _NOMINAL[1], y)
+    comp, flr = _alternate(x_compute, x_floor, y, scale, start)
+    a, il, il_cp, ia, ia_chunk = comp.tolist()
+    if (il <= 0 or ia <= 0) and ratio_fallback:  # attention lost in the noise: keep the base's split
+        k = prof0.linear_efficiency / prof0.attention_efficiency
+        tied = np.column_stack([lay, f["lin"] + k * f["att"], f["lin"] * member, f["chunk"]])
+        comp4, flr = _alternate(tied, x_floor, y, scale, start)
+        a, il, il_cp, ia_chunk = comp4.tolist()
+        ia, name = il * k, f"{name} (attention:linear ratio of {prof0.name})"
+        comp = np.array([a, il, il_cp, ia, ia_chunk])
+    if il <= 0 or ia <= 0:
+        raise DynBatchConfigError("records", int(y.size), "do not determine both the linear and the attention cost "
+                                  "(too few sizes and lengths measured)", "measure short and long sequences, "
+                                  "several per micro-batch, as benchmarks/gpu/README.md describes")
+    report = fit_report(np.maximum(x_floor @ flr, x_compute @ comp), y, g)
+    up = max(1.0, 1.0 / il, 1.0 / ia)  # faster than the base's peak: raise the peak so efficiencies stay <= 1
+    cp_terms = {"cp_min_per_layer_s": float(flr[1]), "cp_linear_overhead": il_cp / il,
+                "cp_chunk_tokens": ia_chunk / ia} if member.any() else {}  # no CP share timed: keep the base's
+    profile = prof0.replace(
+        name=name, peak_flops=prof0.peak_flops * up, linear_efficiency=1.0 / (il * up),
+        attention_efficiency=1.0 / (ia * up), overhead_s=0.0, overhead_per_layer_s=a, min_per_layer_s=float(flr[0]),
+        uncertainty=min(1.0, report.uncertainty), **cp_terms)
+    return profile, FitReport(report.num_measurements, report.rel_rms_error, report.max_rel_error,
+                              report.per_group, profile.uncertainty, profile.to_dict())
+
+
+def _alternate(x_compute: np.ndarray, x_floor: np.ndarray, y: np.ndarray, scale: np.ndarray,
+               on_floor: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The two branches' coefficients, alternating between assigning records to the branch the current
+    coefficients put them on and solving each branch (module docstring)."""
+    comp, flr = np.zeros(x_compute.shape[1]), np.zeros(x_floor.shape[1])
     for _ in range(MAX_ROUNDS):
         comp = nnls_relative(x_compute[~on_floor], y[~on_floor], scale[~on_floor])
         if on_floor.sum() >= 2:
@@ -155,18 +196,16 @@ def fit_profile(feature_sets: Sequence[Mapping[str, np.ndarray]], *, base: Any =
         if (now == on_floor).all():
             break
         on_floor = now
-    a, il, il_cp, ia, ia_chunk = comp.tolist()
-    if il <= 0 or ia <= 0:
-        raise DynBatchConfigError("records", int(y.size), "do not determine both the linear and the attention cost "
-                                  "(too few sizes and lengths measured)", "measure short and long sequences, "
-                                  "several per micro-batch, as benchmarks/gpu/README.md describes")
-    report = fit_report(np.maximum(x_floor @ flr, x_compute @ comp), y, g)
-    profile = prof0.replace(
-        name=name, linear_efficiency=min(1.0, 1.0 / il), attention_efficiency=min(1.0, 1.0 / ia), overhead_s=0.0,
-        overhead_per_layer_s=a, min_per_layer_s=float(flr[0]), cp_min_per_layer_s=float(flr[1]),
-        cp_linear_overhead=il_cp / il, cp_chunk_tokens=ia_chunk / ia, uncertainty=min(1.0, report.uncertainty))
-    return profile, FitReport(report.num_measurements, report.rel_rms_error, report.max_rel_error,
-                              report.per_group, profile.uncertainty, profile.to_dict())
+    return comp, flr
+
+
+def _initial_floor(nominal: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The records the fit starts with on the floor: nominal compute below half the measured time. On a device
+    more than 2x slower than the nominal efficiencies at the base's peak (a CPU, an older GPU) the nominal is first
+    scaled by the median slowdown of the larger half of the records, so the start does not put everything there."""
+    big = nominal >= np.median(nominal)
+    slow = float(np.median(y[big] / nominal[big])) if big.any() else 1.0
+    return nominal * (slow if slow > 2.0 else 1.0) < 0.5 * y
 
 
 def fit_report(predicted: np.ndarray, seconds: np.ndarray, group_sizes: np.ndarray) -> FitReport:

@@ -92,6 +92,11 @@ class RunConfig:
         decision_margin: the planner leaves its default choice (fewest micro-batches; fixed CP under
             ``dynamic_cp``) only for a modelled gain above this (relative); ``None`` = the cost model's
             ``uncertainty``. Passed as ``--dynbatch-decision-margin``.
+        online_calibration: time every micro-batch during training and refit the cost model every
+            ``calibration_interval`` steps (default 50), every rank planning with the same refitted model
+            (``--dynbatch-online-calibration``; ``docs/cost_model.md``). Never changes the loss.
+        calibration_interval: optimizer steps between refits (needs ``online_calibration``); passed as
+            ``--dynbatch-calibration-interval``.
         max_seq_len: the longest sample the run can produce (prompt + response); checked against both budgets
             at construction, so a budget too small for it fails before step 1 (``OversizeSampleError``, or a
             warning under ``oversize: alone``), and passed to Megatron as ``--dynbatch-max-seq-length``.
@@ -117,6 +122,8 @@ class RunConfig:
     dynamic_cp: bool = False
     cost_model: Optional[str] = None
     decision_margin: Optional[float] = None
+    online_calibration: bool = False
+    calibration_interval: Optional[int] = None
     max_seq_len: Optional[int] = None
     megatron_args: Tuple[str, ...] = ()
     description: str = ""
@@ -143,6 +150,7 @@ class RunConfig:
                                       "write dynamic_cp: true (one dynamic-CP pool) or dynamic_cp: false")
         set_("dynamic_cp", bool(self.dynamic_cp))
         self._check_cost_model()
+        self._check_calibration()
         spec = self._resolve_model()
         set_("_spec", spec)
         if not isinstance(self.layout, ParallelConfig):
@@ -168,6 +176,20 @@ class RunConfig:
             object.__setattr__(self, "decision_margin", as_float(
                 self.decision_margin, "decision_margin", minimum=0.0, maximum=0.999,
                 fix="write a relative margin such as 0.03, or leave it out for the cost model's own uncertainty"))
+
+    def _check_calibration(self) -> None:
+        if not _is_bool(self.online_calibration):
+            raise DynBatchConfigError("online_calibration", self.online_calibration, "must be true or false",
+                                      "write online_calibration: true (refit the cost model while training) or false")
+        object.__setattr__(self, "online_calibration", bool(self.online_calibration))
+        if self.calibration_interval is None:
+            return
+        if not self.online_calibration:
+            raise DynBatchConfigError("calibration_interval", self.calibration_interval, "only means something with "
+                                      "online_calibration: true", "add online_calibration: true, or drop the interval")
+        if not _is_int(self.calibration_interval) or self.calibration_interval < 1:
+            raise DynBatchConfigError("calibration_interval", self.calibration_interval, "must be a whole number of "
+                                      "optimizer steps >= 1", "write e.g. calibration_interval: 50")
 
     def _resolve_model(self) -> ModelSpec:
         if isinstance(self.model, str):
@@ -413,6 +435,10 @@ class RunConfig:
             out += ["--dynbatch-cost-model", self.cost_model]
         if self.decision_margin is not None:
             out += ["--dynbatch-decision-margin", repr(self.decision_margin)]
+        if self.online_calibration:
+            out.append("--dynbatch-online-calibration")
+        if self.calibration_interval is not None:
+            out += ["--dynbatch-calibration-interval", str(self.calibration_interval)]
         if p.gpus_per_node != DEFAULT_GPUS_PER_NODE:
             out += ["--dynbatch-gpus-per-node", str(p.gpus_per_node)]
         if self.max_seq_len is not None:

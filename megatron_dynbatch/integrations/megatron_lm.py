@@ -36,6 +36,12 @@ own. Besides ``lm loss`` the loss dicts carry ``dynbatch tokens`` / ``dynbatch p
 padded tokens of the step), which Megatron logs next to the loss. The ``forward_step`` given to ``pretrain()`` is not called (the
 packed-THD forward step of :mod:`megatron_dynbatch.megatron.schedule` is).
 
+With ``--dynbatch-online-calibration`` the wrapper keeps one
+:class:`~megatron_dynbatch.megatron.online_calibration.OnlineCalibrator` per rank: every step's micro-batches are timed
+(CUDA events, read once after the step's last backward), every ``--dynbatch-calibration-interval`` steps the cost
+model is refitted and merged with one small all-reduce, and the following steps are planned with it on every rank
+alike; the refit line (``dynbatch calibration | step N | ...``) is printed on global rank 0.
+
 Data contract: with ``--dataloader-type external`` the datasets provider's train object IS the iterator; it must
 yield the WHOLE global batch (``--global-batch-size`` sample dicts, the same on every rank: ``tokens``, optional
 ``loss_mask`` / ``labels`` / ``group_id``), because the plan is computed from all lengths on every rank.
@@ -505,6 +511,7 @@ class DynamicForwardBackward:
         self.last_result: Any = None
         self.last_lengths: List[int] = []
         self.last_model: Any = None
+        self.calibrator: Any = None  # online calibration (--dynbatch-online-calibration), made on the first step
 
     def __call__(self, *, data_iterator: Any, model: Any, forward_only: bool = False, **kwargs: Any) -> List[Dict[str, Any]]:
         from ..core.errors import DynBatchConfigError
@@ -527,6 +534,8 @@ class DynamicForwardBackward:
         pk = dict(plan_kwargs(self.args))
         pk.pop("samples_per_step", None)  # one Megatron iteration = one optimizer step = this global batch
         passthrough = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
+        if getattr(self.args, "dynbatch_online_calibration", False):
+            passthrough["calibrator"] = self._calibrator(pk)
         result = run_step(model, samples, pk, forward_backward_func=self.inner,
                           loss_mode=getattr(self.args, "dynbatch_loss_mode", "token_mean") or "token_mean",
                           group_reduce=getattr(self.args, "dynbatch_group_reduce", "token") or "token",
@@ -540,6 +549,20 @@ class DynamicForwardBackward:
             stats[STAT_KEYS[1]] = float(sum(sum(r) for r in plan.microbatch_tokens))
             self._log_plan(plan)
         return megatron_loss_dicts(result.loss, result.num_microbatches, device=self.device, stats=stats)
+
+    def _calibrator(self, plan_kwargs: Mapping[str, Any]) -> Any:
+        """The rank's :class:`~megatron_dynbatch.megatron.online_calibration.OnlineCalibrator`: it plans with the
+        refitted model once there is one (``dynamic_forward_backward`` swaps it in), the configured
+        ``--dynbatch-cost-model`` before and as the prior's shape."""
+        if self.calibrator is None:
+            from ..core.calibration.online import DEFAULT_INTERVAL
+            from ..megatron.online_calibration import OnlineCalibrator
+
+            interval = getattr(self.args, "dynbatch_calibration_interval", None) or DEFAULT_INTERVAL
+            self.calibrator = OnlineCalibrator(plan_kwargs["model"], plan_kwargs["parallel"], interval=interval,
+                                               base=getattr(self.args, "dynbatch_cost_model", None),
+                                               device=self.device)
+        return self.calibrator
 
     def _log_plan(self, plan: Any) -> None:
         """One ``dynbatch plan | iteration N | ...`` line (:func:`plan_log_line`) on global rank 0, on the

@@ -19,6 +19,8 @@ from ..core.errors import DynBatchConfigError
 
 KINDS = ("mcore", "torch")
 DTYPES = ("bf16", "fp16", "fp32")
+#: layer specs of the megatron-core slice: this package's local THD spec, or Transformer Engine's
+SPECS = ("local", "te")
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,9 @@ class SliceLayout:
     activations in ``dtype`` on ``device`` (``"cuda"``, ``"cuda:N"`` or ``"cpu"``); ``kind`` ``"mcore"`` (a
     megatron-core ``GPTModel`` with this package's THD attention) or ``"torch"`` (a plain-torch decoder of the
     same widths, no megatron-core needed); ``vocab_size`` > 0 adds the embedding and LM head + cross-entropy of
-    that (per-TP-rank) vocabulary, 0 leaves them out (decoder layers only); ``seed`` initialises the weights."""
+    that (per-TP-rank) vocabulary, 0 leaves them out (decoder layers only); ``seed`` initialises the weights;
+    ``spec`` (``kind="mcore"`` only) the layer spec: ``"local"`` (this package's THD spec, every CP share) or
+    ``"te"`` (Transformer Engine's, CUDA and whole micro-batches only: its CP attention needs the group's GPUs)."""
 
     num_layers: int = 2
     tp: int = 1
@@ -36,6 +40,7 @@ class SliceLayout:
     kind: str = "mcore"
     vocab_size: int = 0
     seed: int = 1234
+    spec: str = "local"
 
     def __post_init__(self) -> None:
         for name, low in (("num_layers", 1), ("tp", 1), ("vocab_size", 0), ("seed", 0)):
@@ -47,11 +52,17 @@ class SliceLayout:
             raise DynBatchConfigError("layout.dtype", self.dtype, "unknown dtype", f"use one of {DTYPES}")
         if self.kind not in KINDS:
             raise DynBatchConfigError("layout.kind", self.kind, "unknown model kind", f"use one of {KINDS}")
+        if self.spec not in SPECS or (self.spec == "te" and self.kind != "mcore"):
+            raise DynBatchConfigError("layout.spec", self.spec, "unknown layer spec (or 'te' without kind='mcore')",
+                                      f"use one of {SPECS}; 'te' needs kind='mcore'")
         dev = self.device
         if not isinstance(dev, str) or not (dev == "cpu" or dev == "cuda" or
                                             (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise DynBatchConfigError("layout.device", dev, "must be 'cpu', 'cuda' or 'cuda:N'",
                                       "pass device='cuda' on a GPU machine, 'cpu' elsewhere")
+        if self.spec == "te" and dev == "cpu":
+            raise DynBatchConfigError("layout.spec", self.spec, "Transformer Engine runs on CUDA only",
+                                      "pass spec='local' on a CPU")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -99,4 +110,4 @@ class SliceWidths:
         return asdict(self)
 
 
-__all__ = ["SliceLayout", "SliceWidths", "KINDS", "DTYPES"]
+__all__ = ["SliceLayout", "SliceWidths", "KINDS", "DTYPES", "SPECS"]

@@ -1,6 +1,8 @@
 """The megatron-core slice: a ``GPTModel`` of ``num_layers`` layers with the per-TP-rank widths, built with this
 package's THD local spec, so its core attention is :class:`~megatron_dynbatch.megatron.attention.
-ThdDotProductAttention` -- torch's fused varlen kernel on a GPU, the per-sequence loop on CPU.
+ThdDotProductAttention` -- torch's fused varlen kernel on a GPU, the per-sequence loop on CPU -- or, with
+``layout.spec == "te"``, with Transformer Engine's layer spec (its fused THD attention and layers; whole
+micro-batches only, ``group_size == 1``: TE's context-parallel attention needs the group's GPUs).
 
 * **Process state.** megatron-core needs ``torch.distributed`` and its ``parallel_state``.
   :func:`ensure_world_of_one` creates a world of one (NCCL on CUDA, gloo on CPU, where it also installs the
@@ -108,15 +110,20 @@ class McoreSlice:
             use_cpu_initialization=device.type == "cpu", masked_softmax_fusion=False, bias_activation_fusion=False,
             bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
             persist_layer_norm=False)
-        spec = get_thd_local_layer_spec(normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = _emulated_attention_class()
+        if layout.spec == "te":
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            spec = get_gpt_layer_with_transformer_engine_spec()
+        else:
+            spec = get_thd_local_layer_spec(normalization="RMSNorm")
+            spec.submodules.self_attention.submodules.core_attention = _emulated_attention_class()
         torch.manual_seed(layout.seed)
         with_vocab = widths.vocab > 0
         self.model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=max(widths.vocab, 1),
                               max_sequence_length=1 << 20, pre_process=with_vocab, post_process=with_vocab,
                               position_embedding_type="rope", share_embeddings_and_output_weights=False)
         self.model.to(device=device, dtype=dtype)  # norms too, as Megatron's Float16Module does
-        self.widths, self.device, self.dtype = widths, device, dtype
+        self.widths, self.device, self.dtype, self.spec = widths, device, dtype, layout.spec
 
     def prepare(self, geo: ShareGeometry, generator: torch.Generator) -> Callable[[], None]:
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -124,6 +131,9 @@ class McoreSlice:
         from ..megatron.dynamic_cp import microbatch_cp_group
 
         g = geo.group_size
+        if g > 1 and self.spec == "te":
+            raise DynBatchConfigError("group_size", g, "a Transformer Engine slice times whole micro-batches only "
+                                      "(its CP attention needs the group's GPUs)", "time CP shares with spec='local'")
         cu = torch.tensor(geo.cu_seqlens, dtype=torch.int32, device=self.device)
         cu_p = torch.tensor(geo.cu_seqlens_padded, dtype=torch.int32, device=self.device)
         group = geo.group if g > 1 else None

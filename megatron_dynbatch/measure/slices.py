@@ -108,6 +108,8 @@ class ModelSlice:
         probe = torch.empty(1, self.widths.heads, self.widths.kv, device=self.device, dtype=self.dtype)
         if self.layout.kind == "torch":
             return self.impl.kernel.name
+        if self.layout.spec == "te":
+            return "Transformer Engine TEDotProductAttention (THD)"
         from ..megatron.varlen import default_varlen_kernel
 
         kernel = default_varlen_kernel()

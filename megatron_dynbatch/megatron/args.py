@@ -24,6 +24,8 @@ flag                                        meaning
                                             ``analytic``, or a calibrated cost-model JSON file
 ``--dynbatch-decision-margin X``            leave the default choice only for a modelled gain above X
                                             (default: the cost model's uncertainty; ``docs/cost_model.md``)
+``--dynbatch-online-calibration``           time every micro-batch while training and refit the cost model
+                                            every ``--dynbatch-calibration-interval N`` steps (default 50)
 ``--dynbatch-gpus-per-node N``              GPUs per node (default ``$LOCAL_WORLD_SIZE``, else 8): which CP
                                             groups cross nodes
 ``--dynbatch-max-seq-length N``             the longest sample the run can produce (default ``--seq-length``);
@@ -99,6 +101,12 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--dynbatch-decision-margin", type=float, default=None, metavar="X",
                    help="Leave the default choice (fewest micro-batches; fixed CP under --dynbatch-dynamic-cp) only "
                         "for a modelled gain above X (relative, e.g. 0.03); default: the cost model's uncertainty.")
+    g.add_argument("--dynbatch-online-calibration", action="store_true", default=False,
+                   help="Time every micro-batch's forward and backward while training (CUDA events, read once per "
+                        "step) and refit the cost model every --dynbatch-calibration-interval steps; every rank plans "
+                        "with the same refitted model (one small all-reduce). Never changes the loss.")
+    g.add_argument("--dynbatch-calibration-interval", type=int, default=None, metavar="N",
+                   help="Optimizer steps between online refits (default 50); needs --dynbatch-online-calibration.")
     g.add_argument("--dynbatch-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node (default: $LOCAL_WORLD_SIZE as torchrun sets it, else 8); with Megatron's rank "
                         "order it tells which CP groups cross nodes.")
@@ -241,6 +249,7 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
     if margin is not None:
         as_float(margin, "--dynbatch-decision-margin", minimum=0.0, maximum=0.999,
                  fix="pass a relative margin such as 0.03, or drop the flag for the cost model's own uncertainty")
+    _check_online_calibration(args, use)
     gpus_per_node_from_args(args)
     resolved = fp8_alignment_from_args(args)
     args.dynbatch_fp8_alignment = "none" if resolved is None else resolved  # stays resolved on re-reading
@@ -285,6 +294,20 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
             f"micro-batches of different lengths under {where}",
             "use --moe-token-dispatcher-type alltoall")
     return args
+
+
+def _check_online_calibration(args: Any, use: bool) -> None:
+    online = bool(getattr(args, "dynbatch_online_calibration", False))
+    interval = getattr(args, "dynbatch_calibration_interval", None)
+    if online and not use:
+        raise DynBatchConfigError("--dynbatch-online-calibration", True, "only applies to dynamic batching",
+                                  "add --use-dynamic-batch-size (and --max-tokens-per-gpu), or drop the flag")
+    if interval is not None and not online:
+        raise DynBatchConfigError("--dynbatch-calibration-interval", interval, "only means something with online "
+                                  "calibration", "add --dynbatch-online-calibration, or drop the interval")
+    if interval is not None and (not is_int(interval) or interval < 1):
+        raise DynBatchConfigError("--dynbatch-calibration-interval", interval, "must be a whole number of "
+                                  "optimizer steps >= 1", "pass e.g. --dynbatch-calibration-interval 50")
 
 
 def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, int]) -> None:

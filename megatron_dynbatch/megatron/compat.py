@@ -17,6 +17,9 @@ versions pip never saw). What differs, and where it is handled:
 * upstream's own cross-rank rerouting of samples for context parallelism, named ``hybrid_context_parallel``
   (megatron-core 0.16-0.19) and ``dynamic_context_parallel`` (Megatron-LM dev) --
   :func:`upstream_cp_rerouting`, which the ``pretrain()`` hook refuses to combine with its own plan;
+* the per-micro-batch step functions of the pipeline schedules (``forward_step`` / ``backward_step`` in
+  ``pipeline_parallel/schedules.py``, looked up by name at every call in 0.15-0.19) that online calibration
+  wraps to time each micro-batch -- :func:`schedule_step_functions`;
 * CPU-only test shims differ too (0.19 synchronises a CUDA stream in the DDP grad sync): those live with the
   other shims in :mod:`megatron_dynbatch.testing.megatron_cpu`, selected by the same kind of probing.
 
@@ -36,6 +39,7 @@ __all__ = [
     "packing_scheduler_api",
     "packing_scheduler_point",
     "upstream_cp_rerouting",
+    "schedule_step_functions",
 ]
 
 #: Megatron's flags that let upstream reroute samples between DP x CP ranks itself, old name first.
@@ -111,3 +115,14 @@ def upstream_cp_rerouting(args_or_config: Any) -> List[str]:
     (``--hybrid-context-parallel`` / ``--dynamic-context-parallel``), as command-line spellings."""
     return ["--" + name.replace("_", "-") for name in UPSTREAM_CP_REROUTING_FLAGS
             if bool(getattr(args_or_config, name, False))]
+
+
+def schedule_step_functions() -> Optional[Any]:
+    """megatron-core's ``pipeline_parallel.schedules`` module when its schedules run every micro-batch through the
+    module-level ``forward_step`` and ``backward_step`` (what online calibration wraps), else ``None``."""
+    try:
+        from megatron.core.pipeline_parallel import schedules
+    except ImportError:
+        return None
+    ok = all(callable(getattr(schedules, name, None)) for name in ("forward_step", "backward_step"))
+    return schedules if ok else None

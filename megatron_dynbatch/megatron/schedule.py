@@ -20,6 +20,7 @@ log-probs ``log p(labels[j] | tokens[:j+1])`` of each sample's real positions.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
@@ -187,6 +188,7 @@ def dynamic_forward_backward(
     pad_token_id: int = 0,
     device: Any = None,
     forward_backward_func: Optional[Callable[..., Any]] = None,
+    calibrator: Any = None,
     **fb_kwargs: Any,
 ) -> DynamicStepResult:
     """Run one optimizer step (or a forward-only pass) over a global batch with dynamic micro-batches.
@@ -211,6 +213,10 @@ def dynamic_forward_backward(
         reduce_loss: all-reduce the loss over the DP x CP group of the last pipeline stage (exact ``L``).
         gather_outputs: gather per-sample outputs of all DP ranks into global sample order.
         pad_token_id, device: packing options (``device`` default: the current CUDA device, else the CPU).
+        calibrator: an :class:`~megatron_dynbatch.megatron.online_calibration.OnlineCalibrator` (online
+            calibration): a training step's micro-batches are timed, every ``interval`` steps the cost model is
+            refitted (one all-reduce: call this on every rank), and plans made here from ``plan_or_kwargs`` use
+            the refitted model (pass ``calibrator.cost_model`` yourself when you plan). Never changes the loss.
         **fb_kwargs: passed on to ``forward_backward_func`` (e.g. ``first_val_step``).
     """
     import torch
@@ -226,15 +232,18 @@ def dynamic_forward_backward(
 
     if device is None:  # pack where the model runs (the GPU when there is one)
         device = _comm_device()
+    plan_kwargs: Optional[dict] = None  # the planner's arguments when this call plans (for the calibration log)
     if isinstance(samples, DynamicBatchIterator):
         it = samples
     elif isinstance(plan_or_kwargs, Plan):
         it = DynamicBatchIterator(samples, plan_or_kwargs, loss_mode=loss_mode, group_reduce=group_reduce,
                                   pad_token_id=pad_token_id, device=device)
     elif isinstance(plan_or_kwargs, Mapping):
+        plan_kwargs = _with_model_layout(dict(plan_or_kwargs), config)
+        if calibrator is not None and calibrator.cost_model is not None:
+            plan_kwargs["cost_model"] = calibrator.cost_model
         it = DynamicBatchIterator(samples, None, loss_mode=loss_mode, group_reduce=group_reduce,
-                                  pad_token_id=pad_token_id, device=device,
-                                  **_with_model_layout(dict(plan_or_kwargs), config))
+                                  pad_token_id=pad_token_id, device=device, **plan_kwargs)
     else:
         raise DynBatchConfigError("plan_or_kwargs", type(plan_or_kwargs).__name__,
                                   "needs a Plan or a dict of plan_global_batch arguments",
@@ -274,16 +283,18 @@ def dynamic_forward_backward(
             num_microbatches=num_mb)
     fb = forward_backward_func or get_forward_backward_func()
     data_iterator = it.data_iterator(run_step, num_model_chunks=len(chunks))
-    store = fb(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=num_mb,
-        seq_length=it.max_seq_length(run_step),
-        micro_batch_size=1,
-        forward_only=forward_only,
-        **fb_kwargs,
-    )
+    timing = calibrator.step(model, it, run_step) if calibrator is not None and not forward_only else nullcontext()
+    with timing:
+        store = fb(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_mb,
+            seq_length=it.max_seq_length(run_step),
+            micro_batch_size=1,
+            forward_only=forward_only,
+            **fb_kwargs,
+        )
 
     results: List[MicroBatchResult] = [d[RESULT_KEY] for d in (store or [])
                                        if isinstance(d, Mapping) and isinstance(d.get(RESULT_KEY), MicroBatchResult)]
@@ -322,6 +333,8 @@ def dynamic_forward_backward(
         sample_indices = it.step_samples(run_step) if run_step is not None else list(range(len(it.samples)))
     else:
         sample_indices = it.sample_indices(run_step)
+    if calibrator is not None and not forward_only:
+        calibrator.end_step(it.plan, it.lengths, plan_kwargs)
     return DynamicStepResult(loss=loss, local_loss_sum=local, per_sample=per_sample, sample_indices=sample_indices,
                              num_microbatches=num_mb, iterator=it, forward_data_store=store or [])
 

@@ -13,6 +13,9 @@ Data flow (see ``docs/ray.md``)::
              train_on_shard(...)          one optimizer step's forward/backward with the exact global loss
              -> ShardResult               per-sample outputs tagged with their GLOBAL sample indices
     driver:  gather_in_order(results)     the outputs in the driver's original sample order
+             update_calibration(cal, ...) online calibration: the actors' micro-batch times (train_on_shard(...,
+                                          record_timings=True)) refit the model the next plan_rollout(...,
+                                          calibration=cal) uses
 
 The driver never holds more than what it already had (the rollout samples, or only their refs and metadata); each
 sample's bytes travel once, from the object store to the actors of the one DP rank that runs it. The loss stays
@@ -26,7 +29,7 @@ Modules: :mod:`.shards` (the data types), :mod:`.driver` (planning, gathering), 
 """
 
 from .actor import DynBatchActorMixin, log_probs_on_shard, shard_iterator, train_on_shard
-from .driver import dp_rank_of, gather_in_order, plan_log_probs, plan_rollout, step_loss
+from .driver import dp_rank_of, gather_in_order, plan_log_probs, plan_rollout, step_loss, update_calibration
 from .shards import RankShard, RolloutPlan, ShardResult
 
 __all__ = [
@@ -41,5 +44,6 @@ __all__ = [
     "log_probs_on_shard",
     "gather_in_order",
     "step_loss",
+    "update_calibration",
     "DynBatchActorMixin",
 ]

@@ -62,21 +62,34 @@ def train_on_shard(
     iterator: Optional[DynamicBatchIterator] = None,
     pad_token_id: int = 0,
     device: Any = None,
+    record_timings: bool = False,
     **kwargs: Any,
 ) -> ShardResult:
     """One optimizer step's forward/backward over this rank's share of ``shard`` (through
     :func:`megatron_dynbatch.megatron.schedule.dynamic_forward_backward`; zero the grads before and step the optimizer
     after, as usual). ``step``: the training step of the plan (required when ``samples_per_step`` split it).
     ``per_token_loss`` / ``collect``: as for ``dynamic_forward_backward``; collected per-sample outputs come back
-    on the output rank. ``kwargs`` go to ``dynamic_forward_backward`` (``config``, ``forward_step_func``, ...)."""
+    on the output rank. ``record_timings``: time each micro-batch (CUDA events read once after the step) and send
+    the records back in ``ShardResult.timings`` for the driver's online calibration
+    (:func:`~.driver.update_calibration`). ``kwargs`` go to ``dynamic_forward_backward`` (``config``,
+    ``forward_step_func``, ...)."""
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward
 
     t0 = time.perf_counter()
     it = iterator or shard_iterator(shard, samples, pad_token_id=pad_token_id, device=device)
     if step is None and it.num_steps == 1:
         step = 0
+    recorder = None
+    if record_timings:
+        from megatron_dynbatch.megatron.online_calibration import TimingRecorder
+
+        par = shard.plan.parallel
+        recorder = TimingRecorder(pp=par.pp, tp=par.tp, device=device)
+        kwargs["calibrator"] = recorder
     res = dynamic_forward_backward(model, it, per_token_loss=per_token_loss, collect=collect, step=step, **kwargs)
-    return _result(shard, "train", step, res, it, t0, return_outputs, loss=res.loss)
+    out = _result(shard, "train", step, res, it, t0, return_outputs, loss=res.loss)
+    out.timings = recorder.payload() if recorder is not None else None
+    return out
 
 
 def log_probs_on_shard(

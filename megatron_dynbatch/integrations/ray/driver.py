@@ -20,7 +20,7 @@ from ...megatron.iterator import _hashable
 from ...megatron.loss import LOSS_MODES, loss_mask_stats
 from .shards import RankShard, RolloutPlan, ShardResult, _ray_initialized
 
-__all__ = ["plan_rollout", "plan_log_probs", "dp_rank_of", "gather_in_order", "step_loss"]
+__all__ = ["plan_rollout", "plan_log_probs", "dp_rank_of", "gather_in_order", "step_loss", "update_calibration"]
 
 
 def plan_rollout(
@@ -48,6 +48,7 @@ def plan_rollout(
     log_probs: bool = True,
     put: Optional[bool] = None,
     batch_id: Optional[str] = None,
+    calibration: Any = None,
 ) -> RolloutPlan:
     """Plan one rollout batch on the driver and cut it into one :class:`RankShard` per DP rank.
 
@@ -64,6 +65,11 @@ def plan_rollout(
     ``put``: ``True`` -- ``ray.put`` each rank's sample list once (needs ``ray.init``); ``False`` -- keep the
     samples inside the shards (no Ray); default: ``True`` when Ray is initialised. Per-sample refs are always
     passed through as they are.
+
+    ``calibration``: an :class:`~megatron_dynbatch.core.calibration.online.OnlineCalibration` kept by the driver
+    across batches (``OnlineCalibration.from_run_config(run_config)``): both plans use its current model (the
+    latest refit) unless ``cost_model=`` is given; feed it the actors' timings with :func:`update_calibration`. A
+    ``run_config`` with ``online_calibration: true`` needs it.
     """
     t0 = time.perf_counter()
     if (samples is None) == (sample_refs is None):
@@ -89,6 +95,14 @@ def plan_rollout(
         kw["balance_by_flops"] = bool(balance_by_flops)
         if balance_by is None:
             kw.pop("balance_by", None)
+    if calibration is not None:
+        if cost_model is None:
+            kw["cost_model"] = calibration.current()
+    elif rc is not None and rc.online_calibration:
+        raise DynBatchConfigError("run_config.online_calibration", True, "the driver keeps the calibration state "
+                                  "across rollout batches, so plan_rollout cannot make it per call",
+                                  "create cal = OnlineCalibration.from_run_config(run_config) once, pass "
+                                  "calibration=cal here and update_calibration(cal, results, rollout) after each step")
     if kw.get("max_tokens_per_gpu") is None:
         raise DynBatchConfigError("max_tokens_per_gpu", None, "needed to plan the rollout batch",
                                   "pass max_tokens_per_gpu=<per-GPU token budget> or run_config=RunConfig/preset")
@@ -322,6 +336,21 @@ def gather_in_order(results: Iterable[Optional[ShardResult]], shards: Any = None
             "no actor returned outputs for these samples",
             "collect the results of every DP rank's last pipeline stage (ShardResult.is_output_rank)")
     return [found[i] for i in expected]
+
+
+def update_calibration(calibration: Any, results: Iterable[Optional[ShardResult]], rollout: Any = None) -> Any:
+    """Online calibration on the driver: add every actor's ``ShardResult.timings`` (``train_on_shard(...,
+    record_timings=True)``) of one training step to ``calibration`` and count the step -- every
+    ``interval`` steps it refits, and the next :func:`plan_rollout` with ``calibration=`` plans with the refit.
+    ``rollout``: the :class:`RolloutPlan` the step ran (for the refit log's step-time change). Returns the refit's
+    :class:`~megatron_dynbatch.core.calibration.online.RefitLog`, or ``None``. The driver is the only planner, so
+    the refitted model needs no communication."""
+    for res in results:
+        if res is not None:
+            calibration.add_timings(res.timings)
+    plan = rollout.plan if isinstance(rollout, RolloutPlan) else None
+    lengths = rollout.shards[0].lengths if plan is not None else None
+    return calibration.end_step(plan, lengths)
 
 
 def step_loss(results: Iterable[Optional[ShardResult]]) -> Optional[float]:

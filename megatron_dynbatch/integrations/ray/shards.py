@@ -171,7 +171,9 @@ class ShardResult:
     ``per_sample[k]`` belongs to GLOBAL sample ``sample_indices[k]`` (CPU tensors, detached); ``per_sample`` is
     ``None`` on actors that are not this DP rank's output rank (only the last pipeline stage has outputs; of its
     TP / CP ranks only rank 0 sends them, the others hold copies). ``loss``: the step's exact loss ``L`` (all
-    DP ranks, training passes, last pipeline stage), else ``None``."""
+    DP ranks, training passes, last pipeline stage), else ``None``. ``timings``: with ``train_on_shard(...,
+    record_timings=True)``, this actor's micro-batch times ``{"slice": {...}, "records": [...]}`` for the driver's
+    online calibration (:func:`~.driver.update_calibration`), else ``None``."""
 
     batch_id: str
     dp_rank: int
@@ -186,6 +188,7 @@ class ShardResult:
     seconds: float
     local_tokens: int
     extra: Dict[str, Any] = field(default_factory=dict)
+    timings: Optional[Dict[str, Any]] = None
 
 
 def _ray_initialized() -> bool:

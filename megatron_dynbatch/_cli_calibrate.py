@@ -1,0 +1,241 @@
+"""``megatron-dynbatch calibrate``: time the user's model on their device and write a calibrated cost-model file.
+
+The command validates everything first (:func:`~megatron_dynbatch.core.calibration.setup.plan_calibration`; every
+bad flag is a ``DynBatchConfigError`` naming the flag, its value and the fix), prints the grid and its estimate
+(``--dry-run`` stops there: no torch, no megatron-core), times the grid on a slice of the model
+(:func:`~megatron_dynbatch.measure.calibrate.run_calibration`; or refits saved records, ``--from-records``), prints
+the fit error per group size and what the calibrated model changes on a sample batch (the default model's plan
+re-scored, and the batch re-planned: :func:`~megatron_dynbatch.core.calibration.compare.step_time_change`), and
+writes the cost-model file (``--output``) that ``plan|bench --cost-model``, ``RunConfig.cost_model`` and
+``--dynbatch-cost-model`` read. ``--run PRESET`` takes the model, layout, budget and dynamic CP from a run preset
+(a flag that contradicts it is refused). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+from .core.errors import DynBatchConfigError
+
+DEFAULT_OUTPUT = "calibrated_cost_model.json"
+_LAYOUT = ("dp", "tp", "pp", "cp", "ep", "vpp", "gpus_per_node")
+
+
+def add_calibrate_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentParser], None],
+                         layout: Callable[[argparse.Namespace], Any]) -> None:
+    """The ``calibrate`` subcommand (the CLI passes its layout-flag helpers, so this module never imports it)."""
+    c = sub.add_parser("calibrate", help="time your model on this device and write a calibrated cost-model file",
+                       description="Time a 1-2 layer slice of your model (megatron-core; Transformer Engine spec "
+                                   "where installed, else the local THD spec) over packed micro-batches and CP "
+                                   "shares, fit the cost model, print its error and write the file "
+                                   "--cost-model / --dynbatch-cost-model read (docs/cost_model.md).")
+    c.add_argument("--model", default=None, help="model preset name or YAML/JSON/config.json path")
+    c.add_argument("--run", default=None, metavar="PRESET", help="run preset: model, layout, budget, dynamic CP")
+    add_layout_args(c)
+    c.add_argument("--dynamic-cp", action="store_true", help="the layout plans dynamic CP: time every pool group size")
+    c.add_argument("--max-tokens-per-gpu", default=None, metavar="N", help="training budget: the largest per-GPU share timed")
+    c.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    c.add_argument("--layers", default=None, metavar="N", help="decoder layers in the slice (default 2)")
+    c.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default bf16 on a GPU, fp32 on a CPU)")
+    c.add_argument("--spec", default="auto", help="layer spec: auto (TE where installed), local or te")
+    c.add_argument("--lm-head", action="store_true", help="time the embedding, LM head and loss too")
+    g = c.add_argument_group("grid")
+    g.add_argument("--group-sizes", default=None, metavar="G1,G2", help="CP group sizes (default: the layout's)")
+    g.add_argument("--grid-tokens", default=None, metavar="T1,T2", help="per-GPU token counts (default: the budget "
+                                                                         "and its halvings to 1/32)")
+    g.add_argument("--grid-seqs", default=None, metavar="N1,N2", help="sequences per micro-batch (default 1,2,4,8)")
+    g.add_argument("--warmup", default="1", metavar="N", help="untimed runs per point (default 1)")
+    g.add_argument("--repeats", default="3", metavar="N", help="timed runs per point, minimum kept (default 3)")
+    g.add_argument("--max-seconds", default=None, metavar="S", help="stop timing before this many seconds")
+    c.add_argument("--base", default="fitted", metavar="NAME|FILE",
+                   help="profile for what compute timings cannot tell (peak FLOPs, network); also the model the "
+                        "report compares with (default fitted)")
+    c.add_argument("--lengths", default=None, metavar="FILE", help="sample batch for the report (default: synthetic)")
+    c.add_argument("--seed", default="0", metavar="N", help="seed of the synthetic sample batch")
+    c.add_argument("--cpu-threads", default=None, metavar="N", help="torch threads for --device cpu")
+    c.add_argument("--output", default=DEFAULT_OUTPUT, metavar="FILE", help=f"cost-model file (default {DEFAULT_OUTPUT})")
+    c.add_argument("--records", default=None, metavar="FILE", help="also write the timed records here")
+    c.add_argument("--from-records", default=None, metavar="FILE", help="refit records a previous run wrote; no timing")
+    c.add_argument("--dry-run", action="store_true", help="print the grid and the time estimate; time nothing")
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
+    c.set_defaults(func=lambda args: cmd_calibrate(args, layout))
+
+
+def _int(text: Optional[str], flag: str, low: int = 0) -> Optional[int]:
+    from .core.checks import as_int
+
+    if text is None:
+        return None
+    try:
+        value: Any = int(str(text).strip(), 10)
+    except ValueError:
+        value = text
+    return as_int(value, flag, minimum=low, fix=f"pass {flag} with a whole number >= {low}")
+
+
+def _ints(text: Optional[str], flag: str) -> Optional[List[Any]]:
+    if text is None:
+        return None
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or any(not p for p in parts):
+        raise DynBatchConfigError(flag, text, "must be comma-separated whole numbers", f"pass e.g. {flag} 1,2,4")
+    return [_int(p, flag, 1) for p in parts]
+
+
+def _seconds(text: Optional[str]) -> Optional[float]:
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise DynBatchConfigError("--max-seconds", text, "is not a number of seconds",
+                                  "pass e.g. --max-seconds 600") from None
+
+
+def _target(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any]) -> Dict[str, Any]:
+    """Model, layout, budget and dynamic CP: from ``--run`` (flags must agree) or from the flags."""
+    if args.run is None:
+        if args.model is None:
+            raise DynBatchConfigError("--model", None, "is required", "pass --model PRESET|FILE, or --run PRESET")
+        if args.max_tokens_per_gpu is None:
+            raise DynBatchConfigError("--max-tokens-per-gpu", None, "is required (the largest share timed is the "
+                                      "training budget)", "pass --max-tokens-per-gpu N, or --run PRESET")
+        return {"model": args.model, "parallel": layout(args), "dynamic_cp": args.dynamic_cp,
+                "max_tokens_per_gpu": _int(args.max_tokens_per_gpu, "--max-tokens-per-gpu", 1), "run": None}
+    from .core.model_spec import ModelSpec
+    from .core.run_config import RunConfig
+
+    run = RunConfig.from_yaml(args.run)
+    par = run.parallel()
+    given = {f"--{k.replace('_', '-')}": (getattr(args, k), getattr(par, k)) for k in _LAYOUT}
+    given["--max-tokens-per-gpu"] = (_int(args.max_tokens_per_gpu, "--max-tokens-per-gpu", 1), run.max_tokens_per_gpu)
+    if args.model is not None and ModelSpec.from_any(args.model) != run.model_spec():
+        given["--model"] = (args.model, run.model)
+    for flag, (mine, theirs) in given.items():
+        if mine is not None and mine != theirs:
+            raise DynBatchConfigError(flag, mine, f"the run preset {run.name!r} says {theirs}",
+                                      f"drop {flag} to calibrate the preset's setting, or drop --run")
+    return {"model": run.model_spec(), "parallel": par, "dynamic_cp": run.dynamic_cp or args.dynamic_cp,
+            "max_tokens_per_gpu": run.max_tokens_per_gpu, "run": run}
+
+
+def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any]) -> int:
+    from .core.calibration.setup import plan_calibration
+
+    target = _target(args, layout)
+    setup = plan_calibration(
+        target["model"], parallel=target["parallel"], max_tokens_per_gpu=target["max_tokens_per_gpu"],
+        device=args.device, layers=_int(args.layers, "--layers", 1), dtype=args.dtype, spec=args.spec,
+        lm_head=args.lm_head, dynamic_cp=target["dynamic_cp"], group_sizes=_ints(args.group_sizes, "--group-sizes"),
+        tokens=_ints(args.grid_tokens, "--grid-tokens"), seqs=_ints(args.grid_seqs, "--grid-seqs"),
+        warmup=_int(args.warmup, "--warmup"), repeats=_int(args.repeats, "--repeats", 1),
+        max_seconds=_seconds(args.max_seconds), base=args.base)
+    lengths = _sample(args, setup)
+    threads = _int(args.cpu_threads, "--cpu-threads", 1)
+    if args.dry_run:
+        if args.json:
+            print(json.dumps({"setup": setup.describe(), "grid": setup.grid_rows(), "estimate_s": setup.estimate_s},
+                             indent=1))
+        else:
+            print("\n".join(setup.describe()))
+            print("grid (group size: lengths): " + "; ".join(f"{p.group_size}: {list(p.lengths)}" for p in setup.points))
+        return 0
+    if not args.json:
+        print("\n".join(setup.describe()), flush=True)
+    out: Dict[str, Any] = {"setup": setup.describe()}
+    if args.from_records:
+        from .measure.calibrate import refit_from_file
+
+        cm, report, data = refit_from_file(setup, args.from_records)
+        out["environment"] = data.get("environment", {})
+    else:
+        result = _time(setup, threads, quiet=args.json)
+        cm, report = result.cost_model, result.report
+        out.update(environment=result.environment, spec=result.spec_note, timed=len(result.records),
+                   stopped_early=result.stopped_early, wall_s=result.wall_s)
+        if args.records:
+            with open(args.records, "w", encoding="utf-8") as fh:
+                json.dump(result.records_json(), fh, indent=1)
+        if not args.json:
+            print(f"timed {len(result.records)} of {len(setup.points)} micro-batch shares in {result.wall_s:.0f} s on "
+                  f"{result.environment.get('device')} ({result.spec_note}; kernel {result.environment.get('kernel')})"
+                  + ("; stopped by --max-seconds" if result.stopped_early else ""))
+    from .core.calibration.compare import step_time_change
+    from .core.cost_model import save_cost_model
+
+    kwargs = _plan_kwargs(target, setup)
+    change = step_time_change(lengths, old=args.base, new=cm, plan_kwargs=kwargs)
+    save_cost_model(cm, args.output, report)
+    out.update(fit=report.to_dict(), cost_model=cm.to_dict(), sample={"samples": int(len(lengths)),
+               "tokens": int(sum(lengths)), **change.to_dict()}, output=args.output)
+    if args.json:
+        print(json.dumps(out, indent=1, default=str))
+    else:
+        _print_result(report, change, lengths, setup, args)
+    return 0
+
+
+def _time(setup: Any, threads: Optional[int], *, quiet: bool) -> Any:
+    def progress(i: int, n: int, elapsed: float) -> None:
+        if not quiet and sys.stderr.isatty():
+            print(f"\r  timing {i + 1}/{n} ({elapsed:.0f} s)", end="", file=sys.stderr, flush=True)
+
+    try:
+        from .measure.calibrate import run_calibration
+
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        return run_calibration(setup, progress=progress)
+    except ImportError as exc:  # torch or megatron-core missing (or broken)
+        from .requirements import import_problem
+
+        problem = import_problem("torch", "megatron.core") or str(exc)
+        raise DynBatchConfigError("calibrate", setup.device, f"timing needs torch and megatron-core: {problem}",
+                                  "run bash scripts/setup.sh --test, or pass --dry-run / --from-records") from None
+    finally:
+        if not quiet and sys.stderr.isatty():
+            print(file=sys.stderr)
+
+
+def _sample(args: argparse.Namespace, setup: Any) -> Any:
+    from .core.calibration.compare import sample_lengths
+
+    if args.lengths:
+        from ._cli_io import read_values
+
+        return read_values(args.lengths, "--lengths", integers=True)
+    return sample_lengths(setup.max_tokens_per_gpu, setup.parallel, seed=_int(args.seed, "--seed"))
+
+
+def _plan_kwargs(target: Dict[str, Any], setup: Any) -> Dict[str, Any]:
+    run = target["run"]
+    if run is not None:
+        kw = run.planner_kwargs()
+        kw.pop("cost_model", None)
+        kw.pop("samples_per_step", None)  # the sample batch is one step
+        return kw
+    kw = {"model": setup.model, "parallel": setup.parallel, "max_tokens_per_gpu": setup.max_tokens_per_gpu}
+    if setup.dynamic_cp:
+        kw["dynamic_cp"] = True
+    return kw
+
+
+def _print_result(report: Any, change: Any, lengths: Any, setup: Any, args: argparse.Namespace) -> None:
+    from .core.calibration.report import fit_table, profile_line
+
+    print("fit error per group size (relative, on the timed shares):")
+    print("\n".join("  " + row for row in fit_table(report)))
+    print(f"uncertainty (the default decision margin): {report.uncertainty:.1%}")
+    print(f"fitted profile: {profile_line(report.profile)}")
+    p = setup.parallel
+    src = args.lengths or f"synthetic, seed {args.seed}"
+    print(f"sample batch ({len(lengths)} samples, {int(sum(lengths)):,} tokens; {src}) on dp={p.dp} tp={p.tp} "
+          f"pp={p.pp} cp={p.cp}{' with dynamic CP' if setup.dynamic_cp else ''}:")
+    print("  " + change.describe(f"'{args.base}'", "calibrated model"))
+    print(f"wrote {args.output}: plan with `plan --cost-model {args.output}`, `bench --cost-model {args.output}`, "
+          f"`--dynbatch-cost-model {args.output}` (Megatron) or `cost_model: {args.output}` (run preset)")

@@ -1,0 +1,178 @@
+"""Offline calibration: time a calibration grid on a slice of the user's model and fit the cost model to it.
+
+:func:`calibrate` is the Python API behind ``megatron-dynbatch calibrate``: :func:`~megatron_dynbatch.core.
+calibration.setup.plan_calibration` validates the run and builds the grid; :func:`run_calibration` builds the slice
+(:func:`~.slices.build_slice`: megatron-core ``GPTModel``, ``layers`` decoder layers at the per-TP-rank widths,
+Transformer Engine's layer spec where TE is installed and every share is a whole micro-batch, else this package's
+local THD spec), times the points in order (:meth:`~.slices.ModelSlice.time_records`: CUDA events on a GPU,
+``perf_counter`` on a CPU, the minimum of ``repeats`` after ``warmup``), stops before a point that would finish
+after ``max_seconds`` (its estimate scaled by measured / estimated so far), and fits the records with
+:func:`~megatron_dynbatch.core.cost_fit.fit_records`. The result's ``cost_model`` is the fitted profile applied to
+the model's layers on the layout; :meth:`CalibrationResult.save` writes the cost-model file every
+``--cost-model`` / ``--dynbatch-cost-model`` / ``RunConfig.cost_model`` reads.
+
+What is measured: compute of one GPU (one TP rank's widths, one CP member's share) -- not the TP collectives, not
+the CP ring's transfers, not the pipeline's p2p, not the optimizer. Those keep the base profile's numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..core.calibration.budget import STARTUP_S, point_seconds, projected_finish
+from ..core.calibration.grid import MIN_POINTS
+from ..core.calibration.setup import CalibrationSetup, plan_calibration
+from ..core.cost_fit import fit_records
+from ..core.cost_model import CostModel, FitReport, save_cost_model
+from ..core.errors import DynBatchConfigError
+from .layout import SliceLayout
+from .slices import Record, build_slice
+
+#: progress callback: (points timed, points planned, seconds elapsed)
+Progress = Callable[[int, int, float], None]
+
+
+@dataclass
+class CalibrationResult:
+    """A calibration run: its setup, the records timed, the fitted cost model and fit report, the slice's
+    environment, the layer spec used (and why, ``spec_note``), whether ``max_seconds`` stopped it early."""
+
+    setup: CalibrationSetup
+    records: List[Record]
+    cost_model: CostModel
+    report: FitReport
+    environment: Dict[str, Any] = field(default_factory=dict)
+    spec: str = "local"
+    spec_note: str = ""
+    stopped_early: bool = False
+    wall_s: float = 0.0
+
+    def save(self, path: str) -> None:
+        """The cost-model file (:func:`~megatron_dynbatch.core.cost_model.save_cost_model`: coefficients, fit
+        report, transferable profile)."""
+        save_cost_model(self.cost_model, path, self.report)
+
+    def records_json(self) -> Dict[str, Any]:
+        """The records with what they were measured on -- ``calibrate --from-records`` refits from this."""
+        s = self.setup
+        return {"environment": self.environment, "spec": self.spec,
+                "slice": {"model": s.model.to_dict(), "measured_layers": s.layers, "tp": s.tp, "lm_head": s.lm_head},
+                "records": self.records}
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine imports (it is installed and works: on a CPU machine its import raises)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+        return False
+    return True
+
+
+def resolve_spec(setup: CalibrationSetup) -> Tuple[str, str]:
+    """The layer spec to time with, and a note saying why (``--spec auto``: TE where installed on a GPU and every
+    share is a whole micro-batch, else local)."""
+    if setup.spec != "auto":
+        return setup.spec, f"--spec {setup.spec}"
+    if setup.device == "cpu":
+        return "local", "local THD spec (CPU)"
+    if not te_available():
+        return "local", "local THD spec (Transformer Engine is not installed)"
+    if any(p.group_size > 1 for p in setup.points):
+        return "local", ("local THD spec: Transformer Engine cannot time a CP share on one GPU; for TE's kernels "
+                         "calibrate --group-sizes 1 --spec te")
+    return "te", "Transformer Engine spec"
+
+
+def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = None, seed: int = 1234) -> CalibrationResult:
+    """Time ``setup``'s grid and fit it (module docstring)."""
+    t0 = time.perf_counter()
+    spec, note = resolve_spec(setup)
+    layout = SliceLayout(num_layers=setup.layers, tp=setup.tp, dtype=setup.dtype, device=setup.device, kind="mcore",
+                         vocab_size=setup.vocab_per_tp_rank, seed=seed, spec=spec)
+    sl = build_slice(setup.model, layout)
+    est = point_seconds(setup.points, setup.model, measured_layers=setup.layers, tp=setup.tp, lm_head=setup.lm_head,
+                        device=setup.device, base=setup.base, warmup=setup.warmup, repeats=setup.repeats)
+    records: List[Record] = []
+    cache: Dict[Any, float] = {}
+    done_est = done_meas = 0.0
+    stopped = False
+    for i, (point, e) in enumerate(zip(setup.points, est)):
+        elapsed = time.perf_counter() - t0
+        if setup.max_seconds is not None and \
+                projected_finish(elapsed, done_est, done_meas, float(e)) > setup.max_seconds:
+            stopped = True
+            break
+        if progress is not None:
+            progress(i, len(setup.points), elapsed)
+        start = time.perf_counter()
+        records += sl.time_records([point.item()], warmup=setup.warmup, repeats=setup.repeats, cache=cache)
+        done_meas += time.perf_counter() - start
+        done_est += float(e)
+    if len(records) < MIN_POINTS:
+        raise DynBatchConfigError("--max-seconds", setup.max_seconds, f"only {len(records)} micro-batches were timed "
+                                  f"before the limit, fewer than the {MIN_POINTS} a fit needs",
+                                  f"raise --max-seconds (start-up alone is ~{STARTUP_S:.0f} s) or shrink the grid")
+    cm, report = fit_setup(setup, records, name=f"calibrated on {sl.environment()['device']}")
+    return CalibrationResult(setup, records, cm, report, sl.environment(), spec, note, stopped,
+                             time.perf_counter() - t0)
+
+
+def fit_setup(setup: CalibrationSetup, records: List[Record], *, slice_model: Any = None, slice_layers: Any = None,
+              slice_tp: Any = None, slice_lm_head: Any = None, name: str = "calibrated") -> Tuple[CostModel, FitReport]:
+    """Fit records measured on a slice (default: ``setup``'s own) and apply the profile to ``setup.model`` on
+    ``setup.parallel``."""
+    model = setup.model if slice_model is None else slice_model
+    _, report = fit_records(records, model, measured_layers=setup.layers if slice_layers is None else slice_layers,
+                            tp=setup.tp if slice_tp is None else slice_tp,
+                            lm_head=setup.lm_head if slice_lm_head is None else slice_lm_head,
+                            parallel=setup.parallel, base=setup.base, name=name)
+    return CostModel.from_model(setup.model, setup.parallel, profile=_profile(report)), report
+
+
+def _profile(report: FitReport) -> Any:
+    from ..core.cost_profiles import CostProfile
+
+    return CostProfile.from_dict(report.profile)
+
+
+def refit_from_file(setup: CalibrationSetup, path: str) -> Tuple[CostModel, FitReport, Dict[str, Any]]:
+    """Fit the records a previous run saved (:meth:`CalibrationResult.records_json`) for ``setup``'s model and
+    layout: the slice they were measured on comes from the file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise DynBatchConfigError("--from-records", path, f"cannot be read as JSON ({exc})",
+                                  "pass a file written by calibrate --records") from None
+    if not isinstance(data, dict) or not isinstance(data.get("slice"), dict) or "records" not in data:
+        raise DynBatchConfigError("--from-records", path, "is not a calibrate records file (no 'slice' and "
+                                  "'records')", "pass a file written by calibrate --records")
+    sl = data["slice"]
+    cm, report = fit_setup(setup, data["records"], slice_model=sl.get("model"), slice_layers=sl.get("measured_layers"),
+                           slice_tp=sl.get("tp", 1), slice_lm_head=sl.get("lm_head", False),
+                           name=f"calibrated on {data.get('environment', {}).get('device', 'recorded timings')}")
+    return cm, report, data
+
+
+def calibrate(model: Any, *, progress: Optional[Progress] = None, seed: int = 1234, **options: Any) -> CalibrationResult:
+    """Calibrate the cost model on this machine: ``model`` as ``ModelSpec.from_any`` takes it (a preset name, a
+    YAML/JSON file, Megatron's parsed args), ``options`` those of :func:`~megatron_dynbatch.core.calibration.setup.
+    plan_calibration` (``parallel``, ``max_tokens_per_gpu``, ``device``, ``layers``, ``dtype``, ``spec``,
+    ``lm_head``, ``dynamic_cp``, ``group_sizes``, ``tokens``, ``seqs``, ``warmup``, ``repeats``,
+    ``max_seconds``, ``base``). ``result.save(path)`` writes the cost-model file."""
+    if "parallel" not in options and hasattr(model, "tensor_model_parallel_size"):  # Megatron args: their layout
+        from ..megatron.args import parallel_from_args
+
+        options["parallel"] = parallel_from_args(model)
+    return run_calibration(plan_calibration(model, **options), progress=progress, seed=seed)
+
+
+__all__ = ["CalibrationResult", "calibrate", "run_calibration", "fit_setup", "refit_from_file", "resolve_spec",
+           "te_available"]
