@@ -404,6 +404,41 @@ def test_tight_count_forced_by_vpp_is_packed_not_refused():
     assert plan.num_microbatches == 3
 
 
+def test_a_tight_packing_the_item_search_misses_is_found_by_bin_completion():
+    """Hypothesis found this step (dp=5, cap 256, M=3 forced by pp=3 vpp=2 N=3): 28 samples that fill 15 bins
+    90-100%. The item-by-item dive spends its share without a packing; bin completion finds one."""
+    from megatron_dynbatch.core.planner import fallback
+
+    lengths = [253, 249, 246, 240, 238, 237, 219, 169, 162, 134, 129, 110, 106, 103, 98, 96, 93, 89, 88, 86, 79, 76,
+               73, 71, 70, 65, 59, 16]
+    layout = {"dp": 5, "pp": 3, "vpp": 2, "microbatch_group_size_per_vp_stage": 3}
+    plan = plan_global_batch(lengths, parallel=layout, max_tokens_per_gpu=256, balance_by_flops=False)
+    check_invariants(plan, lengths, layout)
+    assert plan.num_microbatches == 3
+    size = sorted(lengths, reverse=True)
+    left = np.concatenate((np.cumsum(size[::-1])[::-1], [0])).tolist()
+    assert fallback._dive(size, left, 256, 15, fallback.BIN_SEARCH_WORK, [0]) is None
+    spent = [0]
+    bins = fallback._complete_bins(size, 256, 15, fallback.BIN_SEARCH_WORK, spent)
+    assert bins is not None and spent[0] <= fallback.BIN_SEARCH_WORK
+    loads = np.bincount(bins, weights=size, minlength=15)
+    assert loads.max() <= 256 and sorted(set(bins)) == list(range(15))
+
+
+@pytest.mark.parametrize("size,cap,k,packs", [
+    ([5, 5, 5, 5], 10, 2, True), ([6, 6, 6], 10, 2, False), ([7, 3, 6, 4], 10, 2, True),
+    ([], 10, 1, True), ([11], 10, 1, False), ([4, 3, 3], 10, 1, True),
+])
+def test_bin_completion_small_cases(size, cap, k, packs):
+    from megatron_dynbatch.core.planner.fallback import _complete_bins
+
+    size = sorted(size, reverse=True)
+    bins = _complete_bins(size, cap, k, 10_000, [0])
+    assert (bins is not None) == packs
+    if bins:
+        assert max(np.bincount(bins, weights=size)) <= cap and max(bins) < k
+
+
 @SETTINGS
 @given(st.integers(2, 8), st.sampled_from([256, 512, 1000, 4096]), st.integers(0, 2 ** 31 - 1))
 def test_a_count_that_packs_is_never_refused(dp, cap, seed):

@@ -12,9 +12,12 @@ rank). Before the planner declares a count infeasible, it tries, in order:
 3. **bin search** (no groups; only when the count search would otherwise refuse the batch or a forced count):
    when best fit needs more than ``dp * M`` bins but the Martello-Toth bound (:func:`.bounds.min_bins`) says
    ``dp * M`` might do, a depth-first bin packing (best fit first, bins of equal load tried once, dead room
-   pruned) within :data:`BIN_SEARCH_WORK`; its bins are dealt ``M`` per rank by size tier. A count that
-   Megatron's VPP rule forces (``M = N``, say) is then refused only when no packing was found, not whenever
-   best fit misses one;
+   pruned) within :data:`BIN_SEARCH_WORK`; where it fails, a bin-completion search (bins filled one at a time,
+   each around the largest item left, fullest sets first, the room the bins may waste in all bounded by
+   ``dp * M * cap - tokens``) within another share -- item-by-item search drowns in tight instances (bins
+   90-100% full) that bin completion solves in a few hundred nodes; its bins are dealt ``M`` per rank by size
+   tier. A count that Megatron's VPP rule forces (``M = N``, say) is then refused only when no packing was
+   found, not whenever best fit misses one;
 4. **exact search** for small steps (at most :data:`EXACT_MAX_SAMPLES` samples): depth-first over
    (rank, micro-batch) slots with symmetry breaking and a node budget, so the answer for a small case is
    right, not heuristic.
@@ -44,6 +47,9 @@ UNIT_FIT_BUDGET = 4_000_000
 #: call (every step and count together): bounded time on every input, ~0.1 s and ~0.9 s on one core
 BIN_SEARCH_WORK = 100_000
 PLAN_SEARCH_WORK = 800_000
+#: most items bin completion puts with the largest one into a bin (bins of many small items are easy for the
+#: item-by-item search; this bounds the set enumeration's recursion)
+MAX_COMPLETION_ITEMS = 64
 
 
 @dataclass
@@ -111,6 +117,12 @@ def search_bins(inp: StepInput, k: int, budget: Optional[SearchBudget] = None) -
         choice = _dive(size, left, cap, kk, work, spent)
     finally:
         budget.left -= spent[0]
+    if choice is None:  # tight instances: fill whole bins instead, from a share of its own
+        work, spent = budget.take(), [0]
+        try:
+            choice = _complete_bins(size, cap, kk, work, spent)
+        finally:
+            budget.left -= spent[0]
     if choice is None:
         return None
     bins: List[List[int]] = [[int(i)] for i in over] + [[] for _ in range(kk)]
@@ -161,6 +173,87 @@ def _dive(size: List[int], left: List[int], cap: int, k: int, work: int, spent: 
         if pos < 0:
             return None
     return choice
+
+
+def _complete_bins(size: List[int], cap: int, k: int, work: int, spent: List[int]) -> Optional[List[int]]:
+    """Bin completion over items of ``size`` (decreasing) into at most ``k`` bins of ``cap``: the bin of every
+    item, or ``None``. Each level opens a bin with the largest item left and tries the sets of other items that
+    complete it, fullest first, skipping a set to which another item left would still fit (a fuller bin with
+    the same items is as good) and sets of equal sizes already tried; a branch dies once the bins' waste passes
+    ``k * cap - sum(size)`` (no packing into ``k`` bins wastes more). ``spent[0]`` counts the items looked at
+    while building sets (the dive counts the bins it looks at: comparable work per unit); the search stops once
+    it would pass ``work``. Deterministic; iterative over bins, recursive only inside one
+    bin's set enumeration (depth at most the items of one bin)."""
+    n = len(size)
+    slack = k * cap - sum(size)
+    if slack < 0 or n == 0:
+        return None if n else []
+    placed = [-1] * n
+
+    def completions(first: int, room: int):
+        """Sets of unplaced items after ``first`` (positions, decreasing size) that fit ``room``, fullest
+        first, each maximal (no further unplaced item fits what it leaves)."""
+        free = [p for p in range(first + 1, n) if placed[p] < 0 and size[p] <= room]
+        found: List[tuple] = []
+
+        def extend(i: int, room_left: int, chosen: List[int]) -> None:
+            spent[0] += len(free) - i + 1  # the items this step looks at (as the dive counts the bins it looks at)
+            if spent[0] > work or len(chosen) > MAX_COMPLETION_ITEMS:
+                raise _OutOfWork
+            tried = set()
+            grew = False
+            for j in range(i, len(free)):
+                p = free[j]
+                if size[p] <= room_left and size[p] not in tried:
+                    tried.add(size[p])
+                    grew = True
+                    chosen.append(p)
+                    extend(j + 1, room_left - size[p], chosen)
+                    chosen.pop()
+            if not grew or not any(size[q] <= room_left for q in free if q not in chosen):
+                found.append((room_left, tuple(chosen)))
+
+        extend(0, room, [])
+        spent[0] += len(found)  # the sort and the maximality filter below
+        if spent[0] > work:
+            raise _OutOfWork
+        found.sort()  # least room left first; ties by positions (deterministic)
+        return [c for r, c in found if not any(size[q] <= r for q in free if q not in c)]
+
+    # one frame per open bin: (its first item, its completions, the next one to try, the waste before it)
+    stack: List[list] = []
+    waste = 0
+    try:
+        while True:
+            first = next((p for p in range(n) if placed[p] < 0), None)
+            if first is None:
+                return placed
+            if len(stack) < k:  # open the next bin around the largest item left
+                placed[first] = len(stack)
+                stack.append([first, completions(first, cap - size[first]), 0, waste])
+            while stack:  # take the next completion of the innermost bin that has one, else close bins
+                top = stack[-1]
+                b, (item, options, i, base) = len(stack) - 1, top
+                if i > 0:  # undo the completion tried last
+                    for p in options[i - 1]:
+                        placed[p] = -1
+                room = cap - size[item]
+                if i < len(options) and base + room - sum(size[p] for p in options[i]) <= slack:
+                    for p in options[i]:
+                        placed[p] = b
+                    waste = base + room - sum(size[p] for p in options[i])
+                    top[2] = i + 1
+                    break
+                placed[item] = -1  # no completion left within the waste: close this bin, back to the previous
+                stack.pop()
+            else:
+                return None
+    except _OutOfWork:
+        return None
+
+
+class _OutOfWork(Exception):
+    """The bin-completion search spent its share."""
 
 
 def _units_best_fit(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
