@@ -105,6 +105,7 @@ def launcher(tmp_path_factory):
         for m in PLAN_LINE.finditer(out):  # the hook's plan of each logged iteration
             sizes = dict(tuple(int(x) for x in pair.split(":")) for pair in m.group(3).split(","))
             steps.setdefault(int(m.group(1)), {}).update(microbatches=int(m.group(2)), groups=sizes)
+        run.last_refits = [int(m.group(1)) for m in CALIBRATION_LINE.finditer(out)]
         return steps
 
     return run
@@ -124,6 +125,26 @@ def _as_logged(per_iteration: dict, first: int) -> dict:
     out = dict(per_iteration)
     out[first + 1] = (per_iteration[first] + per_iteration[first + 1]) / 2
     return out
+
+
+CALIBRATION_LINE = re.compile(r"dynbatch calibration \| step (\d+) \|")
+
+
+@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]], ids=["dp2", "pp2"])
+def test_online_calibration_in_the_real_loop_keeps_the_losses(launcher, layout):
+    """--dynbatch-online-calibration in Megatron-LM's own loop: the first step is not recorded (warm-up), then
+    every 2 recorded steps each rank refits on its timings and the ranks agree on one model (the plans may change
+    from then on); losses and grad norms stay those of plain Megatron batching on the same samples."""
+    iters = 5
+    dyn = launcher(*layout, *DYNAMIC, "--dynbatch-online-calibration", "--dynbatch-calibration-interval", "2",
+                   iters=iters)
+    refits = launcher.last_refits  # the refit line, printed on rank 0
+    plain = launcher(*layout, *PLAIN, iters=iters)
+    assert sorted(dyn) == sorted(plain) == list(range(1, iters + 1))
+    for it in dyn:
+        assert dyn[it]["loss"] == pytest.approx(plain[it]["loss"], rel=2e-6)
+        assert dyn[it]["grad_norm"] == pytest.approx(plain[it]["grad_norm"], abs=1.5e-3)
+    assert refits == [3, 5], refits
 
 
 @pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
