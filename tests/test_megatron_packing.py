@@ -62,6 +62,50 @@ def test_plan_kwargs_from_scheduler_settings():
             mp.scheduler_plan_kwargs(max_seqlen_per_dp_cp_rank=bad, dp=1, cp=1)
 
 
+def test_upstreams_post_packing_padding_counts_against_the_budget():
+    """Megatron-LM dev's ``--pad-packed-seq-alignment`` pads each packed micro-batch after the scheduler ran:
+    N -> each CP rank's share to a multiple of N, ``max`` (or any alignment under a THD CUDA graph) -> to the
+    budget. The planner counts that padding, so the padded share never exceeds ``max_seqlen_per_dp_cp_rank``."""
+    from megatron_dynbatch.core.dropin.megatron_packing import plan_sample_id_groups
+
+    def kwargs(**fields):
+        return mp.scheduler_plan_kwargs(max_seqlen_per_dp_cp_rank=1000, dp=2, cp=2,
+                                        config=types.SimpleNamespace(**fields))
+
+    assert "microbatch_pad_multiple" not in kwargs()
+    assert "microbatch_pad_multiple" not in kwargs(pad_packed_seq_alignment=None)
+    assert kwargs(pad_packed_seq_alignment=384)["microbatch_pad_multiple"] == 384
+    assert kwargs(pad_packed_seq_alignment="384")["microbatch_pad_multiple"] == 384
+    assert kwargs(pad_packed_seq_alignment=np.int64(8))["microbatch_pad_multiple"] == 8
+    assert kwargs(pad_packed_seq_alignment="max")["microbatch_pad_multiple"] == 1000
+    assert kwargs(pad_packed_seq_alignment=8, cuda_graph_impl="transformer_engine")["microbatch_pad_multiple"] == 1000
+    assert kwargs(pad_packed_seq_alignment=8, cuda_graph_impl="none")["microbatch_pad_multiple"] == 8
+    for bad in (0, -8, 1001, 2.5, "eight", True):
+        with pytest.raises(DynBatchConfigError, match="--pad-packed-seq-alignment"):
+            kwargs(pad_packed_seq_alignment=bad)
+
+    rng = np.random.default_rng(3)
+    lens = rng.integers(10, 900, 64).tolist()
+    pairs = list(enumerate(lens))
+    for alignment in (384, "max"):
+        kw = kwargs(pad_packed_seq_alignment=alignment)
+        groups, plan = plan_sample_id_groups(pairs, max_seqlen_per_dp_cp_rank=kw.pop("max_tokens_per_gpu"), dp=2,
+                                             cp=2, parallel=kw.pop("parallel"), **kw)
+        step = 384 if alignment == 384 else 1000
+        for g in groups:
+            for d in range(2):
+                slots = sum(-(-lens[i] // 4) * 4 for i in g[d * 2])  # zig-zag: each sequence to 2*cp
+                share = -(-(-(-slots // 2)) // step) * step  # upstream: ceil(total / cp), then up to the multiple
+                assert share <= 1000
+        # the planner scored the same padding: every micro-batch's tokens are cp x a multiple of the step
+        assert all(t % (2 * step) == 0 and t <= 2000 for row in plan.microbatch_tokens for t in row)
+    # uncounted, a share the planner fills to 976 tokens would be padded by upstream to 1,152 > 1,000
+    kw = kwargs()
+    plan = plan_sample_id_groups(pairs, max_seqlen_per_dp_cp_rank=1000, dp=2, cp=2, parallel=kw["parallel"],
+                                 balance_by_flops=False)[1]
+    assert max(-(-t // 2 // 384) * 384 for row in plan.microbatch_tokens for t in row) > 1000
+
+
 def test_flag_choices_are_extended_on_a_megatron_style_parser():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sequence-packing-scheduler", choices=("dp_balanced", "default_dynamic_cp"), default=None)

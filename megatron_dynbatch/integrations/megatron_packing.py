@@ -32,11 +32,13 @@ import typing
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..core.dropin.megatron_packing import plan_sample_id_groups, sample_id_groups_from_plan
+from ..core.checks import whole_number
 from ..core.errors import DynBatchConfigError
 
 __all__ = [
     "SCHEDULER_NAME",
     "extend_scheduler_flag",
+    "packed_seq_padding",
     "packing_scheduler_support",
     "register_packing_scheduler",
     "sample_id_groups_from_plan",
@@ -80,6 +82,10 @@ def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, c
         sequence_parallel=bool(getattr(src, "sequence_parallel", False)),
     )
     kwargs: Dict[str, Any] = {"parallel": parallel, "max_tokens_per_gpu": int(max_seqlen_per_dp_cp_rank)}
+    pad = packed_seq_padding(config if config is not None and hasattr(config, "pad_packed_seq_alignment")
+                             else args, int(max_seqlen_per_dp_cp_rank))
+    if pad is not None:
+        kwargs["microbatch_pad_multiple"] = pad
     model_src = args if args is not None and getattr(args, "padded_vocab_size", None) else None
     if model_src is not None:
         kwargs["model"] = ModelSpec.from_megatron(model_src)
@@ -96,6 +102,25 @@ def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, c
         if getattr(args, "dynbatch_decision_margin", None) is not None:
             kwargs["decision_margin"] = float(args.dynbatch_decision_margin)
     return kwargs
+
+
+def packed_seq_padding(src: Any, max_seqlen_per_dp_cp_rank: int) -> Optional[int]:
+    """The per-GPU multiple that upstream pads each packed micro-batch to AFTER the scheduler grouped it
+    (Megatron-LM ``dev``'s ``--pad-packed-seq-alignment``; ``None`` where it is unset or unknown), so that the
+    planner counts that padding against the budget and in the modelled time: ``N`` pads each CP rank's share to
+    a multiple of ``N``; ``max`` -- and any alignment under a THD CUDA graph (``--cuda-graph-impl`` other than
+    ``none``), which upstream pads to a static shape -- pads every share to ``max_seqlen_per_dp_cp_rank``."""
+    alignment = getattr(src, "pad_packed_seq_alignment", None) if src is not None else None
+    if alignment is None:
+        return None
+    if alignment == "max" or getattr(src, "cuda_graph_impl", "none") not in (None, "none"):
+        return int(max_seqlen_per_dp_cp_rank)
+    multiple = whole_number(int(alignment) if isinstance(alignment, str) and alignment.isdigit() else alignment)
+    if multiple is None or not 1 <= multiple <= max_seqlen_per_dp_cp_rank:
+        raise DynBatchConfigError("--pad-packed-seq-alignment", alignment,
+                                  f"must be 'max' or an integer from 1 to --max-seqlen-per-dp-cp-rank "
+                                  f"({max_seqlen_per_dp_cp_rank})", "pass max or a token multiple such as 128")
+    return multiple
 
 
 # ------------------------------------------------------------------------------------ feature detection

@@ -16,6 +16,8 @@ The only CPU accommodations are :mod:`.megatron_cpu`'s shims plus ``Tensor.cuda`
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -40,11 +42,12 @@ def make_samples(lengths: Sequence[int], seed: int) -> List[Dict[str, torch.Tens
 
 
 def train(rank: int, world_size: int, scheduler: str, steps: Sequence[Sequence[Sequence[int]]], budget: int,
-          lr: float = 0.05, tp: int = 1, pp: int = 1) -> Dict[str, Any]:
+          lr: float = 0.05, tp: int = 1, pp: int = 1, pad_alignment: Any = None) -> Dict[str, Any]:
     """``steps[s][d]``: the sample lengths DP rank ``d`` loads in step ``s``. ``scheduler``: ``"dp_balanced"``
     (upstream's), ``"dynbatch"`` (our ``wrap_data_iterator``) or ``"registered"`` (ours registered in upstream's
     name-keyed map and selected by ``config.sequence_packing_scheduler``, called through upstream's
-    ``wrap_data_iterator``: Megatron-LM ``dev`` only)."""
+    ``wrap_data_iterator``: Megatron-LM ``dev`` only). ``pad_alignment``: upstream's
+    ``pad_packed_seq_alignment`` (``dev``: each packed micro-batch padded after the grouping)."""
     from megatron.core import parallel_state as ps
     from megatron.core.datasets import data_schedule as ds
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -57,6 +60,8 @@ def train(rank: int, world_size: int, scheduler: str, steps: Sequence[Sequence[S
     config = mc.tiny_gpt_config(calculate_per_token_loss=True)
     config.max_seqlen_per_dp_cp_rank = budget
     config.sequence_packing_scheduler = "dp_balanced"
+    if pad_alignment is not None:
+        config.pad_packed_seq_alignment = pad_alignment
     if scheduler == "registered":
         ours.register_packing_scheduler(strict=True)
         config.sequence_packing_scheduler = ours.SCHEDULER_NAME
@@ -65,10 +70,14 @@ def train(rank: int, world_size: int, scheduler: str, steps: Sequence[Sequence[S
     first_or_last = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
     has_data = ps.get_tensor_model_parallel_rank() == 0 and first_or_last
 
+    # dev's batch function takes the config (it pads packed micro-batches per ``pad_packed_seq_alignment``)
+    takes_config = "config" in inspect.signature(ds.get_batch_on_this_rank_for_sequence_packing).parameters
+    batch_kwargs = {"config": config} if takes_config else {}
+
     def forward_step(data_iterator: Any, module: Any) -> Any:
         tokens, labels, loss_mask, _, position_ids, psp, _ = ds.get_batch_on_this_rank_for_sequence_packing(
-            data_iterator)
-        mb_lengths.append(int(psp.cu_seqlens_q[-1]))
+            data_iterator, **batch_kwargs)
+        mb_lengths.append(int(tokens.shape[-1]))  # the rows this GPU holds, upstream's padding included
         out = module(tokens, position_ids, None, labels=labels, packed_seq_params=psp)
 
         def loss_func(output: torch.Tensor) -> Any:

@@ -217,9 +217,12 @@ def oversize_mask(lens: np.ndarray, aligned: np.ndarray, cap_eff: int, align: Al
     if over.any():
         first = int(np.flatnonzero(over)[0])
         name = f"sample {first}" if label is None else label(first)
-        where = (f"{name} has {int(lens[first])} tokens ({int(aligned[first])} after alignment to "
-                 f"{align.seq_multiple}) but a micro-batch may hold {cap_eff} (max_tokens_per_gpu="
-                 f"{max_tokens_per_gpu} x cp={par.cp}, less alignment); {int(over.sum())} "
+        padded = f" ({int(aligned[first])} padded to a multiple of {align.seq_multiple})" \
+            if align.seq_multiple > 1 else ""
+        rounding = f" rounded down to the micro-batch padding multiple {align.total_multiple}" \
+            if align.total_multiple > 1 else ""
+        where = (f"{name} has {int(lens[first])} tokens{padded} but a micro-batch may hold {cap_eff} "
+                 f"(max_tokens_per_gpu={max_tokens_per_gpu} x cp={par.cp}{rounding}); {int(over.sum())} "
                  f"{'sample(s)' if label is None else 'micro-batch group(s)'} are over")
         if oversize == "error":
             need = align.budget_for(int(aligned[over].max()), par.cp)
