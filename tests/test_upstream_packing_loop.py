@@ -116,7 +116,8 @@ from megatron_dynbatch.testing.multiproc import run_ranks
 from megatron_dynbatch.testing import upstream_packing as up
 STEPS = %(steps)r
 if __name__ == "__main__":
-    out = {name: run_ranks(up.train, 2, name, STEPS, 256, 0.05, 1, 1, %(pad)r, timeout=900) for name in %(names)r}
+    out = {name: run_ranks(up.train, 2, name, STEPS, 256, 0.05, %(tp)r, %(pp)r, %(pad)r, %(cp)r, timeout=900)
+           for name in %(names)r}
     print("RESULT", json.dumps(out))
 """
 
@@ -127,8 +128,8 @@ STEPS = [[[120, 30, 200, 64, 10, 90, 17, 150], [33, 250, 60, 40, 128, 12, 70, 5]
          [[64, 64, 64, 64, 200, 190, 180, 170], [5, 6, 7, 8, 9, 10, 11, 250]]]
 
 
-def _train(names, pad=None, steps=STEPS):
-    res = _python(_TRAIN % {"names": names, "pad": pad, "steps": steps})
+def _train(names, pad=None, steps=STEPS, tp=1, pp=1, cp=1):
+    res = _python(_TRAIN % {"names": names, "pad": pad, "steps": steps, "tp": tp, "pp": pp, "cp": cp})
     assert res.returncode == 0, res.stderr[-6000:]
     return json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT "):])
 
@@ -170,3 +171,25 @@ def test_upstreams_post_packing_padding_is_counted_in_the_budget(upstream):
     for name in names[1:]:
         rows = [t for r in range(2) for st in out[name][r]["steps"] for t in st["microbatch_tokens"]]
         assert max(rows) <= 256 and all(t % 96 == 0 for t in rows), (name, rows)
+
+
+@pytest.mark.parametrize("tp,pp,cp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "cp2"])
+def test_losses_equal_upstream_under_tensor_pipeline_and_context_parallelism(upstream, tp, pp, cp):
+    """The same through upstream's path on 2 ranks with DP=1: TP=2 (upstream broadcasts the packed batch to the
+    TP peer), PP=2 (upstream sends each micro-batch's metadata down the pipeline; the loss lives on the last
+    stage) or CP=2 (upstream slices each micro-batch zig-zag -- TE's index kernel, or its plain-torch twin
+    without TE -- and the THD attention runs the ring; sequences are multiples of 2*cp, as upstream's datasets
+    pad them). Every rank's gradient norm and the last stage's loss equal upstream's ``dp_balanced`` run."""
+    names = ["dp_balanced", "dynbatch"] + (["registered"] if upstream["map_keys"] == "names" else [])
+    # DP=1: one rank loads both ranks' samples; under CP each rounded up to a multiple of 2*cp
+    steps = [[[-(-n // (2 * cp)) * 2 * cp for n in sum(per_rank, [])]] for per_rank in STEPS]
+    out = _train(names, steps=steps, tp=tp, pp=pp, cp=cp)
+    base = out["dp_balanced"]
+    for name in names[1:]:
+        for r in range(2):
+            for s, (mine, theirs) in enumerate(zip(out[name][r]["steps"], base[r]["steps"])):
+                assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=2e-6), (name, r, s)
+                if r == 1 or pp == 1:  # the last pipeline stage (both ranks under TP) computes the loss
+                    assert mine["loss"] == pytest.approx(theirs["loss"], rel=2e-6, abs=0), (name, r, s)
+                assert mine["num_microbatches"] == out[name][1 - r]["steps"][s]["num_microbatches"]
+                assert max(mine["microbatch_tokens"]) <= 256

@@ -16,7 +16,10 @@ The only CPU accommodations are :mod:`.megatron_cpu`'s shims plus ``Tensor.cuda`
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
+import types
 
 from typing import Any, Dict, List, Sequence
 
@@ -41,13 +44,40 @@ def make_samples(lengths: Sequence[int], seed: int) -> List[Dict[str, torch.Tens
     return out
 
 
+def _stand_in_for_te_cp_index(ds: Any) -> None:
+    """Without Transformer Engine, put the plain-torch twin of ``tex.thd_get_partitioned_indices`` where upstream
+    looks it up: ``data_schedule.tex`` (Megatron-LM ``main``) and ``get_thd_partitioned_indices`` of
+    ``extensions/transformer_engine.py`` and ``data_schedule_utils.py`` (``dev``). The twin covers upstream's
+    slicing call (``total_tokens == cu_seqlens[-1]``) and refuses anything else."""
+    from ..megatron.context_parallel import zigzag_partition_indices
+
+    def index(cu_seqlens: torch.Tensor, total_tokens: int, size: int, rank_: int) -> torch.Tensor:
+        if int(total_tokens) != int(cu_seqlens[-1]):
+            raise NotImplementedError("the CPU stand-in for TE's thd_get_partitioned_indices covers "
+                                      "total_tokens == cu_seqlens[-1] only")
+        return zigzag_partition_indices(cu_seqlens, int(size), int(rank_))
+
+    if hasattr(ds, "tex") and ds.tex is None:
+        ds.tex = types.SimpleNamespace(thd_get_partitioned_indices=index)
+    for name in ("megatron.core.extensions.transformer_engine", "megatron.core.datasets.data_schedule_utils"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "get_thd_partitioned_indices"):
+            module.get_thd_partitioned_indices = index
+
+
 def train(rank: int, world_size: int, scheduler: str, steps: Sequence[Sequence[Sequence[int]]], budget: int,
-          lr: float = 0.05, tp: int = 1, pp: int = 1, pad_alignment: Any = None) -> Dict[str, Any]:
+          lr: float = 0.05, tp: int = 1, pp: int = 1, pad_alignment: Any = None, cp: int = 1) -> Dict[str, Any]:
     """``steps[s][d]``: the sample lengths DP rank ``d`` loads in step ``s``. ``scheduler``: ``"dp_balanced"``
     (upstream's), ``"dynbatch"`` (our ``wrap_data_iterator``) or ``"registered"`` (ours registered in upstream's
     name-keyed map and selected by ``config.sequence_packing_scheduler``, called through upstream's
     ``wrap_data_iterator``: Megatron-LM ``dev`` only). ``pad_alignment``: upstream's
-    ``pad_packed_seq_alignment`` (``dev``: each packed micro-batch padded after the grouping)."""
+    ``pad_packed_seq_alignment`` (``dev``: each packed micro-batch padded after the grouping). ``cp > 1``:
+    upstream slices each micro-batch with Transformer Engine's ``tex.thd_get_partitioned_indices``; without
+    TE (CPU) this module's plain-torch twin of it stands in (:func:`megatron_dynbatch.megatron.context_parallel.
+    zigzag_partition_indices`, the same token selection), and the THD attention runs the CP ring."""
     from megatron.core import parallel_state as ps
     from megatron.core.datasets import data_schedule as ds
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -55,7 +85,9 @@ def train(rank: int, world_size: int, scheduler: str, steps: Sequence[Sequence[S
     from . import megatron_cpu as mc
     from ..integrations import megatron_packing as ours
 
-    mc.init_cpu_distributed(rank, world_size, tp=tp, pp=pp)
+    mc.init_cpu_distributed(rank, world_size, tp=tp, pp=pp, cp=cp)
+    if cp > 1 and importlib.util.find_spec("transformer_engine") is None:
+        _stand_in_for_te_cp_index(ds)
     torch.Tensor.cuda = mc._tensor_stays_on_cpu  # type: ignore[method-assign]
     config = mc.tiny_gpt_config(calculate_per_token_loss=True)
     config.max_seqlen_per_dp_cp_rank = budget
@@ -77,7 +109,8 @@ def train(rank: int, world_size: int, scheduler: str, steps: Sequence[Sequence[S
     def forward_step(data_iterator: Any, module: Any) -> Any:
         tokens, labels, loss_mask, _, position_ids, psp, _ = ds.get_batch_on_this_rank_for_sequence_packing(
             data_iterator, **batch_kwargs)
-        mb_lengths.append(int(tokens.shape[-1]))  # the rows this GPU holds, upstream's padding included
+        # the rows this GPU holds, upstream's padding included (no tokens on a middle pipeline stage)
+        mb_lengths.append(int(tokens.shape[-1]) if tokens is not None else int(psp.cu_seqlens_q_padded[-1]))
         out = module(tokens, position_ids, None, labels=labels, packed_seq_params=psp)
 
         def loss_func(output: torch.Tensor) -> Any:
@@ -102,7 +135,7 @@ def train(rank: int, world_size: int, scheduler: str, steps: Sequence[Sequence[S
         pair = torch.zeros(2, dtype=torch.float64)
         for d in losses or []:
             pair += d["lm loss"].double()
-        torch.distributed.all_reduce(pair, group=ps.get_data_parallel_group())
+        torch.distributed.all_reduce(pair, group=ps.get_data_parallel_group(with_context_parallel=True))
         grads = [p.main_grad.reshape(-1) for p in model.parameters() if getattr(p, "main_grad", None) is not None]
         gnorm = float(torch.cat(grads).double().norm())
         with torch.no_grad():
