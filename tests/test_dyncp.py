@@ -176,6 +176,15 @@ def test_dynamic_cp_plan_invariants_on_random_batches(layout, budget, data, mode
             assert plan.microbatch_tokens[g][j] * size == full
 
 
+def test_dynamic_cp_lower_bound_uses_the_smallest_groups_floor():
+    # found by the property above: two empty samples, each alone on one GPU of a cp=2 pool, cost the single-GPU
+    # floor; the bound used the CP member's (higher) floor and sat above the plan
+    plan = plan_global_batch([0, 0], model="tiny-gpt", parallel={"dp": 1, "cp": 2}, max_tokens_per_gpu=16,
+                             dynamic_cp=True)
+    assert plan.groups == [[(0, 1)], [(1, 1)]]
+    assert plan.lower_bound_step_time <= plan.predicted_step_time < plan.fixed_cp_step_time
+
+
 def test_dynamic_cp_spreads_a_dominating_sequence():
     # one document as long as everything else together; one micro-batch per GPU leaves 7 GPUs waiting for it
     lengths = [30000] + [1500] * 20

@@ -342,13 +342,14 @@ class CostModel:
         return np.array([self.rank_time(r) for r in ranks])
 
     def lower_bound(self, total_work: float, max_sample_work: float, dp: int, min_microbatches: int,
-                    max_microbatches: int) -> float:
+                    max_microbatches: int, group_size: Optional[int] = None) -> float:
         """A step-time bound no plan can beat: perfect balance of the unavoidable work (aligned tokens and real
         attention) over ``dp`` ranks, the fewest micro-batches the budget allows (each at least the floor), and,
         with ``pp > 1``, the 1F1B bubble of equal micro-batches at the best count. A sample cannot be split, so
-        the rank holding the largest one takes at least that long."""
+        the rank holding the largest one takes at least that long. ``group_size``: the smallest CP group a
+        micro-batch may run on (dynamic CP: 1, whose floor has no CP member's share); default the layout's."""
         w = total_work / dp
-        floor = float(self._floor(self.cp))
+        floor = float(self._floor(self.cp if group_size is None else group_size))
         m_lo = max(1, min_microbatches)
         m_hi = max(m_lo, max_microbatches)
         single_mb = max(floor, max_sample_work + self.overhead_s)

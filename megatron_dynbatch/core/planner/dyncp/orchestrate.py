@@ -207,7 +207,8 @@ def _lower_bound(step: StepData) -> Tuple[float, int]:
     one = step.sizes[1]
     tokens = int(np.minimum(one.aligned, one.cap).sum())
     m_lo = max(1, -(-tokens // (pool * max(1, one.cap))))
-    bound = step.cm.lower_bound(float(best_gpu_s.sum()), float(best_t.max()), pool, m_lo, max(m_lo, step.n))
+    bound = step.cm.lower_bound(float(best_gpu_s.sum()), float(best_t.max()), pool, m_lo, max(m_lo, step.n),
+                                group_size=min(step.sizes))  # a slot may run on the smallest group: its floor
     return bound, m_lo
 
 
