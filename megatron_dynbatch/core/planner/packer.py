@@ -27,11 +27,15 @@ or all samples of one ``microbatch_group_ids`` group merged into one (``StepInpu
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
+import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .smallops import np_sum
 
 
 @dataclass
@@ -66,6 +70,14 @@ class StepInput:
             self.unit_tokens = np.bincount(unit_of, weights=charged, minlength=n_units).round().astype(np.int64)
             self.unit_count = np.bincount(unit_of, minlength=n_units).astype(np.int64)
             self.unit_samples = np.bincount(unit_of, weights=item_samples, minlength=n_units).round().astype(np.int64)
+
+    @functools.cached_property
+    def unit_lists(self) -> Tuple[list, list, list, list]:
+        """``(unit_weight, unit_tokens, unit_count, unit_samples)`` as Python lists, made once per step: the
+        plain-Python fast paths read them one element at a time (a NumPy scalar per element is several times
+        slower)."""
+        return (self.unit_weight.tolist(), self.unit_tokens.tolist(), self.unit_count.tolist(),
+                self.unit_samples.tolist())
 
     def sample_target(self, dp: int) -> Optional[int]:
         """Samples every rank must hold under ``equal_samples`` (the caller checked divisibility), else None."""
@@ -230,6 +242,12 @@ def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) 
     return True
 
 
+#: steps of at most this many units start the refinement from plain-Python sums (no NumPy call per rank)
+SMALL_STEP = 64
+#: at most this many candidate pairs: :func:`_improve_global` searches in plain Python (:func:`_global_py`)
+SMALL_GLOBAL = 256
+
+
 def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int, rtol: float = 1e-4,
                  global_budget: int = 1_000_000) -> None:
     """Phase 2: in place, shrink the heaviest rank by moving or swapping one unit with a light rank.
@@ -246,9 +264,16 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     w, tok, cnt_u = inp.unit_weight, inp.unit_tokens, inp.unit_count
     smp = inp.unit_samples if inp.equal_samples else None  # swaps keep sample counts; no moves
     capacity = m * inp.cap
-    loads = np.array([w[r].sum() if r else 0.0 for r in ranks])
-    used = np.array([tok[r].sum() if r else 0 for r in ranks], dtype=np.int64)
-    cnt = np.array([cnt_u[r].sum() if r else 0 for r in ranks], dtype=np.int64)
+    lists = inp.unit_lists
+    if len(w) <= SMALL_STEP:
+        wl, tl, cl = lists[:3]
+        loads = np.array([np_sum([wl[u] for u in r]) for r in ranks])
+        used = np.array([sum(tl[u] for u in r) for r in ranks], dtype=np.int64)
+        cnt = np.array([sum(cl[u] for u in r) for r in ranks], dtype=np.int64)
+    else:
+        loads = np.array([w[r].sum() if r else 0.0 for r in ranks])
+        used = np.array([tok[r].sum() if r else 0 for r in ranks], dtype=np.int64)
+        cnt = np.array([cnt_u[r].sum() if r else 0 for r in ranks], dtype=np.int64)
     mean = loads.mean()
     if mean <= 0:
         return
@@ -262,26 +287,43 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
             b = int(b)
             if b == a:
                 continue
-            if _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp):
+            if _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp, lists):
                 moved = True
                 break
         if not moved:
             cost = len(ranks[a]) * len(w)  # candidate pairs the vectorised search builds
             if cost > global_left or not _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m,
-                                                         smp):
+                                                         smp, lists if cost <= SMALL_GLOBAL else None):
                 return
             global_left -= cost
 
 
-def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None) -> bool:
-    """Best single move or swap between rank ``a`` and any other rank (vectorised over all units); with ``smp``
-    (samples per unit, under equal_samples) only swaps of units with equal sample counts."""
+def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None, lists=None) -> bool:
+    """Best single move or swap between rank ``a`` and any other rank; with ``smp`` (samples per unit, under
+    equal_samples) only swaps of units with equal sample counts. ``lists`` (:attr:`StepInput.unit_lists`, given
+    for small searches): search in plain Python (:func:`_global_py`), else vectorised (:func:`_global_np`)."""
+    if not ranks[a]:
+        return False
+    bound = loads[a] * (1 - 1e-12)  # an exchange must lower rank a's load
+    if lists is not None:
+        found = _global_py(ranks, a, float(bound), loads.tolist(), used.tolist(), cnt.tolist(), capacity, m,
+                           *lists[:3], lists[3] if smp is not None else None)
+    else:
+        found = _global_np(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, smp)
+    if found is None:
+        return False
+    x, y, b = found
+    _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u)
+    return True
+
+
+def _global_np(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, smp):
+    """The exchange of :func:`_improve_global`, ``(x, y, b)`` (``y`` None for a move to ``b``) or None: the
+    smallest new maximum of the two ranks below ``bound``, vectorised over (unit of ``a``, rank or unit)."""
     ua = np.asarray(ranks[a], dtype=np.int64)
     others = [(b, u) for b, units in enumerate(ranks) if b != a for u in units]
-    if not ua.size:
-        return False
     la = loads[a]
-    best = (la * (1 - 1e-12), None)
+    best = (bound, None)
     # Moves a -> b for every rank b.
     bs = np.array([b for b in range(len(ranks)) if b != a], dtype=np.int64)
     new_max = np.maximum(la - w[ua][:, None], loads[bs][None, :] + w[ua][:, None])
@@ -309,11 +351,36 @@ def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=
         i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
         if new_max[i, j] < best[0]:
             best = (new_max[i, j], (int(ua[i]), int(yu[j]), int(yb[j])))
-    if best[1] is None:
-        return False
-    x, y, b = best[1]
-    _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u)
-    return True
+    return best[1]
+
+
+def _global_py(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, smp):
+    """:func:`_global_np` in plain Python over lists: the candidates in the same (row-major) order and a running
+    minimum with ``<`` from ``bound`` -- what "``argmin``, kept if below the best so far" selects."""
+    la, used_a, cnt_a = loads[a], used[a], cnt[a]
+    best_max, best = bound, None
+    if smp is None:  # moves a -> b
+        for x in ranks[a]:
+            wx = w[x]
+            if not (cnt_a - cnt_u[x] >= m and wx > 0):
+                continue
+            for b in range(len(ranks)):
+                if b != a and used[b] + tok[x] <= capacity:
+                    new_max = max(la - wx, loads[b] + wx)
+                    if new_max < best_max:
+                        best_max, best = new_max, (x, None, b)
+    others = [(b, y) for b, units in enumerate(ranks) if b != a for y in units]
+    for x in ranks[a]:  # swaps: x of a for y of b
+        wx, tx, cx = w[x], tok[x], cnt_u[x]
+        for b, y in others:
+            delta = wx - w[y]
+            if (delta > 0 and used[b] - tok[y] + tx <= capacity and used_a - tx + tok[y] <= capacity
+                    and cnt_a - cx + cnt_u[y] >= m and cnt[b] - cnt_u[y] + cx >= m
+                    and (smp is None or smp[x] == smp[y])):
+                new_max = max(la - delta, loads[b] + delta)
+                if new_max < best_max:
+                    best_max, best = new_max, (x, y, b)
+    return best
 
 
 def _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u) -> None:
@@ -333,21 +400,42 @@ def _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u) -> None:
     cnt[b] += delta_c
 
 
-def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None) -> bool:
+#: at most this many units on the two ranks: :func:`_improve_pair` searches in plain Python (:func:`_pair_py`),
+#: where NumPy's per-call overhead would dominate; more use the vectorised search (:func:`_pair_np`)
+SMALL_PAIR = 24
+
+
+def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None, lists=None) -> bool:
+    """Move one unit from rank ``a`` to ``b``, or swap a unit of ``a`` with a lighter one of ``b``: the exchange
+    whose weight is closest to half their gap, if it shrinks the gap. ``lists``: the per-unit arrays as Python
+    lists (:attr:`StepInput.unit_lists`), which lets small pairs take the plain-Python search."""
     gap = loads[a] - loads[b]
     if gap <= 0:
         return False
-    ua = np.asarray(ranks[a], dtype=np.int64)
-    ub = np.asarray(ranks[b], dtype=np.int64)
+    args = (ranks[a], ranks[b], float(gap), int(used[a]), int(used[b]), int(cnt[a]), int(cnt[b]), capacity, m)
+    if lists is not None and len(ranks[a]) + len(ranks[b]) <= SMALL_PAIR:
+        found = _pair_py(*args, *lists[:3], lists[3] if smp is not None else None)
+    else:
+        found = _pair_np(*args, w, tok, cnt_u, smp)
+    if found is None:
+        return False
+    _apply_exchange(ranks, a, b, found[0], found[1], loads, used, cnt, w, tok, cnt_u)
+    return True
+
+
+def _pair_np(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w, tok, cnt_u, smp):
+    """The exchange of :func:`_improve_pair`, ``(x, y)`` (``y`` None for a move) or None; vectorised over units:
+    a move of ``x`` changes the pair maximum to ``max(La - x, Lb + x)``, best at ``x = gap / 2``, and for a swap
+    each unit of ``a`` binary-searches ``b``'s units (by weight) for the partner closest to ``wa - gap / 2``."""
+    ua = np.asarray(units_a, dtype=np.int64)
+    ub = np.asarray(units_b, dtype=np.int64)
     best_dev, best = np.inf, None
-    # Move one unit a -> b: the new pair maximum is max(La - x, Lb + x); best x is gap / 2.
     wa = w[ua]
-    ok = (wa > 0) & (wa < gap) & (used[b] + tok[ua] <= capacity) & (cnt[a] - cnt_u[ua] >= m) & (smp is None)
+    ok = (wa > 0) & (wa < gap) & (used_b + tok[ua] <= capacity) & (cnt_a - cnt_u[ua] >= m) & (smp is None)
     if ok.any():
         dev = np.where(ok, np.abs(wa - gap / 2), np.inf)
         i = int(np.argmin(dev))
         best_dev, best = dev[i], (ua[i], None)
-    # Swap a unit of a with a lighter unit of b whose difference is closest to gap / 2.
     if ub.size:
         ord_b = np.argsort(w[ub], kind="stable")
         wb_sorted = w[ub][ord_b]
@@ -357,10 +445,10 @@ def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp
             cand_b = ub[ord_b[j]]
             delta = wa - w[cand_b]
             ok = ((delta > 0) & (delta < gap)
-                  & (used[b] - tok[cand_b] + tok[ua] <= capacity)
-                  & (used[a] - tok[ua] + tok[cand_b] <= capacity)
-                  & (cnt[a] - cnt_u[ua] + cnt_u[cand_b] >= m)
-                  & (cnt[b] - cnt_u[cand_b] + cnt_u[ua] >= m))
+                  & (used_b - tok[cand_b] + tok[ua] <= capacity)
+                  & (used_a - tok[ua] + tok[cand_b] <= capacity)
+                  & (cnt_a - cnt_u[ua] + cnt_u[cand_b] >= m)
+                  & (cnt_b - cnt_u[cand_b] + cnt_u[ua] >= m))
             if smp is not None:
                 ok &= smp[ua] == smp[cand_b]
             if ok.any():
@@ -369,10 +457,43 @@ def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp
                 if dev[i] < best_dev:
                     best_dev, best = dev[i], (ua[i], cand_b[i])
     if best is None or best_dev >= gap / 2:
-        return False
-    x, y = int(best[0]), best[1]
-    _apply_exchange(ranks, a, b, x, None if y is None else int(y), loads, used, cnt, w, tok, cnt_u)
-    return True
+        return None
+    return int(best[0]), None if best[1] is None else int(best[1])
+
+
+def _pair_py(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w, tok, cnt_u, smp):
+    """:func:`_pair_np` for a few units, in plain Python over lists. The same candidates in the same order (moves,
+    then the swaps of both binary-search neighbours), the same float64 arithmetic (Python floats are IEEE doubles,
+    as NumPy's) and ``bisect_left`` for ``searchsorted``; NumPy's "``argmin`` of each candidate set, kept if
+    strictly better" is a running minimum with ``<``, which keeps the first of equal deviations the same way."""
+    half = gap / 2
+    best_dev, best = math.inf, None
+    if smp is None:  # moves a -> b
+        for x in units_a:
+            wx = w[x]
+            if 0 < wx < gap and used_b + tok[x] <= capacity and cnt_a - cnt_u[x] >= m:
+                dev = abs(wx - half)
+                if dev < best_dev:
+                    best_dev, best = dev, (x, None)
+    if units_b:  # swaps: x of a for y of b
+        ord_b = sorted(units_b, key=w.__getitem__)  # stable, as argsort(kind="stable")
+        wb_sorted = [w[y] for y in ord_b]
+        last = len(ord_b) - 1
+        pos = [bisect.bisect_left(wb_sorted, w[x] - half) for x in units_a]
+        for shift in (0, -1):
+            for x, p in zip(units_a, pos):
+                j = p + shift
+                y = ord_b[0 if j < 0 else last if j > last else j]
+                delta = w[x] - w[y]
+                if (0 < delta < gap and used_b - tok[y] + tok[x] <= capacity and used_a - tok[x] + tok[y] <= capacity
+                        and cnt_a - cnt_u[x] + cnt_u[y] >= m and cnt_b - cnt_u[y] + cnt_u[x] >= m
+                        and (smp is None or smp[x] == smp[y])):
+                    dev = abs(delta - half)
+                    if dev < best_dev:
+                        best_dev, best = dev, (x, y)
+    if best is None or best_dev >= half:
+        return None
+    return best
 
 
 def pack_rank(samples: Sequence[int], inp: StepInput, m: int) -> Optional[List[List[int]]]:
