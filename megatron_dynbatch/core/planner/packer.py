@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .smallops import np_sum
+from ..smallops import np_sum
 
 
 @dataclass

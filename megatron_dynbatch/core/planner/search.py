@@ -33,7 +33,7 @@ from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .bounds import min_bins
 from .fallback import SearchBudget, feasible_packing
-from .ordering import order_and_time, polish_pipeline
+from .ordering import TimingMemo, order_and_time, polish_pipeline
 from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins, split_bins
 from .counts import CountRule
 
@@ -73,6 +73,7 @@ class _Counts:
         #: packed without it, so it never costs time on a batch that plans anyway
         self.deep = False
         self.search = search if search is not None else SearchBudget()
+        self.memo = TimingMemo()  # times of this step's small plans, shared by every count (ordering.py)
 
     def global_bins(self, m: int) -> Optional[list]:
         """Without groups: ``dp * m`` bins packed over the whole step and dealt by size tier
@@ -117,10 +118,10 @@ class _Counts:
         if bins is not None and self.pipeline_polish:
             done = polish_pipeline(bins, inp.aligned, self.sq, inp.oversize, inp.cap, self.cm, self.align,
                                    max_evals=polish_evals, max_ops=FINAL_POLISH_OPS if final else POLISH_OPS,
-                                   start_evals=done)
+                                   start_evals=done, memo=self.memo)
             if not final:
                 self.polished[m] = (_copy_bins(bins), done)
-        best = order_and_time(bins, inp.aligned, self.sq, self.cm, self.align) if bins is not None else None
+        best = order_and_time(bins, inp.aligned, self.sq, self.cm, self.align, self.memo) if bins is not None else None
         if self.lockstep:  # expert-parallel ranks advance together: also try even micro-batches across ranks
             alt = self.global_bins(m)
             if alt is not None:
