@@ -14,6 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
+#: steps (or sets of sizes) of at most this many items take the plain-Python paths
+SMALL_STEP = 64
+
 #: NumPy sums float64 pairwise, and below this many elements its pairwise base case is a plain left-to-right loop
 #: from 0.0 (``pairwise_sum`` in NumPy's ``loops_utils.h.src``); larger sums go to NumPy itself
 SEQUENTIAL_SUM = 8

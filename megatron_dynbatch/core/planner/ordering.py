@@ -268,8 +268,9 @@ def order_and_time(bins, aligned, sq, cm: CostModel, align: Alignment, memo: Opt
     else:
         rank_t, perms = rt.ranks_timed(times)
     ordered = [[rank[i] for i in p] for rank, p in zip(bins, perms)]
-    mean = float(rank_t.mean())
-    return ordered, float(rank_t.max()), float(rank_t.max() / mean) if mean > 0 else 1.0
+    values = rank_t.tolist()
+    top, mean = max(values), np_sum(values) / len(values)  # as rank_t.max() and rank_t.mean()
+    return ordered, top, top / mean if mean > 0 else 1.0
 
 
 def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int, cm: CostModel,

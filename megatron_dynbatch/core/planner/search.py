@@ -23,6 +23,7 @@ Pure NumPy; deterministic.
 
 from __future__ import annotations
 
+import itertools
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..alignment import Alignment
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from ..smallops import SMALL_STEP
 from .bounds import min_bins
 from .fallback import SearchBudget, feasible_packing
 from .ordering import TimingMemo, order_and_time, polish_pipeline
@@ -313,6 +315,11 @@ def _max_count(inp: StepInput, dp: int) -> int:
     every ``j < dp`` the ``dp - j`` ranks holding none of the ``j`` largest units share what the others leave:
     ``M <= (items - top_j) // (dp - j)``. ``j = 0`` is the plain ``items // dp``; larger ``j`` refuse at once a
     step whose one giant group leaves the other ranks too few items (which used to search for minutes)."""
+    if inp.unit_count.size <= SMALL_STEP:  # the same integers in plain Python
+        c = sorted(inp.unit_lists[2], reverse=True)
+        total = sum(c)
+        tops = itertools.accumulate([0] + c)  # the j largest
+        return min((total - top) // (dp - j) for j, top in zip(range(min(dp, len(c))), tops))
     c = np.sort(inp.unit_count)[::-1]
     j = np.arange(min(dp, c.size))
     top = np.concatenate(([0], np.cumsum(c)))[j]
@@ -376,13 +383,15 @@ def count_dependent_share(m: int, step: float, cm: CostModel) -> float:
     if step <= 0:
         return 1.0
     bubble = (cm.pp - 1) / max(cm.vpp, 1) if cm.pp > 1 else 0.0
-    fixed = float(cm.microbatch_time(0, 0))  # what any micro-batch costs at least: the overhead, or the floor
+    fixed = cm.microbatch_time_of(0, 0.0)  # what any micro-batch costs at least: the overhead, or the floor
     return min(1.0, bubble / (m + bubble) + m * fixed / cm.pp / step)
 
 
 def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, inp: StepInput, best,
                       rule: CountRule) -> List[int]:
     """Extra counts worth scoring after the first feasible ``m``."""
+    if rule.next(m + 1) > m_max:  # every candidate is a valid count above m: none fits (the cheap common case)
+        return []
     out: List[int] = []
     if par.pp > 1 and cm.overhead_s > 0:
         w = float(cm.work(inp.aligned, 0.0).sum()) / par.dp  # linear part is enough to locate the optimum
