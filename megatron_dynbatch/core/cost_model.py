@@ -342,11 +342,15 @@ class CostModel:
             return 0.0
         if self.pp == 1:
             return np_sum(mb_times)
-        stage = [t / self.pp for t in mb_times]
+        return self.pipeline_time_of([t / self.pp for t in mb_times])
+
+    def pipeline_time_of(self, stage_times: Sequence[float]) -> float:
+        """:meth:`rank_time_of` with ``pp > 1`` from the per-stage times (``t / pp``, in execution order; not
+        empty): callers timing several orders of the same micro-batches divide once."""
         if self.vpp > 1:
-            total = np_sum(stage)
-            return total + (self.pp - 1) / self.vpp * (total / len(stage))  # NumPy's mean is sum / count
-        return simulate_1f1b(stage, self.pp)
+            total = np_sum(stage_times)
+            return total + (self.pp - 1) / self.vpp * (total / len(stage_times))  # NumPy's mean is sum / count
+        return simulate_1f1b(stage_times, self.pp)
 
     def rank_times(self, mb_times: np.ndarray) -> np.ndarray:
         """:meth:`rank_time` of every row of ``mb_times`` (``[ranks, M]``, each row in execution order)."""

@@ -208,8 +208,9 @@ def best_of_list(times: List[float], cm: CostModel) -> Tuple[float, str]:
     if cm.pp == 1:
         return cm.rank_time_of(times), "desc"
     best = None
+    stage = [t / cm.pp for t in times]
     for pattern, perm in zip(PATTERNS, arrangements_of(times)):
-        t = cm.rank_time_of([times[i] for i in perm])
+        t = cm.pipeline_time_of([stage[i] for i in perm])
         if best is None or t < best[0] - 1e-15:
             best = (t, pattern)
     return best

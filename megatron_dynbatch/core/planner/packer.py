@@ -29,13 +29,14 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..smallops import np_sum
+from ..smallops import SMALL_STEP, np_sum
 
 
 @dataclass
@@ -79,6 +80,11 @@ class StepInput:
         return (self.unit_weight.tolist(), self.unit_tokens.tolist(), self.unit_count.tolist(),
                 self.unit_samples.tolist())
 
+    @functools.cached_property
+    def item_lists(self) -> Tuple[list, list, list]:
+        """``(aligned, weight, oversize)`` as Python lists, made once per step (see :attr:`unit_lists`)."""
+        return self.aligned.tolist(), self.weight.tolist(), self.oversize.tolist()
+
     def sample_target(self, dp: int) -> Optional[int]:
         """Samples every rank must hold under ``equal_samples`` (the caller checked divisibility), else None."""
         return int(self.unit_samples.sum()) // dp if self.equal_samples else None
@@ -98,19 +104,29 @@ def _desc_order(primary: np.ndarray, secondary: np.ndarray) -> np.ndarray:
     return np.lexsort((idx, -secondary, -primary))
 
 
+def _desc_order_of(items, primary: Sequence, secondary: Sequence) -> List[int]:
+    """:func:`_desc_order` in plain Python: ``items`` by decreasing ``primary[i]``, then decreasing
+    ``secondary[i]``; the sort is stable, so ties keep the order of ``items`` as the index key does."""
+    return sorted(items, key=lambda i: (-primary[i], -secondary[i]))
+
+
 def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
     """Phase 1: units per rank, or ``None`` if some unit fits no rank's ``m * cap`` token capacity."""
     if inp.equal_samples:
         return _assign_equal(inp, dp, m)
     capacity = m * inp.cap
-    order_arr = _desc_order(inp.unit_weight, inp.unit_tokens)
     # Plain Python lists in the hot loop: indexing NumPy scalars one at a time is several times slower.
-    tok_sorted = inp.unit_tokens[order_arr]
+    if inp.unit_weight.size <= SMALL_STEP:  # small steps: no NumPy call at all
+        weights, tokens = inp.unit_lists[:2]
+        order = _desc_order_of(range(len(weights)), weights, tokens)
+        need_of, weight_of = [tokens[u] for u in order], [weights[u] for u in order]
+    else:
+        order_arr = _desc_order(inp.unit_weight, inp.unit_tokens)
+        order = order_arr.tolist()
+        need_of = inp.unit_tokens[order_arr].tolist()
+        weight_of = inp.unit_weight[order_arr].tolist()
     # Smallest token demand among the units still to place: a rank that cannot take even that is retired.
-    suffix_min = np.minimum.accumulate(tok_sorted[::-1])[::-1].tolist() + [0]
-    order = order_arr.tolist()
-    need_of = tok_sorted.tolist()
-    weight_of = inp.unit_weight[order_arr].tolist()
+    suffix_min = list(itertools.accumulate(reversed(need_of), min))[::-1] + [0]
     used = [0] * dp
     ranks: List[List[int]] = [[] for _ in range(dp)]
     heap = [(0.0, r) for r in range(dp)]
@@ -213,6 +229,10 @@ def _lpt_equal(inp: StepInput, dp: int, target: int, capacity: int) -> Optional[
 
 def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) -> bool:
     """Move the lightest units from ranks with more than ``m`` samples to ranks with fewer."""
+    if inp.unit_count.size <= SMALL_STEP:
+        counts = inp.unit_lists[2]
+        if all(sum([counts[u] for u in r]) >= m for r in ranks):
+            return True  # no rank is short: nothing to move (what the loop below finds, without NumPy)
     cnt = np.array([inp.unit_count[r].sum() if r else 0 for r in ranks], dtype=np.int64)
     used = np.array([inp.unit_tokens[r].sum() if r else 0 for r in ranks], dtype=np.int64)
     for r in np.flatnonzero(cnt < m):
@@ -242,8 +262,6 @@ def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) 
     return True
 
 
-#: steps of at most this many units start the refinement from plain-Python sums (no NumPy call per rank)
-SMALL_STEP = 64
 #: at most this many candidate pairs: :func:`_improve_global` searches in plain Python (:func:`_global_py`)
 SMALL_GLOBAL = 256
 
@@ -265,7 +283,7 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     smp = inp.unit_samples if inp.equal_samples else None  # swaps keep sample counts; no moves
     capacity = m * inp.cap
     lists = inp.unit_lists
-    if len(w) <= SMALL_STEP:
+    if len(w) <= SMALL_STEP:  # plain-Python sums (np_sum: NumPy's order), no NumPy call per rank
         wl, tl, cl = lists[:3]
         loads = np.array([np_sum([wl[u] for u in r]) for r in ranks])
         used = np.array([sum(tl[u] for u in r) for r in ranks], dtype=np.int64)
@@ -498,20 +516,27 @@ def _pair_py(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w
 
 def pack_rank(samples: Sequence[int], inp: StepInput, m: int) -> Optional[List[List[int]]]:
     """Phase 3: exactly ``m`` non-empty micro-batches of ``samples`` within the cap, or ``None``."""
-    samples = np.asarray(samples, dtype=np.int64)
-    over = samples[inp.oversize[samples]]
-    normal = samples[~inp.oversize[samples]]
-    k = m - over.size
-    if k < 0 or (k == 0 and normal.size) or normal.size < k:
+    if len(samples) <= SMALL_STEP:  # plain Python over the step's lists: NumPy's call overhead dominates
+        aligned, weight, oversize = inp.item_lists
+        over = [int(i) for i in samples if oversize[i]]
+        normal = _desc_order_of([int(i) for i in samples if not oversize[i]], weight, aligned)
+        needs, weights = [aligned[i] for i in normal], [weight[i] for i in normal]
+    else:
+        samples = np.asarray(samples, dtype=np.int64)
+        over = samples[inp.oversize[samples]].tolist()
+        normal_arr = samples[~inp.oversize[samples]]
+        normal_arr = normal_arr[_desc_order(inp.weight[normal_arr], inp.aligned[normal_arr])]
+        normal, needs, weights = (normal_arr.tolist(), inp.aligned[normal_arr].tolist(),
+                                  inp.weight[normal_arr].tolist())
+    k = m - len(over)
+    if k < 0 or (k == 0 and normal) or len(normal) < k:
         return None
-    bins: List[List[int]] = [[int(i)] for i in over]
+    bins: List[List[int]] = [[i] for i in over]
     if k == 0:
         return bins
-    aligned, weight, cap = inp.aligned, inp.weight, inp.cap
-    normal = normal[_desc_order(weight[normal], aligned[normal])]
-    packed = _lpt_bins(normal, aligned, weight, k, cap)
+    packed = _lpt_bins(normal, needs, weights, k, inp.cap)
     if packed is None:
-        packed = _best_fit_bins(normal, aligned, k, cap)
+        packed = _best_fit_bins(np.asarray(normal, dtype=np.int64), inp.aligned, k, inp.cap)
         if packed is None:
             return None
     return bins + packed
@@ -524,8 +549,10 @@ MAX_SKIPS = 200_000
 SKIP_LIMIT = 4
 
 
-def _lpt_bins(items: np.ndarray, aligned, weight, k: int, cap: int) -> Optional[List[List[int]]]:
-    """Each item (heaviest first) into the least-loaded bin with room for it. Popping full bins to find it is
+def _lpt_bins(items: List[int], needs: List[int], weights: List[float], k: int,
+              cap: int) -> Optional[List[List[int]]]:
+    """Each item (heaviest first; ``needs`` and ``weights`` are its slot tokens and weight) into the least-loaded
+    bin with room for it. Popping full bins to find it is
     paid from an allowance of ``SKIPS_PER_ITEM`` per item, ``MAX_SKIPS`` per pass (real workloads use 0-4 per
     item); once spent, an item that
     meets ``SKIP_LIMIT`` full bins goes to the bin with the most room (a lazy max-heap on room), and a count
@@ -539,7 +566,7 @@ def _lpt_bins(items: np.ndarray, aligned, weight, k: int, cap: int) -> Optional[
     rooms = [(-cap, b) for b in range(k)]  # max-heap on room; an entry is current iff it matches used[b]
     pop, push = heapq.heappop, heapq.heappush
     allowance = min(SKIPS_PER_ITEM * len(items), MAX_SKIPS)
-    for i, need, w in zip(items.tolist(), aligned[items].tolist(), weight[items].tolist()):
+    for i, need, w in zip(items, needs, weights):
         skipped = []
         target = -1
         while heap and len(skipped) < max(SKIP_LIMIT, allowance):
