@@ -338,7 +338,7 @@ class CostModel:
         """:meth:`rank_time` of micro-batch times given as a list of Python floats, without NumPy below
         :data:`~.smallops.SEQUENTIAL_SUM` micro-batches (:func:`~.smallops.np_sum` sums as NumPy does; the 1F1B
         simulation is plain Python either way)."""
-        if not mb_times:
+        if len(mb_times) == 0:
             return 0.0
         if self.pp == 1:
             return np_sum(mb_times)

@@ -84,11 +84,12 @@ def _min_bins_py(asc: List[int], cap: int) -> int:
     n = len(asc)
     prefix = list(itertools.accumulate(asc, initial=0))  # prefix[i] = sum of the i smallest
     best = max(1, -(-prefix[n] // cap))
-    # Martello-Toth L2 for every distinct k <= cap/2 (see _martello_toth_l2)
+    # Martello-Toth L2 for every distinct k <= cap/2 (see _martello_toth_l2); with no item over cap/2 every k
+    # gives ceil(sum of the items >= k / cap), at most the token bound above, so the loop is skipped
     n_small = bisect.bisect_right(asc, cap // 2)  # s <= cap/2
     n_gt_half = n - n_small
     sum_gt_half = prefix[n] - prefix[n_small]
-    for k in sorted(set([0] + asc[:n_small])):
+    for k in sorted(set([0] + asc[:n_small])) if n_gt_half else ():
         idx = bisect.bisect_right(asc, cap - k)  # s > cap - k: J1
         j1 = n - idx
         j2 = n_gt_half - j1

@@ -262,8 +262,10 @@ def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) 
     return True
 
 
-#: at most this many candidate pairs: :func:`_improve_global` searches in plain Python (:func:`_global_py`)
+#: at most this many candidate pairs: the global exchange search runs in plain Python (:func:`_global_py`)
 SMALL_GLOBAL = 256
+#: at most this many units on the two ranks: the pair exchange search runs in plain Python (:func:`_pair_py`)
+SMALL_PAIR = 24
 
 
 def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int, rtol: float = 1e-4,
@@ -275,68 +277,81 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     every other rank and every unit finds the exchange that lowers the heaviest rank the most while keeping
     its partner below it; those searches stop before they would exceed ``global_budget`` candidate pairs in all
     (bounded time and memory: on large steps, where pairwise exchanges suffice, they do not run).
+
+    A step of at most :data:`~megatron_dynbatch.core.smallops.SMALL_STEP` units keeps the rank loads in Python
+    lists (sums and mean in NumPy's order, :func:`~megatron_dynbatch.core.smallops.np_sum`; first maximum and
+    stable order as ``argmax`` / ``argsort``); small searches run in plain Python. Same exchanges either way.
     """
     dp = len(ranks)
     if dp < 2:
         return
-    w, tok, cnt_u = inp.unit_weight, inp.unit_tokens, inp.unit_count
-    smp = inp.unit_samples if inp.equal_samples else None  # swaps keep sample counts; no moves
+    small = inp.unit_weight.size <= SMALL_STEP
+    # per-unit weight, tokens and count (and samples, under equal_samples: swaps keep sample counts; no moves)
+    units = inp.unit_lists[:3] if small else (inp.unit_weight, inp.unit_tokens, inp.unit_count)
+    smp = (inp.unit_lists[3] if small else inp.unit_samples) if inp.equal_samples else None
     capacity = m * inp.cap
-    lists = inp.unit_lists
-    if len(w) <= SMALL_STEP:  # plain-Python sums (np_sum: NumPy's order), no NumPy call per rank
-        wl, tl, cl = lists[:3]
-        loads = np.array([np_sum([wl[u] for u in r]) for r in ranks])
-        used = np.array([sum(tl[u] for u in r) for r in ranks], dtype=np.int64)
-        cnt = np.array([sum(cl[u] for u in r) for r in ranks], dtype=np.int64)
+    w, tok, cnt_u = units
+    if small:
+        loads = [np_sum([w[u] for u in r]) for r in ranks]
+        used = [sum([tok[u] for u in r]) for r in ranks]
+        cnt = [sum([cnt_u[u] for u in r]) for r in ranks]
+        mean = np_sum(loads) / dp
     else:
         loads = np.array([w[r].sum() if r else 0.0 for r in ranks])
         used = np.array([tok[r].sum() if r else 0 for r in ranks], dtype=np.int64)
         cnt = np.array([cnt_u[r].sum() if r else 0 for r in ranks], dtype=np.int64)
-    mean = loads.mean()
+        mean = loads.mean()
     if mean <= 0:
         return
+    state = (ranks, loads, used, cnt, capacity, m)
     global_left = global_budget
     for _ in range(max_rounds):
-        a = int(np.argmax(loads))
+        a = loads.index(max(loads)) if small else int(np.argmax(loads))
         if loads[a] - mean <= rtol * mean:
             return
-        moved = False
-        for b in np.argsort(loads, kind="stable")[: min(4, dp - 1)]:
-            b = int(b)
-            if b == a:
-                continue
-            if _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp, lists):
-                moved = True
-                break
-        if not moved:
+        lightest = sorted(range(dp), key=loads.__getitem__) if small else np.argsort(loads, kind="stable").tolist()
+        found = None
+        for b in lightest[: min(4, dp - 1)]:
+            if b != a:
+                found = _pair_exchange(state, a, b, inp, units, smp, small)
+                if found is not None:
+                    x, y = found
+                    break
+        if found is None:
             cost = len(ranks[a]) * len(w)  # candidate pairs the vectorised search builds
-            if cost > global_left or not _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m,
-                                                         smp, lists if cost <= SMALL_GLOBAL else None):
+            if cost > global_left or not ranks[a]:
                 return
+            found = _global_exchange(state, a, inp, units, smp, cost)
+            if found is None:
+                return
+            x, y, b = found
             global_left -= cost
+        _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u)
 
 
-def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None, lists=None) -> bool:
-    """Best single move or swap between rank ``a`` and any other rank; with ``smp`` (samples per unit, under
-    equal_samples) only swaps of units with equal sample counts. ``lists`` (:attr:`StepInput.unit_lists`, given
-    for small searches): search in plain Python (:func:`_global_py`), else vectorised (:func:`_global_np`)."""
-    if not ranks[a]:
-        return False
+def _global_exchange(state, a, inp, units, smp, cost):
+    """Best single move or swap between rank ``a`` and any other rank, ``(x, y, b)`` or None; with ``smp``
+    (samples per unit, under equal_samples) only swaps of units with equal sample counts. Up to
+    :data:`SMALL_GLOBAL` candidate pairs in plain Python (:func:`_global_py`), else vectorised (:func:`_global_np`);
+    ``state`` is refine_ranks' ``(ranks, loads, used, cnt, capacity, m)``, lists or NumPy arrays."""
+    ranks, loads, used, cnt, capacity, m = state
     bound = loads[a] * (1 - 1e-12)  # an exchange must lower rank a's load
-    if lists is not None:
-        found = _global_py(ranks, a, float(bound), loads.tolist(), used.tolist(), cnt.tolist(), capacity, m,
-                           *lists[:3], lists[3] if smp is not None else None)
-    else:
-        found = _global_np(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, smp)
-    if found is None:
-        return False
-    x, y, b = found
-    _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u)
-    return True
+    if cost <= SMALL_GLOBAL:
+        return _global_py(ranks, a, float(bound), _as_list(loads), _as_list(used), _as_list(cnt), capacity, m,
+                          *inp.unit_lists[:3], _as_list(smp))
+    unit_arrays = (inp.unit_weight, inp.unit_tokens, inp.unit_count)
+    return _global_np(ranks, a, bound, np.asarray(loads), np.asarray(used, dtype=np.int64),
+                      np.asarray(cnt, dtype=np.int64), capacity, m, *unit_arrays,
+                      None if smp is None else inp.unit_samples)
+
+
+def _as_list(values):
+    """Python list of ``values`` (a list already, a NumPy array or None)."""
+    return values.tolist() if isinstance(values, np.ndarray) else values
 
 
 def _global_np(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, smp):
-    """The exchange of :func:`_improve_global`, ``(x, y, b)`` (``y`` None for a move to ``b``) or None: the
+    """The exchange of :func:`_global_exchange`, ``(x, y, b)`` (``y`` None for a move to ``b``) or None: the
     smallest new maximum of the two ranks below ``bound``, vectorised over (unit of ``a``, rank or unit)."""
     ua = np.asarray(ranks[a], dtype=np.int64)
     others = [(b, u) for b, units in enumerate(ranks) if b != a for u in units]
@@ -418,31 +433,23 @@ def _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u) -> None:
     cnt[b] += delta_c
 
 
-#: at most this many units on the two ranks: :func:`_improve_pair` searches in plain Python (:func:`_pair_py`),
-#: where NumPy's per-call overhead would dominate; more use the vectorised search (:func:`_pair_np`)
-SMALL_PAIR = 24
-
-
-def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None, lists=None) -> bool:
+def _pair_exchange(state, a, b, inp, units, smp, small):
     """Move one unit from rank ``a`` to ``b``, or swap a unit of ``a`` with a lighter one of ``b``: the exchange
-    whose weight is closest to half their gap, if it shrinks the gap. ``lists``: the per-unit arrays as Python
-    lists (:attr:`StepInput.unit_lists`), which lets small pairs take the plain-Python search."""
+    ``(x, y)`` (``y`` None for a move) whose weight is closest to half their gap, if it shrinks the gap, else None.
+    Small steps and pairs of up to :data:`SMALL_PAIR` units search in plain Python (:func:`_pair_py`), others
+    vectorised (:func:`_pair_np`); ``state`` as in :func:`_global_exchange`."""
+    ranks, loads, used, cnt, capacity, m = state
     gap = loads[a] - loads[b]
     if gap <= 0:
-        return False
+        return None
     args = (ranks[a], ranks[b], float(gap), int(used[a]), int(used[b]), int(cnt[a]), int(cnt[b]), capacity, m)
-    if lists is not None and len(ranks[a]) + len(ranks[b]) <= SMALL_PAIR:
-        found = _pair_py(*args, *lists[:3], lists[3] if smp is not None else None)
-    else:
-        found = _pair_np(*args, w, tok, cnt_u, smp)
-    if found is None:
-        return False
-    _apply_exchange(ranks, a, b, found[0], found[1], loads, used, cnt, w, tok, cnt_u)
-    return True
+    if small or len(ranks[a]) + len(ranks[b]) <= SMALL_PAIR:
+        return _pair_py(*args, *inp.unit_lists[:3], inp.unit_lists[3] if smp is not None else None)
+    return _pair_np(*args, *units, smp)
 
 
 def _pair_np(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w, tok, cnt_u, smp):
-    """The exchange of :func:`_improve_pair`, ``(x, y)`` (``y`` None for a move) or None; vectorised over units:
+    """The exchange of :func:`_pair_exchange`, ``(x, y)`` (``y`` None for a move) or None; vectorised over units:
     a move of ``x`` changes the pair maximum to ``max(La - x, Lb + x)``, best at ``x = gap / 2``, and for a swap
     each unit of ``a`` binary-searches ``b``'s units (by weight) for the partner closest to ``wa - gap / 2``."""
     ua = np.asarray(units_a, dtype=np.int64)

@@ -70,7 +70,8 @@ class _Counts:
         self.cache: Dict[Tuple[int, int], Optional[Result]] = {}
         self._bfd_bins: Optional[int] = None
         self._global: Dict[int, Optional[list]] = {}
-        self.polished: Dict[int, Tuple[list, int]] = {}  # count -> (polished bins before ordering, evaluations)
+        #: count -> (polished bins before ordering, evaluations, their ordered result)
+        self.polished: Dict[int, Tuple[list, int, Optional[Result]]] = {}
         #: rescue mode: also run the bounded bin search (:func:`.fallback.search_bins`); set only once no count
         #: packed without it, so it never costs time on a batch that plans anyway
         self.deep = False
@@ -110,8 +111,10 @@ class _Counts:
     def _evaluate(self, m: int, polish_evals: int) -> Optional[Result]:
         inp, dp = self.inp, self.par.dp
         final = polish_evals > POLISH_EVALS
+        start = None  # (bins, evaluations, result) of the cheaper polish this one continues
         if final and m in self.polished:  # continue the cheaper polish of this count instead of re-packing
-            bins, done = _copy_bins(self.polished[m][0]), self.polished[m][1]
+            start = self.polished[m]
+            bins, done = _copy_bins(start[0]), start[1]
         else:
             bins, done = plan_for_count(inp, dp, m, self.rounds), 0
             if bins is None:
@@ -121,9 +124,11 @@ class _Counts:
             done = polish_pipeline(bins, inp.aligned, self.sq, inp.oversize, inp.cap, self.cm, self.align,
                                    max_evals=polish_evals, max_ops=FINAL_POLISH_OPS if final else POLISH_OPS,
                                    start_evals=done, memo=self.memo)
-            if not final:
-                self.polished[m] = (_copy_bins(bins), done)
+        if start is not None and bins == start[0]:
+            return start[2]  # the longer polish moved nothing: these very bins were ordered and timed already
         best = order_and_time(bins, inp.aligned, self.sq, self.cm, self.align, self.memo) if bins is not None else None
+        if bins is not None and self.pipeline_polish and not final:
+            self.polished[m] = (_copy_bins(bins), done, best)
         if self.lockstep:  # expert-parallel ranks advance together: also try even micro-batches across ranks
             alt = self.global_bins(m)
             if alt is not None:
