@@ -138,14 +138,15 @@ class RankTimes:
 
 
 class TimingMemo:
-    """Times already computed for one step's small plans (:class:`SmallRankTimes`): a micro-batch's time by its
-    slot tokens and squared tokens, a rank's best arrangement by its micro-batch times. Both are pure functions of
-    those keys for one cost model and alignment, so one memo serves every packing, polish and ordering of a step,
-    which re-time the same micro-batches and ranks many times."""
+    """What one step's small plans (:class:`SmallRankTimes`) already computed: a micro-batch's slot tokens and
+    squared tokens by its items, its time by those two sums, a rank's best arrangement by its micro-batch times.
+    Each is a pure function of its key for one step's items, cost model and alignment, so one memo serves every
+    packing, polish and ordering of a step, which re-time the same micro-batches and ranks many times."""
 
     def __init__(self) -> None:
-        self.mb: dict = {}
-        self.rank: dict = {}
+        self.sums: dict = {}  # items of a micro-batch (tuple) -> (slot tokens, squared tokens)
+        self.mb: dict = {}  # (slot tokens, squared tokens) -> micro-batch time
+        self.rank: dict = {}  # micro-batch times (tuple) -> (rank time, pattern, arrangement)
 
 
 class SmallRankTimes(RankTimes):
@@ -160,13 +161,24 @@ class SmallRankTimes(RankTimes):
         self.bins = bins
         self.aligned, self.sq, self.cm, self.align = aligned, sq, cm, align
         self.memo = memo if memo is not None else TimingMemo()
-        tok, sqs = aligned.tolist(), sq.tolist()
-        self.slots = [[sum([tok[i] for i in mb]) for mb in rank] for rank in bins]
-        self.sqs = [[segment_sum([sqs[i] for i in mb]) for mb in rank] for rank in bins]
+        self._tok, self._sq = aligned.tolist(), sq.tolist()
+        sums = [[self._sums(mb) for mb in rank] for rank in bins]
+        self.slots = [[s for s, _ in rank] for rank in sums]
+        self.sqs = [[q for _, q in rank] for rank in sums]
+        self.times = [self.mb_times(r, self.slots[r], self.sqs[r]) for r in range(len(bins))]
+
+    def _sums(self, mb: List[int]) -> Tuple[int, float]:
+        key = tuple(mb)
+        found = self.memo.sums.get(key)
+        if found is None:
+            tok, sqs = self._tok, self._sq
+            found = self.memo.sums[key] = (sum([tok[i] for i in mb]), segment_sum([sqs[i] for i in mb]))
+        return found
 
     def mb_times(self, r: int, slots=None, sqs=None) -> List[float]:
-        slots = self.slots[r] if slots is None else slots
-        sqs = self.sqs[r] if sqs is None else sqs
+        """The times of rank ``r``'s micro-batches (do not modify the list), or of ``slots`` and ``sqs``."""
+        if slots is None:
+            return self.times[r]
         tm, known, out = self.align.total_multiple, self.memo.mb, []
         for s, q in zip(slots, sqs):
             t = known.get((s, q))
@@ -175,11 +187,20 @@ class SmallRankTimes(RankTimes):
             out.append(t)
         return out
 
+    def commit(self, a: int, b: int, moved) -> None:
+        super().commit(a, b, moved)
+        self.times[a], self.times[b] = self.mb_times(a, *moved[:2]), self.mb_times(b, *moved[2:])
+
     def best_rank_time(self, times: List[float]) -> Tuple[float, str]:
+        return self._best(times)[:2]
+
+    def _best(self, times: List[float]) -> Tuple[float, str, List[int]]:
+        """Rank time, arrangement and its permutation (do not modify it), remembered by ``times``."""
         key = tuple(times)
         found = self.memo.rank.get(key)
         if found is None:
-            found = self.memo.rank[key] = best_of_list(times, self.cm)
+            t, pattern = best_of_list(times, self.cm)
+            found = self.memo.rank[key] = (t, pattern, arrangement_of(times, pattern))
         return found
 
     def ranks_timed(self, times: List[List[float]]) -> Tuple[np.ndarray, list]:
@@ -188,8 +209,8 @@ class SmallRankTimes(RankTimes):
         if self.cm.pp == 1:
             perms = [arrangement_of(t, "desc") for t in times]
             return np.array([self.cm.rank_time_of([t[i] for i in p]) for t, p in zip(times, perms)]), perms
-        best = [self.best_rank_time(t) for t in times]
-        return np.array([b[0] for b in best]), [arrangement_of(t, b[1]) for t, b in zip(times, best)]
+        best = [self._best(t) for t in times]
+        return np.array([b[0] for b in best]), [b[2] for b in best]
 
     @staticmethod
     def by_time(times: List[float]) -> List[int]:
@@ -287,6 +308,8 @@ def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int
     ``memo``: the step's :class:`TimingMemo`, for small steps.
     """
     rt = RankTimes.build(bins, aligned, sq, cm, align, memo)
+    if isinstance(rt, SmallRankTimes):  # read samples from Python lists (NumPy scalars are slow one at a time)
+        aligned, sq, oversize = aligned.tolist(), sq.tolist(), oversize.tolist()
     dp = len(bins)
     rank_t = rt.ranks_timed([rt.mb_times(r) for r in range(dp)])[0]
     # One evaluation simulates two ranks in each arrangement: bound the simulated operations, not only the

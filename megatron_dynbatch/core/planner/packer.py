@@ -709,7 +709,7 @@ def plan_for_count(inp: StepInput, dp: int, m: int, refine_rounds: int) -> Optio
     refine_ranks(inp, ranks, m, refine_rounds)
     out = []
     for units in ranks:
-        bins = pack_rank(inp.members(units), inp, m)
+        bins = pack_rank(units if inp.singletons else inp.members(units), inp, m)  # a unit is an item, or a group
         if bins is None:
             return None
         out.append(bins)
