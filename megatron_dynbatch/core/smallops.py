@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-#: steps (or sets of sizes) of at most this many items take the plain-Python paths
-SMALL_STEP = 64
+#: steps (or ranks, or sets of sizes) of at most this many items take the plain-Python paths (:func:`is_small`)
+SMALL_STEP = 32
 
 #: NumPy sums float64 pairwise, and below this many elements its pairwise base case is a plain left-to-right loop
 #: from 0.0 (``pairwise_sum`` in NumPy's ``loops_utils.h.src``); larger sums go to NumPy itself
@@ -30,3 +30,9 @@ def np_sum(values: Sequence[float]) -> float:
             total += v
         return total
     return float(np.add.reduce(np.asarray(values, dtype=np.float64)))
+
+
+def is_small(n: int) -> bool:
+    """Whether ``n`` items are few enough for the plain-Python paths (``n <= SMALL_STEP``; tests set
+    :data:`SMALL_STEP` to 0 to run every NumPy path instead)."""
+    return n <= SMALL_STEP

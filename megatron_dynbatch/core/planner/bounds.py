@@ -23,7 +23,7 @@ from typing import List
 
 import numpy as np
 
-from ..smallops import SMALL_STEP
+from ..smallops import is_small
 
 #: cardinality bounds for j = 2 .. MAX_J (j = 1 is inside L2)
 MAX_J = 8
@@ -35,7 +35,7 @@ def min_bins(sizes: np.ndarray, cap: int, n_alone: int = 0) -> int:
     s = np.asarray(sizes, dtype=np.int64)
     if s.size == 0:
         return int(n_alone)
-    if s.size <= SMALL_STEP:  # a few sizes: NumPy's per-call overhead would dominate
+    if is_small(s.size):  # a few sizes: NumPy's per-call overhead would dominate
         return _min_bins_py(sorted(s.tolist()), int(cap)) + int(n_alone)
     s = np.sort(s)[::-1]  # descending
     n = int(s.size)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..alignment import Alignment
 from ..cost_model import CostModel
-from ..smallops import np_sum
+from ..smallops import is_small, np_sum
 
 PATTERNS = ("desc", "asc", "valley")
 
@@ -58,9 +58,6 @@ def _per_rank_sums(bins: List[List[List[int]]], values: np.ndarray) -> List[np.n
     return [sums[bounds[r]:bounds[r + 1]] for r in range(len(bins))]
 
 
-#: plans of at most this many items are timed in plain Python (:class:`SmallRankTimes`); larger ones with NumPy
-SMALL_PLAN = 128
-
 
 class RankTimes:
     """Per-micro-batch token and attention sums of every rank, kept up to date under sample moves, and the rank
@@ -69,9 +66,9 @@ class RankTimes:
     @staticmethod
     def build(bins, aligned: np.ndarray, sq: np.ndarray, cm: CostModel, align: Alignment,
               memo: Optional["TimingMemo"] = None) -> "RankTimes":
-        """:class:`SmallRankTimes` (sharing ``memo``, if given) for a step of at most :data:`SMALL_PLAN` items
-        without expert lockstep, else :class:`RankTimes`."""
-        if (cm.ep_group == 1 and aligned.size <= SMALL_PLAN and sq.dtype == np.float64 and aligned.dtype.kind in "iu"
+        """:class:`SmallRankTimes` (sharing ``memo``, if given) for a small step (``smallops.is_small``) without
+        expert lockstep, else :class:`RankTimes`."""
+        if (cm.ep_group == 1 and is_small(aligned.size) and sq.dtype == np.float64 and aligned.dtype.kind in "iu"
                 and all(mb for rank in bins for mb in rank)):
             return SmallRankTimes(bins, aligned, sq, cm, align, memo)
         return RankTimes(bins, aligned, sq, cm, align)

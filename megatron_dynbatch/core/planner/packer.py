@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..smallops import SMALL_STEP, np_sum
+from ..smallops import is_small, np_sum
 
 
 @dataclass
@@ -116,17 +116,20 @@ def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
         return _assign_equal(inp, dp, m)
     capacity = m * inp.cap
     # Plain Python lists in the hot loop: indexing NumPy scalars one at a time is several times slower.
-    if inp.unit_weight.size <= SMALL_STEP:  # small steps: no NumPy call at all
+    # Smallest token demand among the units still to place (suffix_min): a rank that cannot take even that is
+    # retired.
+    if is_small(inp.unit_weight.size):  # small steps: no NumPy call at all
         weights, tokens = inp.unit_lists[:2]
         order = _desc_order_of(range(len(weights)), weights, tokens)
         need_of, weight_of = [tokens[u] for u in order], [weights[u] for u in order]
+        suffix_min = list(itertools.accumulate(reversed(need_of), min))[::-1] + [0]
     else:
         order_arr = _desc_order(inp.unit_weight, inp.unit_tokens)
+        tok_sorted = inp.unit_tokens[order_arr]
+        suffix_min = np.minimum.accumulate(tok_sorted[::-1])[::-1].tolist() + [0]
         order = order_arr.tolist()
-        need_of = inp.unit_tokens[order_arr].tolist()
+        need_of = tok_sorted.tolist()
         weight_of = inp.unit_weight[order_arr].tolist()
-    # Smallest token demand among the units still to place: a rank that cannot take even that is retired.
-    suffix_min = list(itertools.accumulate(reversed(need_of), min))[::-1] + [0]
     used = [0] * dp
     ranks: List[List[int]] = [[] for _ in range(dp)]
     heap = [(0.0, r) for r in range(dp)]
@@ -229,7 +232,7 @@ def _lpt_equal(inp: StepInput, dp: int, target: int, capacity: int) -> Optional[
 
 def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) -> bool:
     """Move the lightest units from ranks with more than ``m`` samples to ranks with fewer."""
-    if inp.unit_count.size <= SMALL_STEP:
+    if is_small(inp.unit_count.size):
         counts = inp.unit_lists[2]
         if all(sum([counts[u] for u in r]) >= m for r in ranks):
             return True  # no rank is short: nothing to move (what the loop below finds, without NumPy)
@@ -285,7 +288,7 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     dp = len(ranks)
     if dp < 2:
         return
-    small = inp.unit_weight.size <= SMALL_STEP
+    small = is_small(inp.unit_weight.size)
     # per-unit weight, tokens and count (and samples, under equal_samples: swaps keep sample counts; no moves)
     units = inp.unit_lists[:3] if small else (inp.unit_weight, inp.unit_tokens, inp.unit_count)
     smp = (inp.unit_lists[3] if small else inp.unit_samples) if inp.equal_samples else None
@@ -523,7 +526,7 @@ def _pair_py(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w
 
 def pack_rank(samples: Sequence[int], inp: StepInput, m: int) -> Optional[List[List[int]]]:
     """Phase 3: exactly ``m`` non-empty micro-batches of ``samples`` within the cap, or ``None``."""
-    if len(samples) <= SMALL_STEP:  # plain Python over the step's lists: NumPy's call overhead dominates
+    if is_small(len(samples)):  # plain Python over the step's lists: NumPy's call overhead dominates
         aligned, weight, oversize = inp.item_lists
         over = [int(i) for i in samples if oversize[i]]
         normal = _desc_order_of([int(i) for i in samples if not oversize[i]], weight, aligned)

@@ -32,7 +32,7 @@ from ..alignment import Alignment
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
-from ..smallops import SMALL_STEP
+from ..smallops import is_small
 from .bounds import min_bins
 from .fallback import SearchBudget, feasible_packing
 from .ordering import TimingMemo, order_and_time, polish_pipeline
@@ -320,7 +320,7 @@ def _max_count(inp: StepInput, dp: int) -> int:
     every ``j < dp`` the ``dp - j`` ranks holding none of the ``j`` largest units share what the others leave:
     ``M <= (items - top_j) // (dp - j)``. ``j = 0`` is the plain ``items // dp``; larger ``j`` refuse at once a
     step whose one giant group leaves the other ranks too few items (which used to search for minutes)."""
-    if inp.unit_count.size <= SMALL_STEP:  # the same integers in plain Python
+    if is_small(inp.unit_count.size):  # the same integers in plain Python
         c = sorted(inp.unit_lists[2], reverse=True)
         total = sum(c)
         tops = itertools.accumulate([0] + c)  # the j largest

@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 
 from ..cost_model import CostModel
-from ..smallops import SMALL_STEP
+from ..smallops import is_small
 
 
 def rank_times_of(mb_time: Sequence[Sequence[float]], per_step: Sequence[int], cm: CostModel) -> np.ndarray:
@@ -18,7 +18,7 @@ def rank_times_of(mb_time: Sequence[Sequence[float]], per_step: Sequence[int], c
         start = 0
         for count in per_step:
             step = [t[start:start + count] for t in mb_time]
-            if cm.ep_group == 1 and count <= SMALL_STEP:  # the same times without NumPy (CostModel.rank_time_of)
+            if cm.ep_group == 1 and is_small(count):  # the same times without NumPy (CostModel.rank_time_of)
                 rank_time += [cm.rank_time_of(t) for t in step]
             else:
                 rank_time += cm.step_time(step)
