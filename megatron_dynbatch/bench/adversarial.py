@@ -87,9 +87,9 @@ SHAPES: Tuple[Shape, ...] = (
     Shape("all at cap", 8, lambda n, r: (np.full(n, BUDGET), {})),
     Shape("one giant group (refused)", 2, lambda n, r: (r.integers(1, 100, n), {
         "group_ids": np.r_[np.zeros(n - 1, dtype=np.int64), 1]})),
-    Shape("steps of 16, 90-100%", 4, lambda n, r: (r.integers(int(0.9 * BUDGET), BUDGET + 1, n), {
+    Shape("steps of 16", 4, lambda n, r: (r.integers(int(0.9 * BUDGET), BUDGET + 1, n), {
         "samples_per_step": 16, "model": "qwen3-8b"})),
-    Shape("steps of 16, 45-50% pp3 vpp2", 4, lambda n, r: (r.integers(int(0.45 * BUDGET), BUDGET // 2 + 1, n), {
+    Shape("steps of 16 pp3 vpp2", 4, lambda n, r: (r.integers(int(0.45 * BUDGET), BUDGET // 2 + 1, n), {
         "samples_per_step": 16, "model": "qwen3-8b", "parallel": {"pp": 3, "vpp": 2}})),
     Shape("dyncp GRPO dp64xcp4 pp4", 64, lambda n, r: (_grpo(n, r, 16_384), {
         "parallel": {"cp": 4, "pp": 4}, "model": "llama-3.1-8b", "max_tokens_per_gpu": 8192, "dynamic_cp": True}),
