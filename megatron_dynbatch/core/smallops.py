@@ -1,10 +1,10 @@
 """Plain-Python twins of the few NumPy reductions the per-step fast paths need, bit-for-bit equal to NumPy.
 
 A plan of many small optimizer steps (thousands of steps of a few samples) spends its time in NumPy's per-call
-overhead on arrays of a handful of elements; the planner's fast paths (``planner/packer.py``,
-``planner/ordering.py``, ``planner/bounds.py``) and :class:`~.cost_model.CostModel`'s scalar methods run such steps
-in plain Python instead. Elementwise float64 arithmetic is the same in Python
-(IEEE doubles), and so are comparisons; what differs is summation order, which this module pins down.
+overhead on arrays of a handful of elements; the planner's fast paths (``planner/packer.py``, ``planner/bounds.py``,
+``planner/ordering.py``, ``planner/search.py``, ``planner/timing.py``) and :class:`~.cost_model.CostModel`'s scalar
+methods run such steps in plain Python instead. Elementwise float64 arithmetic is the same in Python (IEEE
+doubles), and so are comparisons; what differs is summation order, which this module pins down.
 ``tests/test_planner_fast_paths.py`` checks every twin against NumPy.
 """
 

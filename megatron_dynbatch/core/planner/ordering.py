@@ -58,7 +58,6 @@ def _per_rank_sums(bins: List[List[List[int]]], values: np.ndarray) -> List[np.n
     return [sums[bounds[r]:bounds[r + 1]] for r in range(len(bins))]
 
 
-
 class RankTimes:
     """Per-micro-batch token and attention sums of every rank, kept up to date under sample moves, and the rank
     times they give (NumPy arrays; :meth:`build` picks :class:`SmallRankTimes` for small plans)."""
@@ -66,8 +65,9 @@ class RankTimes:
     @staticmethod
     def build(bins, aligned: np.ndarray, sq: np.ndarray, cm: CostModel, align: Alignment,
               memo: Optional["TimingMemo"] = None) -> "RankTimes":
-        """:class:`SmallRankTimes` (sharing ``memo``, if given) for a small step (``smallops.is_small``) without
-        expert lockstep, else :class:`RankTimes`."""
+        """:class:`SmallRankTimes` (sharing ``memo``, if given) for a small step (``smallops.is_small``) whose
+        ranks are timed one by one (no expert lockstep) and whose micro-batches are non-empty, else
+        :class:`RankTimes`."""
         if (cm.ep_group == 1 and is_small(aligned.size) and sq.dtype == np.float64 and aligned.dtype.kind in "iu"
                 and all(mb for rank in bins for mb in rank)):
             return SmallRankTimes(bins, aligned, sq, cm, align, memo)
