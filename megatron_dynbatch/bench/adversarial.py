@@ -12,6 +12,10 @@ Each :class:`Shape` builds one batch (deterministic) and the planner arguments f
 * ``groups of 8`` -- GRPO groups of spike samples (units, not samples, are placed);
 * ``1% at cap`` / ``1% oversize`` -- a few huge samples among tiny ones (``oversize='alone'`` for the latter);
 * ``all zeros`` / ``all at cap`` -- degenerate batches;
+* ``steps of 16 ...`` -- very many optimizer steps in one call (``samples_per_step=16`` over 4 ranks: 4,096
+  steps at 65,536 samples), where per-step overhead, not packing, is the cost: samples 90-100% of the budget
+  (one per micro-batch), and 45-50% with ``pp=3, vpp=2`` (two share a micro-batch: Megatron's interleaved
+  schedule needs a multiple of 3 micro-batches, and 4 samples per rank fill only 3);
 * ``one giant group`` -- every sample but one in one ``group_ids`` group over 2 ranks (token mode): the other
   rank can fill one micro-batch, so the batch is refused; a refusal is an answer too and is timed like a plan
   (``M=0`` in the report). It used to search for minutes.
@@ -83,6 +87,10 @@ SHAPES: Tuple[Shape, ...] = (
     Shape("all at cap", 8, lambda n, r: (np.full(n, BUDGET), {})),
     Shape("one giant group (refused)", 2, lambda n, r: (r.integers(1, 100, n), {
         "group_ids": np.r_[np.zeros(n - 1, dtype=np.int64), 1]})),
+    Shape("steps of 16", 4, lambda n, r: (r.integers(int(0.9 * BUDGET), BUDGET + 1, n), {
+        "samples_per_step": 16, "model": "qwen3-8b"})),
+    Shape("steps of 16 pp3 vpp2", 4, lambda n, r: (r.integers(int(0.45 * BUDGET), BUDGET // 2 + 1, n), {
+        "samples_per_step": 16, "model": "qwen3-8b", "parallel": {"pp": 3, "vpp": 2}})),
     Shape("dyncp GRPO dp64xcp4 pp4", 64, lambda n, r: (_grpo(n, r, 16_384), {
         "parallel": {"cp": 4, "pp": 4}, "model": "llama-3.1-8b", "max_tokens_per_gpu": 8192, "dynamic_cp": True}),
         samples=16_384),

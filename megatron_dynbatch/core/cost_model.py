@@ -45,6 +45,7 @@ decision margin.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -57,6 +58,7 @@ from .cost_profiles import CostProfile, resolve_profile
 from .errors import DynBatchConfigError
 from .parallel import ParallelConfig
 from .pipeline_sim import simulate_1f1b, simulate_1f1b_batch
+from .smallops import np_sum
 
 #: bytes per element of the exchanged K/V (bf16)
 KV_BYTES_PER_ELEMENT = 2
@@ -220,16 +222,7 @@ class CostModel:
         """(work without overhead, attention part) of micro-batches on groups of ``g`` GPUs, each member's share."""
         t = np.asarray(padded_tokens, dtype=np.float64)
         if np.ndim(g) == 0:  # one group size (the planner's hot path): no per-element selection
-            g = float(g)
-            scale = float(self.cp) / g
-            lin = self.linear_s_per_token * t * scale
-            if self.cp_linear_overhead and g > 1:
-                lin = lin * (1.0 + self.cp_linear_overhead)
-            att = self.attention_s_per_sq_token * np.asarray(sq_tokens, dtype=np.float64) * scale
-            work = lin + att
-            if self.cp_chunk_tokens and g > 1:
-                work = work + self.attention_s_per_sq_token * self.cp * self.cp_chunk_tokens * t * (g - 1.0) / g
-            return work, att
+            return self._one_size_compute(float(g), t, np.asarray(sq_tokens, dtype=np.float64))
         g = np.asarray(g, dtype=np.float64)
         scale = float(self.cp) / g
         member = g > 1
@@ -239,6 +232,19 @@ class CostModel:
         att = self.attention_s_per_sq_token * np.asarray(sq_tokens, dtype=np.float64) * scale
         work = lin + att
         if self.cp_chunk_tokens:
+            work = work + self.attention_s_per_sq_token * self.cp * self.cp_chunk_tokens * t * (g - 1.0) / g
+        return work, att
+
+    def _one_size_compute(self, g: float, t, sq):
+        """:meth:`_group_compute` for one group size ``g``: elementwise float64 arithmetic only, so it is the same
+        on NumPy arrays and on Python floats (:meth:`microbatch_time_of`)."""
+        scale = float(self.cp) / g
+        lin = self.linear_s_per_token * t * scale
+        if self.cp_linear_overhead and g > 1:
+            lin = lin * (1.0 + self.cp_linear_overhead)
+        att = self.attention_s_per_sq_token * sq * scale
+        work = lin + att
+        if self.cp_chunk_tokens and g > 1:
             work = work + self.attention_s_per_sq_token * self.cp * self.cp_chunk_tokens * t * (g - 1.0) / g
         return work, att
 
@@ -257,6 +263,19 @@ class CostModel:
         t = self.overhead_s + self.work(padded_tokens, sq_tokens)
         floor = self._floor(self.cp)
         return np.maximum(floor, t) if floor > 0 else t
+
+    def microbatch_time_of(self, padded_tokens: int, sq_tokens: float) -> float:
+        """:meth:`microbatch_time` of ONE micro-batch, in plain Python floats: the same operations on the same
+        doubles, so the same result, for the per-step fast paths (where a NumPy call per micro-batch costs more
+        than its arithmetic)."""
+        t = self.overhead_s + self._one_size_compute(float(self.cp), float(padded_tokens), float(sq_tokens))[0]
+        floor = self._layout_floor
+        return max(floor, t) if floor > 0 else t
+
+    @functools.cached_property
+    def _layout_floor(self) -> float:
+        """:meth:`_floor` of the layout's own CP group, once per model (the hot scalar path skips ``np.ndim``)."""
+        return float(self._floor(self.cp))
 
     def cp_comm_time(self, group_size, padded_tokens, attention_s, spans_nodes=False):
         """Exposed K/V-exchange seconds of micro-batches on groups of ``group_size`` GPUs (vectorised; 0 for a
@@ -314,6 +333,24 @@ class CostModel:
         if self.vpp > 1:
             return float(stage.sum() + (self.pp - 1) / self.vpp * stage.mean())
         return simulate_1f1b(stage, self.pp)
+
+    def rank_time_of(self, mb_times: Sequence[float]) -> float:
+        """:meth:`rank_time` of micro-batch times given as a list of Python floats, without NumPy below
+        :data:`~.smallops.SEQUENTIAL_SUM` micro-batches (:func:`~.smallops.np_sum` sums as NumPy does; the 1F1B
+        simulation is plain Python either way)."""
+        if len(mb_times) == 0:
+            return 0.0
+        if self.pp == 1:
+            return np_sum(mb_times)
+        return self.pipeline_time_of([t / self.pp for t in mb_times])
+
+    def pipeline_time_of(self, stage_times: Sequence[float]) -> float:
+        """:meth:`rank_time_of` with ``pp > 1`` from the per-stage times (``t / pp``, in execution order; not
+        empty): callers timing several orders of the same micro-batches divide once."""
+        if self.vpp > 1:
+            total = np_sum(stage_times)
+            return total + (self.pp - 1) / self.vpp * (total / len(stage_times))  # NumPy's mean is sum / count
+        return simulate_1f1b(stage_times, self.pp)
 
     def rank_times(self, mb_times: np.ndarray) -> np.ndarray:
         """:meth:`rank_time` of every row of ``mb_times`` (``[ranks, M]``, each row in execution order)."""

@@ -17,7 +17,13 @@ Samples over the budget (``oversize='alone'``) run alone: each adds one bin and 
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from typing import List
+
 import numpy as np
+
+from ..smallops import is_small
 
 #: cardinality bounds for j = 2 .. MAX_J (j = 1 is inside L2)
 MAX_J = 8
@@ -26,10 +32,13 @@ MAX_J = 8
 def min_bins(sizes: np.ndarray, cap: int, n_alone: int = 0) -> int:
     """A lower bound on the bins of capacity ``cap`` that items of ``sizes`` (each ``<= cap``) need, plus
     ``n_alone`` items that must each have a bin of their own. At least 1 when there is anything to place."""
-    s = np.sort(np.asarray(sizes, dtype=np.int64))[::-1]  # descending
-    n = int(s.size)
-    if n == 0:
+    s = np.asarray(sizes, dtype=np.int64)
+    if s.size == 0:
         return int(n_alone)
+    if is_small(s.size):  # a few sizes: NumPy's per-call overhead would dominate
+        return _min_bins_py(sorted(s.tolist()), int(cap)) + int(n_alone)
+    s = np.sort(s)[::-1]  # descending
+    n = int(s.size)
     cap = int(cap)
     total = int(s.sum())
     best = max(1, -(-total // cap))
@@ -67,3 +76,30 @@ def _martello_toth_l2(desc: np.ndarray, cap: int) -> int:
     room = j2 * cap - sum_j2
     extra = np.maximum(0, -(-(sum_j3 - room) // cap))
     return int((j1 + j2 + extra).max())
+
+
+def _min_bins_py(asc: List[int], cap: int) -> int:
+    """:func:`min_bins` of a few sizes (ascending, non-empty) in plain Python: the same bounds by the same integer
+    arithmetic, with ``bisect`` for ``searchsorted`` and running sums for ``cumsum`` (exact: all integers)."""
+    n = len(asc)
+    prefix = list(itertools.accumulate(asc, initial=0))  # prefix[i] = sum of the i smallest
+    best = max(1, -(-prefix[n] // cap))
+    # Martello-Toth L2 for every distinct k <= cap/2 (see _martello_toth_l2); with no item over cap/2 every k
+    # gives ceil(sum of the items >= k / cap), at most the token bound above, so the loop is skipped
+    n_small = bisect.bisect_right(asc, cap // 2)  # s <= cap/2
+    n_gt_half = n - n_small
+    sum_gt_half = prefix[n] - prefix[n_small]
+    for k in sorted(set([0] + asc[:n_small])) if n_gt_half else ():
+        idx = bisect.bisect_right(asc, cap - k)  # s > cap - k: J1
+        j1 = n - idx
+        j2 = n_gt_half - j1
+        sum_j2 = sum_gt_half - (prefix[n] - prefix[idx])
+        sum_j3 = prefix[n_small] - prefix[bisect.bisect_left(asc, k)]
+        extra = max(0, -(-(sum_j3 - (j2 * cap - sum_j2)) // cap))
+        best = max(best, j1 + j2 + extra)
+    for j in range(2, MAX_J + 1):
+        count = n - bisect.bisect_right(asc, cap // (j + 1))
+        if count == 0:
+            break
+        best = max(best, -(-count // j))
+    return best

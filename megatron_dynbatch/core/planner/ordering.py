@@ -15,12 +15,13 @@ drains it) and on the largest micro-batch (the steady state waits for it on ever
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from ..alignment import Alignment
 from ..cost_model import CostModel
+from ..smallops import is_small, np_sum
 
 PATTERNS = ("desc", "asc", "valley")
 
@@ -58,7 +59,19 @@ def _per_rank_sums(bins: List[List[List[int]]], values: np.ndarray) -> List[np.n
 
 
 class RankTimes:
-    """Per-micro-batch token and attention sums of every rank, kept up to date under sample moves."""
+    """Per-micro-batch token and attention sums of every rank, kept up to date under sample moves, and the rank
+    times they give (NumPy arrays; :meth:`build` picks :class:`SmallRankTimes` for small plans)."""
+
+    @staticmethod
+    def build(bins, aligned: np.ndarray, sq: np.ndarray, cm: CostModel, align: Alignment,
+              memo: Optional["TimingMemo"] = None) -> "RankTimes":
+        """:class:`SmallRankTimes` (sharing ``memo``, if given) for a small step (``smallops.is_small``) whose
+        ranks are timed one by one (no expert lockstep) and whose micro-batches are non-empty, else
+        :class:`RankTimes`."""
+        if (cm.ep_group == 1 and is_small(aligned.size) and sq.dtype == np.float64 and aligned.dtype.kind in "iu"
+                and all(mb for rank in bins for mb in rank)):
+            return SmallRankTimes(bins, aligned, sq, cm, align, memo)
+        return RankTimes(bins, aligned, sq, cm, align)
 
     def __init__(self, bins, aligned: np.ndarray, sq: np.ndarray, cm: CostModel, align: Alignment) -> None:
         self.bins = bins
@@ -87,6 +100,157 @@ class RankTimes:
                 best = (t, pattern)
         return best
 
+    def ranks_timed(self, times: List[np.ndarray]) -> Tuple[np.ndarray, list]:
+        """Every rank's time and arrangement (ranks independent: no expert lockstep): largest first with
+        ``pp == 1``, else the best arrangement (:func:`best_arrangements`)."""
+        if self.cm.pp == 1:
+            perms = [arrangement(t, "desc") for t in times]
+            return self.cm.step_time([t[p] for t, p in zip(times, perms)]), perms
+        return best_arrangements(times, self.cm)
+
+    @staticmethod
+    def by_time(times: np.ndarray) -> List[int]:
+        """Micro-batch indices by decreasing time (lower index first on ties)."""
+        return np.argsort(-times, kind="stable").tolist()
+
+    def fastest_fit(self, r: int, times: np.ndarray, need: int, cap: int) -> Optional[int]:
+        """The micro-batch of rank ``r`` with the shortest ``times`` (lowest index on ties) that has room for
+        ``need`` more slot tokens under ``cap``; ``None`` if none has."""
+        fits = np.flatnonzero(cap - self.slots[r] >= need)
+        return int(fits[np.argmin(times[fits])]) if fits.size else None
+
+    def moved(self, a: int, j: int, b: int, k: int, tokens: int, sq: float):
+        """Rank ``a``'s and rank ``b``'s ``(slots, sqs)`` after a sample of ``tokens`` and ``sq`` moves from
+        micro-batch ``j`` of ``a`` to micro-batch ``k`` of ``b`` (copies; :meth:`commit` keeps them)."""
+        sa, qa = self.slots[a].copy(), self.sqs[a].copy()
+        sb, qb = self.slots[b].copy(), self.sqs[b].copy()
+        sa[j] -= tokens
+        qa[j] -= sq
+        sb[k] += tokens
+        qb[k] += sq
+        return sa, qa, sb, qb
+
+    def commit(self, a: int, b: int, moved) -> None:
+        self.slots[a], self.sqs[a], self.slots[b], self.sqs[b] = moved
+
+
+class TimingMemo:
+    """What one step's small plans (:class:`SmallRankTimes`) already computed: a micro-batch's slot tokens and
+    squared tokens by its items, its time by those two sums, a rank's best arrangement by its micro-batch times.
+    Each is a pure function of its key for one step's items, cost model and alignment, so one memo serves every
+    packing, polish and ordering of a step, which re-time the same micro-batches and ranks many times."""
+
+    def __init__(self) -> None:
+        self.sums: dict = {}  # items of a micro-batch (tuple) -> (slot tokens, squared tokens)
+        self.mb: dict = {}  # (slot tokens, squared tokens) -> micro-batch time
+        self.rank: dict = {}  # micro-batch times (tuple) -> (rank time, pattern, arrangement)
+
+
+class SmallRankTimes(RankTimes):
+    """:class:`RankTimes` of a small step in plain Python: Python lists of sums and times, per-micro-batch times
+    from :meth:`CostModel.microbatch_time_of` and rank times from :meth:`CostModel.rank_time_of`. Every value is
+    the one the NumPy class computes (the same float64 operations in the same order: a micro-batch's sum is its
+    first value plus the NumPy sum of the rest, as ``np.add.reduceat`` adds), and every choice breaks ties the
+    same way (stable sorts, first minimum); ``tests/test_planner_fast_paths.py`` compares the two."""
+
+    def __init__(self, bins, aligned: np.ndarray, sq: np.ndarray, cm: CostModel, align: Alignment,
+                 memo: Optional[TimingMemo] = None) -> None:
+        self.bins = bins
+        self.aligned, self.sq, self.cm, self.align = aligned, sq, cm, align
+        self.memo = memo if memo is not None else TimingMemo()
+        self._tok, self._sq = aligned.tolist(), sq.tolist()
+        sums = [[self._sums(mb) for mb in rank] for rank in bins]
+        self.slots = [[s for s, _ in rank] for rank in sums]
+        self.sqs = [[q for _, q in rank] for rank in sums]
+        self.times = [self.mb_times(r, self.slots[r], self.sqs[r]) for r in range(len(bins))]
+
+    def _sums(self, mb: List[int]) -> Tuple[int, float]:
+        key = tuple(mb)
+        found = self.memo.sums.get(key)
+        if found is None:
+            tok, sqs = self._tok, self._sq
+            found = self.memo.sums[key] = (sum([tok[i] for i in mb]), segment_sum([sqs[i] for i in mb]))
+        return found
+
+    def mb_times(self, r: int, slots=None, sqs=None) -> List[float]:
+        """The times of rank ``r``'s micro-batches (do not modify the list), or of ``slots`` and ``sqs``."""
+        if slots is None:
+            return self.times[r]
+        tm, known, out = self.align.total_multiple, self.memo.mb, []
+        for s, q in zip(slots, sqs):
+            t = known.get((s, q))
+            if t is None:
+                t = known[s, q] = self.cm.microbatch_time_of(-(-s // tm) * tm, q)
+            out.append(t)
+        return out
+
+    def commit(self, a: int, b: int, moved) -> None:
+        super().commit(a, b, moved)
+        self.times[a], self.times[b] = self.mb_times(a, *moved[:2]), self.mb_times(b, *moved[2:])
+
+    def best_rank_time(self, times: List[float]) -> Tuple[float, str]:
+        return self._best(times)[:2]
+
+    def _best(self, times: List[float]) -> Tuple[float, str, List[int]]:
+        """Rank time, arrangement and its permutation (do not modify it), remembered by ``times``."""
+        key = tuple(times)
+        found = self.memo.rank.get(key)
+        if found is None:
+            t, pattern = best_of_list(times, self.cm)
+            found = self.memo.rank[key] = (t, pattern, arrangement_of(times, pattern))
+        return found
+
+    def ranks_timed(self, times: List[List[float]]) -> Tuple[np.ndarray, list]:
+        # pp == 1 sums each rank largest first; else each rank's best arrangement is best_arrangements' choice
+        # (its vectorised 1F1B simulation is the per-rank one, row by row)
+        if self.cm.pp == 1:
+            perms = [arrangement_of(t, "desc") for t in times]
+            return np.array([self.cm.rank_time_of([t[i] for i in p]) for t, p in zip(times, perms)]), perms
+        best = [self._best(t) for t in times]
+        return np.array([b[0] for b in best]), [b[2] for b in best]
+
+    @staticmethod
+    def by_time(times: List[float]) -> List[int]:
+        return sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in order
+
+    def fastest_fit(self, r: int, times: List[float], need: int, cap: int) -> Optional[int]:
+        best = None
+        for k, used in enumerate(self.slots[r]):
+            if cap - used >= need and (best is None or times[k] < times[best]):
+                best = k
+        return best
+
+
+def best_of_list(times: List[float], cm: CostModel) -> Tuple[float, str]:
+    """:meth:`RankTimes.best_of` of a list of Python floats, in plain Python (the same time and arrangement)."""
+    if cm.pp == 1:
+        return cm.rank_time_of(times), "desc"
+    best = None
+    stage = [t / cm.pp for t in times]
+    for pattern, perm in zip(PATTERNS, arrangements_of(times)):
+        t = cm.pipeline_time_of([stage[i] for i in perm])
+        if best is None or t < best[0] - 1e-15:
+            best = (t, pattern)
+    return best
+
+
+def segment_sum(values: List[float]) -> float:
+    """``np.add.reduceat``'s sum of one non-empty segment: its first value plus NumPy's sum of the rest."""
+    return values[0] if len(values) == 1 else values[0] + np_sum(values[1:])
+
+
+def arrangements_of(times: List[float]) -> Tuple[List[int], ...]:
+    """:func:`arrangement` of a list of Python floats for every pattern of :data:`PATTERNS`, in plain Python (the
+    same permutations)."""
+    desc = sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in index order
+    asc = desc[::-1]
+    return desc, asc, asc[0::2] + asc[1::2][::-1]
+
+
+def arrangement_of(times: List[float], pattern: str) -> List[int]:
+    """One arrangement of :func:`arrangements_of`."""
+    return arrangements_of(times)[PATTERNS.index(pattern)]
+
 
 def best_arrangements(times: List[np.ndarray], cm: CostModel) -> Tuple[np.ndarray, List[np.ndarray]]:
     """Each rank's best arrangement (as :meth:`RankTimes.best_rank_time` picks it) and its time; ranks with
@@ -106,11 +270,12 @@ def best_arrangements(times: List[np.ndarray], cm: CostModel) -> Tuple[np.ndarra
     return rank_t, perms
 
 
-def order_and_time(bins, aligned, sq, cm: CostModel, align: Alignment):
-    """Order every rank's micro-batches; return ``(ordered_bins, step_time, imbalance)``."""
-    rt = RankTimes(bins, aligned, sq, cm, align)
+def order_and_time(bins, aligned, sq, cm: CostModel, align: Alignment, memo: Optional[TimingMemo] = None):
+    """Order every rank's micro-batches; return ``(ordered_bins, step_time, imbalance)`` (``memo``: the step's
+    :class:`TimingMemo`, for small steps)."""
+    rt = RankTimes.build(bins, aligned, sq, cm, align, memo)
     times = [rt.mb_times(r) for r in range(len(bins))]
-    if cm.ep_group > 1 or cm.pp == 1:
+    if cm.ep_group > 1:  # lockstep: one arrangement for every rank
         patterns = ["desc"] if cm.pp == 1 else list(PATTERNS)
         best = None
         for pattern in patterns:
@@ -120,15 +285,16 @@ def order_and_time(bins, aligned, sq, cm: CostModel, align: Alignment):
                 best = (perms, rank_t)
         perms, rank_t = best
     else:
-        rank_t, perms = best_arrangements(times, cm)
+        rank_t, perms = rt.ranks_timed(times)
     ordered = [[rank[i] for i in p] for rank, p in zip(bins, perms)]
-    mean = float(rank_t.mean())
-    return ordered, float(rank_t.max()), float(rank_t.max() / mean) if mean > 0 else 1.0
+    values = rank_t.tolist()
+    top, mean = max(values), np_sum(values) / len(values)  # as rank_t.max() and rank_t.mean()
+    return ordered, top, top / mean if mean > 0 else 1.0
 
 
 def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int, cm: CostModel,
                     align: Alignment, max_evals: int = 3000, candidates: int = 12, max_ops: int = 3_000_000,
-                    start_evals: int = 0) -> int:
+                    start_evals: int = 0, memo: Optional[TimingMemo] = None) -> int:
     """In place: move one sample at a time from the slowest rank to the fastest while the step time drops.
 
     Only for ``pp > 1`` without expert lockstep and without groups (the caller decides). A move never empties a
@@ -136,10 +302,13 @@ def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int
     simulated pipeline operations, whichever comes first. Returns the evaluations spent, counting from
     ``start_evals``: the polish is a deterministic greedy walk, so a second call with a larger budget and the
     first call's return value as ``start_evals`` continues exactly as one call with the larger budget would.
+    ``memo``: the step's :class:`TimingMemo`, for small steps.
     """
-    rt = RankTimes(bins, aligned, sq, cm, align)
+    rt = RankTimes.build(bins, aligned, sq, cm, align, memo)
+    if isinstance(rt, SmallRankTimes):  # read samples from Python lists (NumPy scalars are slow one at a time)
+        aligned, sq, oversize = aligned.tolist(), sq.tolist(), oversize.tolist()
     dp = len(bins)
-    rank_t = best_arrangements([rt.mb_times(r) for r in range(dp)], cm)[0]
+    rank_t = rt.ranks_timed([rt.mb_times(r) for r in range(dp)])[0]
     # One evaluation simulates two ranks in each arrangement: bound the simulated operations, not only the
     # evaluations, so long pipelines with many micro-batches stay fast.
     ops_per_eval = 2 * len(PATTERNS) * 2 * cm.pp * max(len(b) for b in bins)
@@ -151,9 +320,8 @@ def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int
             return evals
         best = None
         # Candidate samples of the slowest rank: from its largest micro-batches first (they set the bubble).
-        order_mb = np.argsort(-rt.mb_times(a), kind="stable")
         cands = []
-        for j in order_mb:
+        for j in rt.by_time(rt.mb_times(a)):
             if len(bins[a][j]) < 2:
                 continue
             for i in sorted(bins[a][j], key=lambda s: (-aligned[s], s)):
@@ -161,30 +329,23 @@ def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int
                     cands.append((int(j), int(i)))
             if len(cands) >= candidates:
                 break
+        tb = rt.mb_times(b)
         for j, i in cands[:candidates]:
-            room = cap - rt.slots[b]
-            fits = np.flatnonzero(room >= aligned[i])
-            if fits.size == 0:
+            k = rt.fastest_fit(b, tb, int(aligned[i]), cap)
+            if k is None:
                 continue
-            tb = rt.mb_times(b)
-            k = int(fits[np.argmin(tb[fits])])
-            sa, qa = rt.slots[a].copy(), rt.sqs[a].copy()
-            sb, qb = rt.slots[b].copy(), rt.sqs[b].copy()
-            sa[j] -= aligned[i]
-            qa[j] -= sq[i]
-            sb[k] += aligned[i]
-            qb[k] += sq[i]
-            ta = rt.best_rank_time(rt.mb_times(a, sa, qa))[0]
-            tb_new = rt.best_rank_time(rt.mb_times(b, sb, qb))[0]
+            moved = rt.moved(a, j, b, k, int(aligned[i]), float(sq[i]))
+            ta = rt.best_rank_time(rt.mb_times(a, *moved[:2]))[0]
+            tb_new = rt.best_rank_time(rt.mb_times(b, *moved[2:]))[0]
             evals += 2
             new_max = max(ta, tb_new)
             if new_max < rank_t[a] * (1 - 1e-9) and (best is None or new_max < best[0]):
-                best = (new_max, j, i, k, ta, tb_new, sa, qa, sb, qb)
+                best = (new_max, j, i, k, ta, tb_new, moved)
         if best is None:
             return evals
-        _, j, i, k, ta, tb_new, sa, qa, sb, qb = best
+        _, j, i, k, ta, tb_new, moved = best
         bins[a][j].remove(i)
         bins[b][k].append(i)
-        rt.slots[a], rt.sqs[a], rt.slots[b], rt.sqs[b] = sa, qa, sb, qb
+        rt.commit(a, b, moved)
         rank_t[a], rank_t[b] = ta, tb_new
     return evals

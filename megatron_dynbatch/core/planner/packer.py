@@ -27,11 +27,16 @@ or all samples of one ``microbatch_group_ids`` group merged into one (``StepInpu
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
+import itertools
+import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from ..smallops import is_small, np_sum
 
 
 @dataclass
@@ -67,6 +72,19 @@ class StepInput:
             self.unit_count = np.bincount(unit_of, minlength=n_units).astype(np.int64)
             self.unit_samples = np.bincount(unit_of, weights=item_samples, minlength=n_units).round().astype(np.int64)
 
+    @functools.cached_property
+    def unit_lists(self) -> Tuple[list, list, list, list]:
+        """``(unit_weight, unit_tokens, unit_count, unit_samples)`` as Python lists, made once per step: the
+        plain-Python fast paths read them one element at a time (a NumPy scalar per element is several times
+        slower)."""
+        return (self.unit_weight.tolist(), self.unit_tokens.tolist(), self.unit_count.tolist(),
+                self.unit_samples.tolist())
+
+    @functools.cached_property
+    def item_lists(self) -> Tuple[list, list, list]:
+        """``(aligned, weight, oversize)`` as Python lists, made once per step (see :attr:`unit_lists`)."""
+        return self.aligned.tolist(), self.weight.tolist(), self.oversize.tolist()
+
     def sample_target(self, dp: int) -> Optional[int]:
         """Samples every rank must hold under ``equal_samples`` (the caller checked divisibility), else None."""
         return int(self.unit_samples.sum()) // dp if self.equal_samples else None
@@ -86,19 +104,32 @@ def _desc_order(primary: np.ndarray, secondary: np.ndarray) -> np.ndarray:
     return np.lexsort((idx, -secondary, -primary))
 
 
+def _desc_order_of(items, primary: Sequence, secondary: Sequence) -> List[int]:
+    """:func:`_desc_order` in plain Python: ``items`` by decreasing ``primary[i]``, then decreasing
+    ``secondary[i]``; the sort is stable, so ties keep the order of ``items`` as the index key does."""
+    return sorted(items, key=lambda i: (-primary[i], -secondary[i]))
+
+
 def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
     """Phase 1: units per rank, or ``None`` if some unit fits no rank's ``m * cap`` token capacity."""
     if inp.equal_samples:
         return _assign_equal(inp, dp, m)
     capacity = m * inp.cap
-    order_arr = _desc_order(inp.unit_weight, inp.unit_tokens)
     # Plain Python lists in the hot loop: indexing NumPy scalars one at a time is several times slower.
-    tok_sorted = inp.unit_tokens[order_arr]
-    # Smallest token demand among the units still to place: a rank that cannot take even that is retired.
-    suffix_min = np.minimum.accumulate(tok_sorted[::-1])[::-1].tolist() + [0]
-    order = order_arr.tolist()
-    need_of = tok_sorted.tolist()
-    weight_of = inp.unit_weight[order_arr].tolist()
+    # Smallest token demand among the units still to place (suffix_min): a rank that cannot take even that is
+    # retired.
+    if is_small(inp.unit_weight.size):  # small steps: no NumPy call at all
+        weights, tokens = inp.unit_lists[:2]
+        order = _desc_order_of(range(len(weights)), weights, tokens)
+        need_of, weight_of = [tokens[u] for u in order], [weights[u] for u in order]
+        suffix_min = list(itertools.accumulate(reversed(need_of), min))[::-1] + [0]
+    else:
+        order_arr = _desc_order(inp.unit_weight, inp.unit_tokens)
+        tok_sorted = inp.unit_tokens[order_arr]
+        suffix_min = np.minimum.accumulate(tok_sorted[::-1])[::-1].tolist() + [0]
+        order = order_arr.tolist()
+        need_of = tok_sorted.tolist()
+        weight_of = inp.unit_weight[order_arr].tolist()
     used = [0] * dp
     ranks: List[List[int]] = [[] for _ in range(dp)]
     heap = [(0.0, r) for r in range(dp)]
@@ -201,6 +232,10 @@ def _lpt_equal(inp: StepInput, dp: int, target: int, capacity: int) -> Optional[
 
 def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) -> bool:
     """Move the lightest units from ranks with more than ``m`` samples to ranks with fewer."""
+    if is_small(inp.unit_count.size):
+        counts = inp.unit_lists[2]
+        if all(sum([counts[u] for u in r]) >= m for r in ranks):
+            return True  # no rank is short: nothing to move (what the loop below finds, without NumPy)
     cnt = np.array([inp.unit_count[r].sum() if r else 0 for r in ranks], dtype=np.int64)
     used = np.array([inp.unit_tokens[r].sum() if r else 0 for r in ranks], dtype=np.int64)
     for r in np.flatnonzero(cnt < m):
@@ -230,6 +265,12 @@ def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) 
     return True
 
 
+#: at most this many candidate pairs: the global exchange search runs in plain Python (:func:`_global_py`)
+SMALL_GLOBAL = 256
+#: at most this many units on the two ranks: the pair exchange search runs in plain Python (:func:`_pair_py`)
+SMALL_PAIR = 24
+
+
 def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int, rtol: float = 1e-4,
                  global_budget: int = 1_000_000) -> None:
     """Phase 2: in place, shrink the heaviest rank by moving or swapping one unit with a light rank.
@@ -239,49 +280,86 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     every other rank and every unit finds the exchange that lowers the heaviest rank the most while keeping
     its partner below it; those searches stop before they would exceed ``global_budget`` candidate pairs in all
     (bounded time and memory: on large steps, where pairwise exchanges suffice, they do not run).
+
+    A step of at most :data:`~megatron_dynbatch.core.smallops.SMALL_STEP` units keeps the rank loads in Python
+    lists (sums and mean in NumPy's order, :func:`~megatron_dynbatch.core.smallops.np_sum`; first maximum and
+    stable order as ``argmax`` / ``argsort``); small searches run in plain Python. Same exchanges either way.
     """
     dp = len(ranks)
     if dp < 2:
         return
-    w, tok, cnt_u = inp.unit_weight, inp.unit_tokens, inp.unit_count
-    smp = inp.unit_samples if inp.equal_samples else None  # swaps keep sample counts; no moves
+    small = is_small(inp.unit_weight.size)
+    # per-unit weight, tokens and count (and samples, under equal_samples: swaps keep sample counts; no moves)
+    units = inp.unit_lists[:3] if small else (inp.unit_weight, inp.unit_tokens, inp.unit_count)
+    smp = (inp.unit_lists[3] if small else inp.unit_samples) if inp.equal_samples else None
     capacity = m * inp.cap
-    loads = np.array([w[r].sum() if r else 0.0 for r in ranks])
-    used = np.array([tok[r].sum() if r else 0 for r in ranks], dtype=np.int64)
-    cnt = np.array([cnt_u[r].sum() if r else 0 for r in ranks], dtype=np.int64)
-    mean = loads.mean()
+    w, tok, cnt_u = units
+    if small:
+        loads = [np_sum([w[u] for u in r]) for r in ranks]
+        used = [sum([tok[u] for u in r]) for r in ranks]
+        cnt = [sum([cnt_u[u] for u in r]) for r in ranks]
+        mean = np_sum(loads) / dp
+    else:
+        loads = np.array([w[r].sum() if r else 0.0 for r in ranks])
+        used = np.array([tok[r].sum() if r else 0 for r in ranks], dtype=np.int64)
+        cnt = np.array([cnt_u[r].sum() if r else 0 for r in ranks], dtype=np.int64)
+        mean = loads.mean()
     if mean <= 0:
         return
+    state = (ranks, loads, used, cnt, capacity, m)
     global_left = global_budget
     for _ in range(max_rounds):
-        a = int(np.argmax(loads))
+        a = loads.index(max(loads)) if small else int(np.argmax(loads))
         if loads[a] - mean <= rtol * mean:
             return
-        moved = False
-        for b in np.argsort(loads, kind="stable")[: min(4, dp - 1)]:
-            b = int(b)
-            if b == a:
-                continue
-            if _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp):
-                moved = True
-                break
-        if not moved:
+        lightest = sorted(range(dp), key=loads.__getitem__) if small else np.argsort(loads, kind="stable").tolist()
+        found = None
+        for b in lightest[: min(4, dp - 1)]:
+            if b != a:
+                found = _pair_exchange(state, a, b, inp, units, smp, small)
+                if found is not None:
+                    x, y = found
+                    break
+        if found is None:
             cost = len(ranks[a]) * len(w)  # candidate pairs the vectorised search builds
-            if cost > global_left or not _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m,
-                                                         smp):
+            if cost > global_left or not ranks[a]:
                 return
+            found = _global_exchange(state, a, inp, units, smp, cost)
+            if found is None:
+                return
+            x, y, b = found
             global_left -= cost
+        _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u)
 
 
-def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None) -> bool:
-    """Best single move or swap between rank ``a`` and any other rank (vectorised over all units); with ``smp``
-    (samples per unit, under equal_samples) only swaps of units with equal sample counts."""
+def _global_exchange(state, a, inp, units, smp, cost):
+    """Best single move or swap between rank ``a`` and any other rank, ``(x, y, b)`` or None; with ``smp``
+    (samples per unit, under equal_samples) only swaps of units with equal sample counts. Up to
+    :data:`SMALL_GLOBAL` candidate pairs in plain Python (:func:`_global_py`), else vectorised (:func:`_global_np`);
+    ``state`` is refine_ranks' ``(ranks, loads, used, cnt, capacity, m)``, lists or NumPy arrays."""
+    ranks, loads, used, cnt, capacity, m = state
+    bound = loads[a] * (1 - 1e-12)  # an exchange must lower rank a's load
+    if cost <= SMALL_GLOBAL:
+        return _global_py(ranks, a, float(bound), _as_list(loads), _as_list(used), _as_list(cnt), capacity, m,
+                          *inp.unit_lists[:3], _as_list(smp))
+    unit_arrays = (inp.unit_weight, inp.unit_tokens, inp.unit_count)
+    return _global_np(ranks, a, bound, np.asarray(loads), np.asarray(used, dtype=np.int64),
+                      np.asarray(cnt, dtype=np.int64), capacity, m, *unit_arrays,
+                      None if smp is None else inp.unit_samples)
+
+
+def _as_list(values):
+    """Python list of ``values`` (a list already, a NumPy array or None)."""
+    return values.tolist() if isinstance(values, np.ndarray) else values
+
+
+def _global_np(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, smp):
+    """The exchange of :func:`_global_exchange`, ``(x, y, b)`` (``y`` None for a move to ``b``) or None: the
+    smallest new maximum of the two ranks below ``bound``, vectorised over (unit of ``a``, rank or unit)."""
     ua = np.asarray(ranks[a], dtype=np.int64)
     others = [(b, u) for b, units in enumerate(ranks) if b != a for u in units]
-    if not ua.size:
-        return False
     la = loads[a]
-    best = (la * (1 - 1e-12), None)
+    best = (bound, None)
     # Moves a -> b for every rank b.
     bs = np.array([b for b in range(len(ranks)) if b != a], dtype=np.int64)
     new_max = np.maximum(la - w[ua][:, None], loads[bs][None, :] + w[ua][:, None])
@@ -309,11 +387,36 @@ def _improve_global(ranks, a, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=
         i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
         if new_max[i, j] < best[0]:
             best = (new_max[i, j], (int(ua[i]), int(yu[j]), int(yb[j])))
-    if best[1] is None:
-        return False
-    x, y, b = best[1]
-    _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u)
-    return True
+    return best[1]
+
+
+def _global_py(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, smp):
+    """:func:`_global_np` in plain Python over lists: the candidates in the same (row-major) order and a running
+    minimum with ``<`` from ``bound`` -- what "``argmin``, kept if below the best so far" selects."""
+    la, used_a, cnt_a = loads[a], used[a], cnt[a]
+    best_max, best = bound, None
+    if smp is None:  # moves a -> b
+        for x in ranks[a]:
+            wx = w[x]
+            if not (cnt_a - cnt_u[x] >= m and wx > 0):
+                continue
+            for b in range(len(ranks)):
+                if b != a and used[b] + tok[x] <= capacity:
+                    new_max = max(la - wx, loads[b] + wx)
+                    if new_max < best_max:
+                        best_max, best = new_max, (x, None, b)
+    others = [(b, y) for b, units in enumerate(ranks) if b != a for y in units]
+    for x in ranks[a]:  # swaps: x of a for y of b
+        wx, tx, cx = w[x], tok[x], cnt_u[x]
+        for b, y in others:
+            delta = wx - w[y]
+            if (delta > 0 and used[b] - tok[y] + tx <= capacity and used_a - tx + tok[y] <= capacity
+                    and cnt_a - cx + cnt_u[y] >= m and cnt[b] - cnt_u[y] + cx >= m
+                    and (smp is None or smp[x] == smp[y])):
+                new_max = max(la - delta, loads[b] + delta)
+                if new_max < best_max:
+                    best_max, best = new_max, (x, y, b)
+    return best
 
 
 def _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u) -> None:
@@ -333,21 +436,34 @@ def _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u) -> None:
     cnt[b] += delta_c
 
 
-def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp=None) -> bool:
+def _pair_exchange(state, a, b, inp, units, smp, small):
+    """Move one unit from rank ``a`` to ``b``, or swap a unit of ``a`` with a lighter one of ``b``: the exchange
+    ``(x, y)`` (``y`` None for a move) whose weight is closest to half their gap, if it shrinks the gap, else None.
+    Small steps and pairs of up to :data:`SMALL_PAIR` units search in plain Python (:func:`_pair_py`), others
+    vectorised (:func:`_pair_np`); ``state`` as in :func:`_global_exchange`."""
+    ranks, loads, used, cnt, capacity, m = state
     gap = loads[a] - loads[b]
     if gap <= 0:
-        return False
-    ua = np.asarray(ranks[a], dtype=np.int64)
-    ub = np.asarray(ranks[b], dtype=np.int64)
+        return None
+    args = (ranks[a], ranks[b], float(gap), int(used[a]), int(used[b]), int(cnt[a]), int(cnt[b]), capacity, m)
+    if small or len(ranks[a]) + len(ranks[b]) <= SMALL_PAIR:
+        return _pair_py(*args, *inp.unit_lists[:3], inp.unit_lists[3] if smp is not None else None)
+    return _pair_np(*args, *units, smp)
+
+
+def _pair_np(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w, tok, cnt_u, smp):
+    """The exchange of :func:`_pair_exchange`, ``(x, y)`` (``y`` None for a move) or None; vectorised over units:
+    a move of ``x`` changes the pair maximum to ``max(La - x, Lb + x)``, best at ``x = gap / 2``, and for a swap
+    each unit of ``a`` binary-searches ``b``'s units (by weight) for the partner closest to ``wa - gap / 2``."""
+    ua = np.asarray(units_a, dtype=np.int64)
+    ub = np.asarray(units_b, dtype=np.int64)
     best_dev, best = np.inf, None
-    # Move one unit a -> b: the new pair maximum is max(La - x, Lb + x); best x is gap / 2.
     wa = w[ua]
-    ok = (wa > 0) & (wa < gap) & (used[b] + tok[ua] <= capacity) & (cnt[a] - cnt_u[ua] >= m) & (smp is None)
+    ok = (wa > 0) & (wa < gap) & (used_b + tok[ua] <= capacity) & (cnt_a - cnt_u[ua] >= m) & (smp is None)
     if ok.any():
         dev = np.where(ok, np.abs(wa - gap / 2), np.inf)
         i = int(np.argmin(dev))
         best_dev, best = dev[i], (ua[i], None)
-    # Swap a unit of a with a lighter unit of b whose difference is closest to gap / 2.
     if ub.size:
         ord_b = np.argsort(w[ub], kind="stable")
         wb_sorted = w[ub][ord_b]
@@ -357,10 +473,10 @@ def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp
             cand_b = ub[ord_b[j]]
             delta = wa - w[cand_b]
             ok = ((delta > 0) & (delta < gap)
-                  & (used[b] - tok[cand_b] + tok[ua] <= capacity)
-                  & (used[a] - tok[ua] + tok[cand_b] <= capacity)
-                  & (cnt[a] - cnt_u[ua] + cnt_u[cand_b] >= m)
-                  & (cnt[b] - cnt_u[cand_b] + cnt_u[ua] >= m))
+                  & (used_b - tok[cand_b] + tok[ua] <= capacity)
+                  & (used_a - tok[ua] + tok[cand_b] <= capacity)
+                  & (cnt_a - cnt_u[ua] + cnt_u[cand_b] >= m)
+                  & (cnt_b - cnt_u[cand_b] + cnt_u[ua] >= m))
             if smp is not None:
                 ok &= smp[ua] == smp[cand_b]
             if ok.any():
@@ -369,28 +485,68 @@ def _improve_pair(ranks, a, b, loads, used, cnt, w, tok, cnt_u, capacity, m, smp
                 if dev[i] < best_dev:
                     best_dev, best = dev[i], (ua[i], cand_b[i])
     if best is None or best_dev >= gap / 2:
-        return False
-    x, y = int(best[0]), best[1]
-    _apply_exchange(ranks, a, b, x, None if y is None else int(y), loads, used, cnt, w, tok, cnt_u)
-    return True
+        return None
+    return int(best[0]), None if best[1] is None else int(best[1])
+
+
+def _pair_py(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w, tok, cnt_u, smp):
+    """:func:`_pair_np` for a few units, in plain Python over lists. The same candidates in the same order (moves,
+    then the swaps of both binary-search neighbours), the same float64 arithmetic (Python floats are IEEE doubles,
+    as NumPy's) and ``bisect_left`` for ``searchsorted``; NumPy's "``argmin`` of each candidate set, kept if
+    strictly better" is a running minimum with ``<``, which keeps the first of equal deviations the same way."""
+    half = gap / 2
+    best_dev, best = math.inf, None
+    if smp is None:  # moves a -> b
+        for x in units_a:
+            wx = w[x]
+            if 0 < wx < gap and used_b + tok[x] <= capacity and cnt_a - cnt_u[x] >= m:
+                dev = abs(wx - half)
+                if dev < best_dev:
+                    best_dev, best = dev, (x, None)
+    if units_b:  # swaps: x of a for y of b
+        ord_b = sorted(units_b, key=w.__getitem__)  # stable, as argsort(kind="stable")
+        wb_sorted = [w[y] for y in ord_b]
+        last = len(ord_b) - 1
+        pos = [bisect.bisect_left(wb_sorted, w[x] - half) for x in units_a]
+        for shift in (0, -1):
+            for x, p in zip(units_a, pos):
+                j = p + shift
+                y = ord_b[0 if j < 0 else last if j > last else j]
+                delta = w[x] - w[y]
+                if (0 < delta < gap and used_b - tok[y] + tok[x] <= capacity and used_a - tok[x] + tok[y] <= capacity
+                        and cnt_a - cnt_u[x] + cnt_u[y] >= m and cnt_b - cnt_u[y] + cnt_u[x] >= m
+                        and (smp is None or smp[x] == smp[y])):
+                    dev = abs(delta - half)
+                    if dev < best_dev:
+                        best_dev, best = dev, (x, y)
+    if best is None or best_dev >= half:
+        return None
+    return best
 
 
 def pack_rank(samples: Sequence[int], inp: StepInput, m: int) -> Optional[List[List[int]]]:
     """Phase 3: exactly ``m`` non-empty micro-batches of ``samples`` within the cap, or ``None``."""
-    samples = np.asarray(samples, dtype=np.int64)
-    over = samples[inp.oversize[samples]]
-    normal = samples[~inp.oversize[samples]]
-    k = m - over.size
-    if k < 0 or (k == 0 and normal.size) or normal.size < k:
+    if is_small(len(samples)):  # plain Python over the step's lists: NumPy's call overhead dominates
+        aligned, weight, oversize = inp.item_lists
+        over = [int(i) for i in samples if oversize[i]]
+        normal = _desc_order_of([int(i) for i in samples if not oversize[i]], weight, aligned)
+        needs, weights = [aligned[i] for i in normal], [weight[i] for i in normal]
+    else:
+        samples = np.asarray(samples, dtype=np.int64)
+        over = samples[inp.oversize[samples]].tolist()
+        normal_arr = samples[~inp.oversize[samples]]
+        normal_arr = normal_arr[_desc_order(inp.weight[normal_arr], inp.aligned[normal_arr])]
+        normal, needs, weights = (normal_arr.tolist(), inp.aligned[normal_arr].tolist(),
+                                  inp.weight[normal_arr].tolist())
+    k = m - len(over)
+    if k < 0 or (k == 0 and normal) or len(normal) < k:
         return None
-    bins: List[List[int]] = [[int(i)] for i in over]
+    bins: List[List[int]] = [[i] for i in over]
     if k == 0:
         return bins
-    aligned, weight, cap = inp.aligned, inp.weight, inp.cap
-    normal = normal[_desc_order(weight[normal], aligned[normal])]
-    packed = _lpt_bins(normal, aligned, weight, k, cap)
+    packed = _lpt_bins(normal, needs, weights, k, inp.cap)
     if packed is None:
-        packed = _best_fit_bins(normal, aligned, k, cap)
+        packed = _best_fit_bins(np.asarray(normal, dtype=np.int64), inp.aligned, k, inp.cap)
         if packed is None:
             return None
     return bins + packed
@@ -403,8 +559,10 @@ MAX_SKIPS = 200_000
 SKIP_LIMIT = 4
 
 
-def _lpt_bins(items: np.ndarray, aligned, weight, k: int, cap: int) -> Optional[List[List[int]]]:
-    """Each item (heaviest first) into the least-loaded bin with room for it. Popping full bins to find it is
+def _lpt_bins(items: List[int], needs: List[int], weights: List[float], k: int,
+              cap: int) -> Optional[List[List[int]]]:
+    """Each item (heaviest first; ``needs`` and ``weights`` are its slot tokens and weight) into the least-loaded
+    bin with room for it. Popping full bins to find it is
     paid from an allowance of ``SKIPS_PER_ITEM`` per item, ``MAX_SKIPS`` per pass (real workloads use 0-4 per
     item); once spent, an item that
     meets ``SKIP_LIMIT`` full bins goes to the bin with the most room (a lazy max-heap on room), and a count
@@ -418,7 +576,7 @@ def _lpt_bins(items: np.ndarray, aligned, weight, k: int, cap: int) -> Optional[
     rooms = [(-cap, b) for b in range(k)]  # max-heap on room; an entry is current iff it matches used[b]
     pop, push = heapq.heappop, heapq.heappush
     allowance = min(SKIPS_PER_ITEM * len(items), MAX_SKIPS)
-    for i, need, w in zip(items.tolist(), aligned[items].tolist(), weight[items].tolist()):
+    for i, need, w in zip(items, needs, weights):
         skipped = []
         target = -1
         while heap and len(skipped) < max(SKIP_LIMIT, allowance):
@@ -554,7 +712,7 @@ def plan_for_count(inp: StepInput, dp: int, m: int, refine_rounds: int) -> Optio
     refine_ranks(inp, ranks, m, refine_rounds)
     out = []
     for units in ranks:
-        bins = pack_rank(inp.members(units), inp, m)
+        bins = pack_rank(units if inp.singletons else inp.members(units), inp, m)  # a unit is an item, or a group
         if bins is None:
             return None
         out.append(bins)

@@ -63,7 +63,8 @@ class Prepared:
 
     def step_samples(self, step: Step, local_bins: List[List[List[int]]]) -> List[List[List[int]]]:
         """``bins[r][j]`` of local item indices -> global sample indices."""
-        return [[self.items.samples_of(step.items[mb].tolist()) for mb in rank] for rank in local_bins]
+        items = step.items.tolist()
+        return [[self.items.samples_of([items[i] for i in mb]) for mb in rank] for rank in local_bins]
 
     @property
     def oversize_samples(self) -> List[int]:

@@ -23,6 +23,7 @@ Pure NumPy; deterministic.
 
 from __future__ import annotations
 
+import itertools
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -31,9 +32,10 @@ from ..alignment import Alignment
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from ..smallops import is_small
 from .bounds import min_bins
 from .fallback import SearchBudget, feasible_packing
-from .ordering import order_and_time, polish_pipeline
+from .ordering import TimingMemo, order_and_time, polish_pipeline
 from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins, split_bins
 from .counts import CountRule
 
@@ -68,11 +70,13 @@ class _Counts:
         self.cache: Dict[Tuple[int, int], Optional[Result]] = {}
         self._bfd_bins: Optional[int] = None
         self._global: Dict[int, Optional[list]] = {}
-        self.polished: Dict[int, Tuple[list, int]] = {}  # count -> (polished bins before ordering, evaluations)
+        #: count -> (polished bins before ordering, evaluations, their ordered result)
+        self.polished: Dict[int, Tuple[list, int, Optional[Result]]] = {}
         #: rescue mode: also run the bounded bin search (:func:`.fallback.search_bins`); set only once no count
         #: packed without it, so it never costs time on a batch that plans anyway
         self.deep = False
         self.search = search if search is not None else SearchBudget()
+        self.memo = TimingMemo()  # times of this step's small plans, shared by every count (ordering.py)
 
     def global_bins(self, m: int) -> Optional[list]:
         """Without groups: ``dp * m`` bins packed over the whole step and dealt by size tier
@@ -107,8 +111,10 @@ class _Counts:
     def _evaluate(self, m: int, polish_evals: int) -> Optional[Result]:
         inp, dp = self.inp, self.par.dp
         final = polish_evals > POLISH_EVALS
+        start = None  # (bins, evaluations, result) of the cheaper polish this one continues
         if final and m in self.polished:  # continue the cheaper polish of this count instead of re-packing
-            bins, done = _copy_bins(self.polished[m][0]), self.polished[m][1]
+            start = self.polished[m]
+            bins, done = _copy_bins(start[0]), start[1]
         else:
             bins, done = plan_for_count(inp, dp, m, self.rounds), 0
             if bins is None:
@@ -117,10 +123,12 @@ class _Counts:
         if bins is not None and self.pipeline_polish:
             done = polish_pipeline(bins, inp.aligned, self.sq, inp.oversize, inp.cap, self.cm, self.align,
                                    max_evals=polish_evals, max_ops=FINAL_POLISH_OPS if final else POLISH_OPS,
-                                   start_evals=done)
-            if not final:
-                self.polished[m] = (_copy_bins(bins), done)
-        best = order_and_time(bins, inp.aligned, self.sq, self.cm, self.align) if bins is not None else None
+                                   start_evals=done, memo=self.memo)
+        if start is not None and bins == start[0]:
+            return start[2]  # the longer polish moved nothing: these very bins were ordered and timed already
+        best = order_and_time(bins, inp.aligned, self.sq, self.cm, self.align, self.memo) if bins is not None else None
+        if bins is not None and self.pipeline_polish and not final:
+            self.polished[m] = (_copy_bins(bins), done, best)
         if self.lockstep:  # expert-parallel ranks advance together: also try even micro-batches across ranks
             alt = self.global_bins(m)
             if alt is not None:
@@ -312,6 +320,11 @@ def _max_count(inp: StepInput, dp: int) -> int:
     every ``j < dp`` the ``dp - j`` ranks holding none of the ``j`` largest units share what the others leave:
     ``M <= (items - top_j) // (dp - j)``. ``j = 0`` is the plain ``items // dp``; larger ``j`` refuse at once a
     step whose one giant group leaves the other ranks too few items (which used to search for minutes)."""
+    if is_small(inp.unit_count.size):  # the same integers in plain Python
+        c = sorted(inp.unit_lists[2], reverse=True)
+        total = sum(c)
+        tops = itertools.accumulate([0] + c)  # the j largest
+        return min((total - top) // (dp - j) for j, top in zip(range(min(dp, len(c))), tops))
     c = np.sort(inp.unit_count)[::-1]
     j = np.arange(min(dp, c.size))
     top = np.concatenate(([0], np.cumsum(c)))[j]
@@ -375,13 +388,15 @@ def count_dependent_share(m: int, step: float, cm: CostModel) -> float:
     if step <= 0:
         return 1.0
     bubble = (cm.pp - 1) / max(cm.vpp, 1) if cm.pp > 1 else 0.0
-    fixed = float(cm.microbatch_time(0, 0))  # what any micro-batch costs at least: the overhead, or the floor
+    fixed = cm.microbatch_time_of(0, 0.0)  # what any micro-batch costs at least: the overhead, or the floor
     return min(1.0, bubble / (m + bubble) + m * fixed / cm.pp / step)
 
 
 def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, inp: StepInput, best,
                       rule: CountRule) -> List[int]:
     """Extra counts worth scoring after the first feasible ``m``."""
+    if rule.next(m + 1) > m_max:  # every candidate is a valid count above m: none fits (the cheap common case)
+        return []
     out: List[int] = []
     if par.pp > 1 and cm.overhead_s > 0:
         w = float(cm.work(inp.aligned, 0.0).sum()) / par.dp  # linear part is enough to locate the optimum
