@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from ._argparse import SuggestingArgumentParser
 from ._cli_io import read_values as _read_values
+from ._cli_run import _LAYOUT_FLAGS
 from ._cli_summary import group_line, plan_summary, rank_table
 from .core.errors import DynBatchConfigError
 
@@ -248,7 +249,7 @@ def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
     if args.max_tokens_per_gpu is not None:
         kw["max_tokens_per_gpu"] = args.max_tokens_per_gpu
     layout = kw["parallel"].to_dict()
-    for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage", "gpus_per_node"):
+    for name in _LAYOUT_FLAGS:
         if getattr(args, name, None) is not None:
             layout[name] = getattr(args, name)
     if args.sequence_parallel:

@@ -29,7 +29,6 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
 import re
 import subprocess
 import sys

@@ -154,10 +154,10 @@ def schedule_of(name: str, plan: Any, lengths: Sequence[int], workload: Workload
     if name == HYBRID_CP:
         return RoundsSchedule(hybrid_cp_rounds(lens, par, workload.max_tokens_per_gpu), lens)
     if isinstance(plan, DynamicCPPlan):
-        cm = CostModel.from_model(workload.model, par)
+        ep = max(1, par.ep)  # the cost model's ep_group: expert-parallel ranks run in lockstep
         return PoolSchedule([list(map(tuple, g)) for g in plan.groups],
                             [[[lens[i] for i in mb] for mb in rank] for rank in plan.micro_batches],
-                            list(plan.microbatches_per_step), par.cp * cm.ep_group if cm.ep_group > 1 else 1)
+                            list(plan.microbatches_per_step), par.cp * ep if ep > 1 else 1)
     base = BASELINES.get(name)
     padded = base is not None and base.pad_to_longest
     width = workload.max_tokens_per_gpu * par.cp if base is not None and base.fixed_bins else None
