@@ -195,6 +195,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     balance_by = {"flops-eff": "FLOPs at kernel efficiency", "flops": "raw FLOPs", "tokens": "tokens",
                   "time": "cost-model time"}[mode]
     args.model, args.max_tokens_per_gpu, args.fp8 = kwargs["model"], kwargs["max_tokens_per_gpu"], kwargs["fp8_alignment"]
+    args.cost_model = kwargs.get("cost_model")  # a run preset's cost model scores the baselines too (--compare)
     if kwargs.get("dynamic_cp"):  # the pool summary and the fixed-CP plan next to it (_cli_dyncp.py)
         from ._cli_dyncp import check_dynamic_cp_flags, run_plan_dynamic_cp
 

@@ -160,6 +160,28 @@ def test_override_run_plans_the_preset_with_the_flags_values(tmp_path, capsys):
     assert "--override-run=True: only means something with --run PRESET" in capsys.readouterr().err
 
 
+def test_compare_scores_the_baselines_with_the_run_presets_cost_model(tmp_path, capsys):
+    """``plan --run PRESET --compare``: a preset's ``cost_model`` scores the baselines as it scores the plan, the
+    same table as that cost model given by flag (found in review: the baselines kept the default model)."""
+    import yaml
+
+    from megatron_dynbatch.core.presets import resolve_run_preset
+
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(str(50 + 7 * i % 100) for i in range(32)))
+    preset = yaml.safe_load(resolve_run_preset("tiny-cpu-demo").read_text())
+    preset["cost_model"] = "analytic"
+    path = tmp_path / "analytic.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    assert main(["plan", "--lengths", str(lengths), "--run", str(path), "--compare"]) == 0
+    from_preset = capsys.readouterr().out
+    assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--cost-model", "analytic",
+                 "--override-run", "--compare"]) == 0
+    from_flag = capsys.readouterr().out
+    table = lambda out: out[out.index("algorithm"):]  # noqa: E731 (the header names the preset differently)
+    assert table(from_preset) == table(from_flag)
+
+
 CONTRADICTIONS = [  # tiny-cpu-demo: tiny-gpt, world_size 2 (dp 2), 160 tokens, flops, error, samples_per_step 16, groups of 4
     (["--model", "qwen3-0.6b"], "--model", "model 'tiny-gpt'"),
     (["--max-tokens-per-gpu", "320"], "--max-tokens-per-gpu", "max_tokens_per_gpu=160"),
