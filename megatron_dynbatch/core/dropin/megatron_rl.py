@@ -92,7 +92,7 @@ def plan_rl_bins(seq_lengths: Any, *, bin_size: int, dp: int, seq_length_multipl
                                   "than one bin holds", "raise --seq-length or truncate trajectories to it")
     base = ParallelConfig.from_any(parallel).to_dict()
     cp = int(base.get("cp", 1))
-    if mult % (2 * cp if cp > 1 else 1) or bin_size % cp:
+    if mult % (2 * cp if cp > 1 else 1):  # then cp divides mult, which divides bin_size (checked above)
         raise DynBatchConfigError("seq_length_multiple", mult, f"must be a multiple of 2*cp={2 * cp}",
                                   "pass Megatron RL's own seq_length_multiple (2*cp)")
     base.update(dp=dp, sequence_parallel=False)  # every bin is padded to bin_size anyway
