@@ -151,9 +151,9 @@ def scheduler_class(base: Optional[type] = None) -> type:
 
 
 def _make_scheduler_class(base: type) -> type:
-    from ..megatron.compat import _parameters
+    from ..megatron.compat import scheduler_takes_max_num_seqs
 
-    takes_max_num_seqs = any("max_num_seqs" in _parameters(cls.__init__) for cls in base.__mro__)
+    takes_max_num_seqs = scheduler_takes_max_num_seqs(base)
 
     class DynBatchScheduler(base):  # type: ignore[misc, valid-type]
         """Groups samples with megatron-dynbatch's planner (FLOPs-balanced, budget-safe, equal counts)."""
@@ -207,9 +207,13 @@ def _make_scheduler_class(base: type) -> type:
 
 
 def _data_schedule() -> Any:
-    from ..megatron.compat import packing_scheduler_api
-
-    return packing_scheduler_api().module
+    """``megatron.core.datasets.data_schedule``, or None -- what ``packing_scheduler_api().module`` answers, without
+    re-probing the scheduler signatures on every training step."""
+    try:
+        from megatron.core.datasets import data_schedule
+    except Exception:  # noqa: BLE001 - absent, or not importable here (as packing_scheduler_api)
+        return None
+    return data_schedule
 
 
 def _megatron_args() -> Any:

@@ -37,7 +37,7 @@ from ..core.checks import as_int
 from ..core.dropin.roll import roll_shard
 from ..core.dropin.words import ROLL_WORDS, speaks
 from ..core.errors import DynBatchConfigError, OversizeSampleWarning
-from ..core.planner.inputs import check_lengths
+from ..core.planner.inputs import attention_mask_lengths
 
 __all__ = ["dynamic_batching_shard"]
 
@@ -98,11 +98,8 @@ def _lengths(origin_batch: Any) -> Tuple[np.ndarray, int]:
         raise DynBatchConfigError('origin_batch.batch["attention_mask"]', "missing", "ROLL reads each sample's "
                                   "length from the attention mask", "pass the batch with its attention_mask "
                                   "[batch, seq_len]") from None
-    shape = tuple(int(d) for d in getattr(mask, "shape", ()))
-    if len(shape) < 2:
-        raise DynBatchConfigError("attention_mask", f"shape {shape}", "must be [batch, seq_len]",
-                                  "pass the padded batch's attention mask (1 for real tokens, 0 for padding)")
-    if shape[0] == 0:
+    lens, width = attention_mask_lengths(mask)
+    if lens.size == 0:  # a [0, seq_len] mask (check_lengths never returns an empty array)
         raise DynBatchConfigError("origin_batch", "0 samples", "an empty batch has nothing to shard (ROLL's own "
                                   "function fails on it too)", "skip dynamic batching for an empty batch")
-    return check_lengths(mask.reshape(shape[0], -1).sum(-1), field="attention_mask.sum(-1)"), shape[-1]
+    return lens, width

@@ -47,7 +47,7 @@ from ..core.checks import as_int
 from ..core.dropin import verl as core
 from ..core.dropin.words import VERL_WORDS, trainer_terms
 from ..core.errors import DropinAssertionError, DynBatchConfigError, OversizeSampleError
-from ..core.planner.inputs import check_lengths
+from ..core.planner.inputs import attention_mask_lengths, check_lengths
 
 __all__ = [
     "balance_batch", "calculate_workload", "ceildiv", "check_budget", "get_group_balanced_partitions",
@@ -147,14 +147,7 @@ def _seq_lengths(batch: Any) -> Tuple[np.ndarray, int]:
         raise DynBatchConfigError('batch["attention_mask"]', "missing", "verl reads each sample's length from the "
                                   "attention mask (or from nested input_ids)", "pass the batch with its "
                                   "attention_mask of shape [batch, seq_len], or nested input_ids")
-    mask = batch["attention_mask"]
-    shape = tuple(int(d) for d in getattr(mask, "shape", ()))
-    if len(shape) < 2:
-        raise DynBatchConfigError("attention_mask", f"shape {shape}", "must be [batch, seq_len]",
-                                  "pass the padded batch's attention mask (1 for real tokens, 0 for padding)")
-    if shape[0] == 0:
-        return np.zeros(0, np.int64), shape[-1]
-    return check_lengths(mask.reshape(shape[0], -1).sum(-1), field="attention_mask.sum(-1)"), shape[-1]
+    return attention_mask_lengths(batch["attention_mask"])  # an empty batch: no lengths
 
 
 def _has(batch: Any, key: str) -> bool:

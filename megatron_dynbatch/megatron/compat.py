@@ -38,6 +38,7 @@ __all__ = [
     "PackingSchedulerAPI",
     "packing_scheduler_api",
     "packing_scheduler_point",
+    "scheduler_takes_max_num_seqs",
     "upstream_cp_rerouting",
     "schedule_step_functions",
 ]
@@ -86,8 +87,12 @@ def packing_scheduler_api() -> PackingSchedulerAPI:
     keys = None
     if isinstance(smap, dict):
         keys = "names" if all(isinstance(k, str) for k in smap) else "enum"
-    takes = any("max_num_seqs" in _parameters(cls.__init__) for cls in base.__mro__)
-    return PackingSchedulerAPI(data_schedule, base, keys, takes, "")
+    return PackingSchedulerAPI(data_schedule, base, keys, scheduler_takes_max_num_seqs(base), "")
+
+
+def scheduler_takes_max_num_seqs(base: type) -> bool:
+    """Whether a packing-scheduler class (or any class in its MRO) accepts ``max_num_seqs`` in ``__init__``."""
+    return any("max_num_seqs" in _parameters(cls.__init__) for cls in base.__mro__)
 
 
 def _parameters(fn: Any) -> Any:

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
-import numpy as np
-
-from ..checks import as_int, whole_number
+from ..checks import as_int, is_int, whole_number
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .sequence_limit import plan_with_sequence_limit
@@ -41,7 +39,7 @@ def sample_id_groups_from_plan(plan: Any, sample_ids: Sequence[int], cp_size: in
     ids of micro-batch ``i`` on DP x CP index ``j``; the ``cp_size`` consecutive indices of DP rank ``d``
     (``j // cp_size == d``) share DP rank ``d``'s micro-batch, as in upstream's ``DpBalancedScheduler``.
     ``sample_ids[k]`` is the id of the plan's sample ``k``."""
-    if cp_size is None or not isinstance(cp_size, (int, np.integer)) or isinstance(cp_size, bool) or cp_size < 1:
+    if not is_int(cp_size) or cp_size < 1:
         raise DynBatchConfigError("cp_size", cp_size, "must be an integer >= 1", "pass the context-parallel size")
     dp = len(plan.micro_batches)
     count = plan.num_microbatches

@@ -30,6 +30,7 @@ from ..checks import as_int
 from ..errors import DynBatchConfigError, OversizeSampleError
 from ..parallel import ParallelConfig
 from ..planner.inputs import check_lengths
+from .balance import balance_kwargs
 from .sequence_limit import plan_with_sequence_limit
 
 __all__ = ["RlBinPlan", "bin_seq_starts", "plan_rl_bins", "round_up"]
@@ -91,18 +92,13 @@ def plan_rl_bins(seq_lengths: Any, *, bin_size: int, dp: int, seq_length_multipl
                                   "than one bin holds", "raise --seq-length or truncate trajectories to it")
     base = ParallelConfig.from_any(parallel).to_dict()
     cp = int(base.get("cp", 1))
-    if mult % (2 * cp if cp > 1 else 1) or bin_size % cp:
+    if mult % (2 * cp if cp > 1 else 1):  # then cp divides mult, which divides bin_size (checked above)
         raise DynBatchConfigError("seq_length_multiple", mult, f"must be a multiple of 2*cp={2 * cp}",
                                   "pass Megatron RL's own seq_length_multiple (2*cp)")
     base.update(dp=dp, sequence_parallel=False)  # every bin is padded to bin_size anyway
     kwargs: Any = dict(parallel=ParallelConfig(**base), max_tokens_per_gpu=bin_size // cp,
                        sequence_pad_multiple=mult, microbatch_pad_multiple=bin_size // cp)
-    if model is not None:
-        kwargs.update(model=model, cost_model=cost_model)
-    elif cost_model is not None:
-        kwargs.update(balance_by="time", cost_model=cost_model)
-    else:
-        kwargs.update(balance_by_flops=False)
+    kwargs.update(balance_kwargs(model, cost_model))
     plan = plan_with_sequence_limit(lens, max_sequences_per_bin, field="--rl-sequence-packing-max-sequences-per-bin",
                                     **kwargs)
     m = plan.num_microbatches

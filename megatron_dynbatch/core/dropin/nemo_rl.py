@@ -32,6 +32,7 @@ from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from ..planner import plan_global_batch
 from ..planner.inputs import check_lengths
+from .balance import balance_kwargs
 from .words import NEMO_RL_WORDS, speaks, trainer_terms
 
 __all__ = ["DynBatchSequencePacker", "PackingAlgorithm", "algorithm_name", "get_packer", "packing_stats"]
@@ -101,12 +102,7 @@ class DynBatchSequencePacker:
         # The capacity is the whole bin (NeMo-RL's train_mb_tokens); the planner's budget is per GPU after CP.
         kw = dict(parallel=self.parallel, max_tokens_per_gpu=max(1, self.bin_capacity // self.parallel.cp),
                   min_num_microbatches=minimum)
-        if self.model is not None:
-            kw.update(model=self.model, cost_model=self.cost_model)
-        elif self.cost_model is not None:
-            kw.update(balance_by="time", cost_model=self.cost_model)
-        else:
-            kw.update(balance_by_flops=False)
+        kw.update(balance_kwargs(self.model, self.cost_model))
         if lens.size < max(dp, self.min_bin_count or 0):
             raise DynBatchConfigError("sequence_lengths", f"{lens.size} sequences",
                                       f"cannot fill {max(dp, self.min_bin_count or 0)} bins with one sequence each "

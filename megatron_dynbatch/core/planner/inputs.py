@@ -65,6 +65,20 @@ def check_lengths(lengths, field: str = "lengths") -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def attention_mask_lengths(mask: Any) -> Tuple[np.ndarray, int]:
+    """Each sample's real length (a ``[batch, seq_len]`` attention mask's row sums; duck-typed, tensors of any
+    device) and the padded width ``seq_len``, as the RL trainers' drop-ins read them. A mask that is not at least
+    2-D, or whose rows are not whole token counts (NaN), is a ``DynBatchConfigError`` naming it; an empty batch
+    gives no lengths (the caller decides whether that is allowed)."""
+    shape = tuple(int(d) for d in getattr(mask, "shape", ()))
+    if len(shape) < 2:
+        raise DynBatchConfigError("attention_mask", f"shape {shape}", "must be [batch, seq_len]",
+                                  "pass the padded batch's attention mask (1 for real tokens, 0 for padding)")
+    if shape[0] == 0:
+        return np.zeros(0, np.int64), shape[-1]
+    return check_lengths(mask.reshape(shape[0], -1).sum(-1), field="attention_mask.sum(-1)"), shape[-1]
+
+
 def _whole_items(items: list, field: str) -> np.ndarray:
     """A list's entries (NumPy scalars and 0-d tensors read as Python scalars) as an int64 array, or an object
     array when one is beyond int64; an error naming the first entry that is not a whole token count."""
