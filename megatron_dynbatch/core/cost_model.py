@@ -54,7 +54,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .checks import as_float
-from .cost_profiles import CostProfile, resolve_profile
+from .cost_profiles import PROFILES, CostProfile, is_cost_model_choice, resolve_profile
 from .errors import DynBatchConfigError
 from .parallel import ParallelConfig
 from .pipeline_sim import simulate_1f1b, simulate_1f1b_batch
@@ -425,8 +425,6 @@ def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, fie
     (:data:`~.cost_profiles.PROFILES`: ``"fitted"``, ``"analytic"``) or a cost-model JSON file -- its
     ``"profile"`` section applied to ``model`` when both are there (it transfers to this layout), else its
     coefficients; ``None``: the default profile, or 1 us per token without a model."""
-    from .cost_profiles import PROFILES
-
     if isinstance(choice, CostModel):
         return choice.with_layout(parallel)
     if choice is None:
@@ -440,7 +438,7 @@ def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, fie
             raise DynBatchConfigError(field, key, "a cost profile needs the model's shape",
                                       "pass model=... (a preset name, dict or ModelSpec), or a coefficient file")
         return CostModel.from_model(model, parallel, profile=key)
-    if not os.path.isfile(key):
+    if not is_cost_model_choice(key):  # not a profile name here, so: not a file
         raise DynBatchConfigError(field, key, "is neither a cost profile nor a file",
                                   f"use one of {sorted(PROFILES)} or the path of a cost-model JSON file")
     return load_cost_model(key).with_layout(parallel)
