@@ -100,9 +100,15 @@ SHAPES: Tuple[Shape, ...] = (
 )
 
 
-def time_shape(shape: Shape, n: int, repeats: int = 1) -> Tuple[List[float], int]:
-    """CPU milliseconds of ``repeats`` plans of ``shape`` at ``n`` samples (after one untimed warm-up), and the
-    plan's micro-batch count (0: the planner refused the batch)."""
+def adversarial_tasks(sizes: Sequence[int], shapes: Sequence[Shape] = SHAPES) -> List[Tuple[int, Shape]]:
+    """The ``(size, shape)`` pairs of a run, in order: every shape at every size, but a fixed-size shape
+    (``samples``) only once, at the first size."""
+    return [(n, shape) for k, n in enumerate(sizes) for shape in shapes if shape.samples is None or k == 0]
+
+
+def time_shape(shape: Shape, n: int, repeats: int = 1) -> Tuple[List[float], int, Dict[str, Any]]:
+    """CPU milliseconds of ``repeats`` plans of ``shape`` at ``n`` samples (after one untimed warm-up), the
+    plan's micro-batch count (0: the planner refused the batch) and the planner arguments it was built with."""
     lengths, kwargs = shape.build(n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # oversize='alone' warns by design
@@ -112,7 +118,7 @@ def time_shape(shape: Shape, n: int, repeats: int = 1) -> Tuple[List[float], int
             t0 = time.process_time()
             _plan_count(lengths, kwargs)
             runs.append(1e3 * (time.process_time() - t0))
-    return runs, m
+    return runs, m, kwargs
 
 
 def _plan_count(lengths: np.ndarray, kwargs: Dict[str, Any]) -> int:
@@ -129,13 +135,9 @@ def run_adversarial(sizes: Sequence[int] = (DEFAULT_SIZE,), repeats: int = 1,
                     shapes: Sequence[Shape] = SHAPES) -> List[Any]:
     """One :class:`~megatron_dynbatch.bench.speed.SpeedResult` per shape and size."""
     out = []
-    for k, n in enumerate(sizes):
-        for shape in shapes:
-            if shape.samples is not None and k:  # a fixed-size shape: once per run
-                continue
-            runs, m = time_shape(shape, n, repeats)
-            kwargs = shape.build(n)[1]
-            par = kwargs["parallel"]
-            out.append(SpeedResult(shape.samples or n, par["dp"] * par.get("cp", 1) if kwargs.get("dynamic_cp")
-                                   else par["dp"], runs, TARGET_MS, m, shape=shape.name, clock="cpu"))
+    for n, shape in adversarial_tasks(sizes, shapes):
+        runs, m, kwargs = time_shape(shape, n, repeats)
+        par = kwargs["parallel"]
+        out.append(SpeedResult(shape.samples or n, par["dp"] * par.get("cp", 1) if kwargs.get("dynamic_cp")
+                               else par["dp"], runs, TARGET_MS, m, shape=shape.name, clock="cpu"))
     return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -69,12 +69,17 @@ def _by_workload(rows: Sequence[Row]) -> Dict[str, Dict[int, Dict[str, Row]]]:
     return out
 
 
+def _seed_pairs(seeds: Dict[int, Dict[str, Row]], other: str) -> List[Tuple[Row, Row]]:
+    """``(PRIMARY's row, other's row)`` of each seed, in run order, where both planned and PRIMARY's step time
+    is positive."""
+    return [(s[PRIMARY], s[other]) for s in seeds.values()
+            if PRIMARY in s and other in s and s[PRIMARY].ok and s[other].ok and s[PRIMARY].step_time_s > 0]
+
+
 def _speedup_vs_reference(data: Dict[str, Dict[int, Dict[str, Row]]]) -> Optional[str]:
     ratios: Dict[str, float] = {}
     for w, seeds in data.items():
-        per_seed = [s[REFERENCE].step_time_s / s[PRIMARY].step_time_s for s in seeds.values()
-                    if PRIMARY in s and REFERENCE in s and s[PRIMARY].ok and s[REFERENCE].ok
-                    and s[PRIMARY].step_time_s > 0]
+        per_seed = [ref.step_time_s / mine.step_time_s for mine, ref in _seed_pairs(seeds, REFERENCE)]
         if per_seed:
             ratios[w] = float(np.mean(per_seed))
     if not ratios:
@@ -111,8 +116,7 @@ def _versus_upstream(data: Dict[str, Dict[int, Dict[str, Row]]]) -> Optional[str
     for name in UPSTREAM:
         ratios, ahead = [], 0
         for seeds in data.values():
-            pairs = [(s[PRIMARY], s[name]) for s in seeds.values()
-                     if PRIMARY in s and name in s and s[PRIMARY].ok and s[name].ok and s[PRIMARY].step_time_s > 0]
+            pairs = _seed_pairs(seeds, name)
             if pairs:
                 ahead += all(theirs.step_time_s > mine.step_time_s for mine, theirs in pairs)
                 ratios.append(float(np.mean([theirs.step_time_s / mine.step_time_s for mine, theirs in pairs])))

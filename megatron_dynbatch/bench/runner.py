@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .adversarial import SHAPES as ADVERSARIAL_SHAPES, run_adversarial
+from .adversarial import SHAPES as ADVERSARIAL_SHAPES, adversarial_tasks, run_adversarial
 from .baselines import BASELINES, BaselineContext, run_baseline, structural_problems
 from .hybrid_cp import NAME as HYBRID_CP, plan_hybrid_cp
 from .partitioning import BaselineInfeasible
@@ -351,8 +351,7 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
         tasks += [("speed", case) for case in SPEED_CASES]
         if any(getattr(w, "dynamic_cp", False) for w in workloads):
             tasks.append(("speed-dyncp", DYNCP_SPEED_CASE))
-        tasks += [("adversarial", (n, shape)) for i, n in enumerate(adversarial_sizes) for shape in ADVERSARIAL_SHAPES
-                  if shape.samples is None or i == 0]  # a fixed-size shape once
+        tasks += [("adversarial", task) for task in adversarial_tasks(adversarial_sizes, ADVERSARIAL_SHAPES)]
     show = sys.stderr.isatty() if progress is None else progress
     bar = _progress(len(tasks), show)
     load_start = _load_average()

@@ -54,7 +54,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .checks import as_float
-from .cost_profiles import CostProfile, resolve_profile
+from .cost_profiles import PROFILES, CostProfile, is_cost_model_choice, resolve_profile
 from .errors import DynBatchConfigError
 from .parallel import ParallelConfig
 from .pipeline_sim import simulate_1f1b, simulate_1f1b_batch
@@ -261,7 +261,7 @@ class CostModel:
         """Seconds of whole micro-batches on the layout's own CP groups (overhead and floor, no CP
         communication), vectorised."""
         t = self.overhead_s + self.work(padded_tokens, sq_tokens)
-        floor = self._floor(self.cp)
+        floor = self._layout_floor
         return np.maximum(floor, t) if floor > 0 else t
 
     def microbatch_time_of(self, padded_tokens: int, sq_tokens: float) -> float:
@@ -425,8 +425,6 @@ def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, fie
     (:data:`~.cost_profiles.PROFILES`: ``"fitted"``, ``"analytic"``) or a cost-model JSON file -- its
     ``"profile"`` section applied to ``model`` when both are there (it transfers to this layout), else its
     coefficients; ``None``: the default profile, or 1 us per token without a model."""
-    from .cost_profiles import PROFILES
-
     if isinstance(choice, CostModel):
         return choice.with_layout(parallel)
     if choice is None:
@@ -435,27 +433,38 @@ def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, fie
         raise DynBatchConfigError(field, type(choice).__name__, "must be a CostModel, a profile name or a file path",
                                   f"use one of {sorted(PROFILES)}, a cost-model JSON file, or CostModel.from_model(...)")
     key = str(choice)
-    if key in PROFILES or (model is not None and _has_profile(key)):
+    if key in PROFILES:
         if model is None:
             raise DynBatchConfigError(field, key, "a cost profile needs the model's shape",
                                       "pass model=... (a preset name, dict or ModelSpec), or a coefficient file")
         return CostModel.from_model(model, parallel, profile=key)
-    if not os.path.isfile(key):
+    # a file is parsed once: its "profile" section applies to the model when both are there, else its coefficients
+    data = unreadable = None
+    if model is not None or os.path.isfile(key):
+        try:
+            data = _read_json(key)
+        except (OSError, ValueError) as exc:
+            unreadable = exc
+    if model is not None and isinstance(data, dict) and "profile" in data:
+        from .model_spec import ModelSpec
+
+        spec = ModelSpec.from_any(model)  # the model is checked before the profile, as from_model(profile=key) does
+        return CostModel.from_model(spec, parallel,
+                                    profile=CostProfile.from_dict(data["profile"], where=f"{key}: profile"))
+    if not is_cost_model_choice(key):  # not a profile name here, so: not a file
         raise DynBatchConfigError(field, key, "is neither a cost profile nor a file",
                                   f"use one of {sorted(PROFILES)} or the path of a cost-model JSON file")
-    return load_cost_model(key).with_layout(parallel)
+    if unreadable is not None:
+        raise _unreadable_cost_file(key, unreadable) from None
+    return _cost_model_from_file_data(key, data).with_layout(parallel)
 
 
-def _has_profile(path: str) -> bool:
-    """Whether a readable JSON file has a ``"profile"`` section (``False`` for anything else)."""
+def _read_json(path) -> Any:
+    """The JSON value in ``path`` (``OSError`` / ``ValueError`` when it cannot be read as JSON)."""
     import json
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "profile" in data
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -580,15 +589,21 @@ def load_cost_model(path) -> CostModel:
     """Read a cost-model JSON file written by :func:`save_cost_model` (or by hand). Required: the three
     per-micro-batch numbers; optional: :data:`FILE_KEYS` (older files without them load with the old meaning:
     no floor, no CP-member terms, one network), ``"fit"``, ``"profile"`` and keys starting with ``_``."""
-    import json
-
-    flag = "--dynbatch-cost-model"
     try:
-        with open(path, encoding="utf-8") as fh:
-            d = json.load(fh)
+        d = _read_json(path)
     except (OSError, ValueError) as exc:
-        raise DynBatchConfigError(flag, str(path), f"cannot be read as JSON ({exc})",
-                                  "pass a file written by save_cost_model / the calibration script") from None
+        raise _unreadable_cost_file(path, exc) from None
+    return _cost_model_from_file_data(path, d)
+
+
+def _unreadable_cost_file(path, exc: Exception) -> DynBatchConfigError:
+    return DynBatchConfigError("--dynbatch-cost-model", str(path), f"cannot be read as JSON ({exc})",
+                               "pass a file written by save_cost_model / the calibration script")
+
+
+def _cost_model_from_file_data(path, d: Any) -> CostModel:
+    """:func:`load_cost_model` of the JSON value ``d`` already read from ``path``."""
+    flag = "--dynbatch-cost-model"
     if not isinstance(d, dict):
         raise DynBatchConfigError(flag, str(path), "is not a JSON object", "write an object of cost-model keys")
     keys = ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s")

@@ -140,6 +140,12 @@ PROFILES: Dict[str, CostProfile] = {p.name: p for p in (FITTED, ANALYTIC)}
 DEFAULT_PROFILE = "fitted"
 
 
+def is_cost_model_choice(key: str) -> bool:
+    """Whether ``key`` names a cost profile (:data:`PROFILES`) or an existing file -- what a ``cost_model``
+    setting may be (each caller words its own error for anything else)."""
+    return key in PROFILES or os.path.isfile(key)
+
+
 def resolve_profile(profile: Union[None, str, os.PathLike, CostProfile], *, field: str = "profile") -> CostProfile:
     """A :class:`CostProfile` from ``None`` (the default), a name in :data:`PROFILES`, a JSON file (its
     ``"profile"`` section, or the whole object) or a profile itself."""
@@ -149,25 +155,25 @@ def resolve_profile(profile: Union[None, str, os.PathLike, CostProfile], *, fiel
         return profile
     if isinstance(profile, (str, os.PathLike)):
         key = str(profile)
+        if not is_cost_model_choice(key):
+            raise DynBatchConfigError(field, key, "is neither a cost profile nor a file",
+                                      f"use one of {sorted(PROFILES)} or the path of a cost-model JSON file")
         if key in PROFILES:
             return PROFILES[key]
-        if os.path.isfile(key):
-            try:
-                with open(key, encoding="utf-8") as fh:
-                    data = json.load(fh)
-            except (OSError, ValueError) as exc:
-                raise DynBatchConfigError(field, key, f"cannot be read as JSON ({exc})",
-                                          "pass a profile name or a file written by save_cost_model") from None
-            if isinstance(data, Mapping) and "profile" in data:
-                return CostProfile.from_dict(data["profile"], where=f"{key}: profile")
-            raise DynBatchConfigError(field, key, "has no \"profile\" section",
-                                      "fit one with cost_fit.fit_records and save it with save_cost_model, or use "
-                                      f"one of {sorted(PROFILES)}")
-        raise DynBatchConfigError(field, key, "is neither a cost profile nor a file",
-                                  f"use one of {sorted(PROFILES)} or the path of a cost-model JSON file")
+        try:
+            with open(key, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise DynBatchConfigError(field, key, f"cannot be read as JSON ({exc})",
+                                      "pass a profile name or a file written by save_cost_model") from None
+        if isinstance(data, Mapping) and "profile" in data:
+            return CostProfile.from_dict(data["profile"], where=f"{key}: profile")
+        raise DynBatchConfigError(field, key, "has no \"profile\" section",
+                                  "fit one with cost_fit.fit_records and save it with save_cost_model, or use "
+                                  f"one of {sorted(PROFILES)}")
     raise DynBatchConfigError(field, profile, "must be a profile name, a file path or a CostProfile",
                               f"use one of {sorted(PROFILES)}")
 
 
 __all__ = ["CostProfile", "PROFILES", "DEFAULT_PROFILE", "FITTED", "ANALYTIC", "resolve_profile",
-           "H100_BF16_PEAK", "NVLINK_BPS", "INFINIBAND_BPS"]
+           "is_cost_model_choice", "H100_BF16_PEAK", "NVLINK_BPS", "INFINIBAND_BPS"]

@@ -166,10 +166,10 @@ class RunConfig:
         self._check_dynamic_cp(par)
 
     def _check_cost_model(self) -> None:
-        from .cost_profiles import PROFILES
+        from .cost_profiles import PROFILES, is_cost_model_choice
 
         if self.cost_model is not None and (not isinstance(self.cost_model, str) or
-                                            (self.cost_model not in PROFILES and not os.path.isfile(self.cost_model))):
+                                            not is_cost_model_choice(self.cost_model)):
             raise DynBatchConfigError("cost_model", self.cost_model, "is neither a cost profile nor a file",
                                       f"write one of {sorted(PROFILES)} or the path of a cost-model JSON file")
         if self.decision_margin is not None:

@@ -50,7 +50,7 @@ from typing import Any, Dict, Optional, Union
 from ..core.alignment import Alignment, fp8_multiple
 from ..core.checks import get_arg as _get
 from ..core.checks import as_float, is_int
-from ..core.cost_profiles import PROFILES
+from ..core.cost_profiles import PROFILES, is_cost_model_choice
 from ..core.errors import DynBatchConfigError
 from .loss import GROUP_REDUCE, LOSS_MODES
 from ..core.parallel import DEFAULT_GPUS_PER_NODE, MAX_RANKS, ParallelConfig
@@ -242,7 +242,7 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
     if oversize not in (None, "error", "alone"):
         raise DynBatchConfigError("--dynbatch-oversize", oversize, "unknown policy", "use error or alone")
     cost_model = getattr(args, "dynbatch_cost_model", None)
-    if cost_model is not None and str(cost_model) not in PROFILES and not os.path.isfile(str(cost_model)):
+    if cost_model is not None and not is_cost_model_choice(str(cost_model)):
         raise DynBatchConfigError("--dynbatch-cost-model", cost_model, "is neither a cost profile nor a file",
                                   f"pass one of {sorted(PROFILES)} or the path of a cost-model JSON file, or drop the flag")
     margin = getattr(args, "dynbatch_decision_margin", None)
