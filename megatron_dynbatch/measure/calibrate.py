@@ -119,8 +119,9 @@ def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = N
         raise DynBatchConfigError("--max-seconds", setup.max_seconds, f"only {len(records)} micro-batches were timed "
                                   f"before the limit, fewer than the {MIN_POINTS} a fit needs",
                                   f"raise --max-seconds (start-up alone is ~{STARTUP_S:.0f} s) or shrink the grid")
-    cm, report = fit_setup(setup, records, name=f"calibrated on {sl.environment()['device']}")
-    return CalibrationResult(setup, records, cm, report, sl.environment(), spec, note, stopped,
+    env = sl.environment()
+    cm, report = fit_setup(setup, records, name=f"calibrated on {env['device']}")
+    return CalibrationResult(setup, records, cm, report, env, spec, note, stopped,
                              time.perf_counter() - t0)
 
 
