@@ -130,10 +130,12 @@ def fit_setup(setup: CalibrationSetup, records: List[Record], *, slice_model: An
     """Fit records measured on a slice (default: ``setup``'s own) and apply the profile to ``setup.model`` on
     ``setup.parallel``."""
     model = setup.model if slice_model is None else slice_model
-    _, report = fit_records(records, model, measured_layers=setup.layers if slice_layers is None else slice_layers,
-                            tp=setup.tp if slice_tp is None else slice_tp,
-                            lm_head=setup.lm_head if slice_lm_head is None else slice_lm_head,
-                            parallel=setup.parallel, base=setup.base, name=name)
+    cm, report = fit_records(records, model, measured_layers=setup.layers if slice_layers is None else slice_layers,
+                             tp=setup.tp if slice_tp is None else slice_tp,
+                             lm_head=setup.lm_head if slice_lm_head is None else slice_lm_head,
+                             parallel=setup.parallel, base=setup.base, name=name)
+    if slice_model is None:  # fit_records built it for setup.model on setup.parallel already
+        return cm, report
     return CostModel.from_model(setup.model, setup.parallel, profile=_profile(report)), report
 
 
