@@ -193,7 +193,7 @@ class ThdDotProductAttention(DotProductAttention):
                           group: Any = None, expected: Optional[int] = None) -> Tensor:
         """Context-parallel THD attention: local zig-zag queries against the CP-gathered full K/V, over the
         model's CP group, or over ``group`` (a dynamic-CP micro-batch's, of ``expected`` GPUs)."""
-        from .context_parallel import _check_cp, zigzag_partition_indices
+        from .context_parallel import _check_cp, zigzag_gather_order
 
         if group is None:
             group, expected = self._cp_group(), self.thd_cp_size
@@ -216,8 +216,8 @@ class ThdDotProductAttention(DotProductAttention):
         # the CP-gathered rows (rank-major) -> full packed order; rank r's block of ``order`` (its t rows, as
         # total == t * cp) is zigzag_partition_indices(pad_q_t, cp, r), which validated every slot's divisibility
         _check_cp(cp, cp_rank)
-        order = torch.cat([zigzag_partition_indices(pad_q_t, cp, r) for r in range(cp)])
-        inverse = torch.argsort(order).to(key.device)
+        order, inverse = zigzag_gather_order(pad_q_t, cp)
+        inverse = inverse.to(key.device)
         # ONE collective for K and V (so every rank runs the same backward collectives in the same order)
         kv = torch.cat([key, value.to(key.dtype)], dim=-1)
         kv_full = self._cp_gather(kv, group).index_select(0, inverse)
