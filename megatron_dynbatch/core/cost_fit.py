@@ -83,13 +83,32 @@ def parse_records(records: Sequence[Any]) -> Tuple[np.ndarray, List[np.ndarray],
 def record_features(model: Any, records: Sequence[Any], *, measured_layers: int, tp: int = 1,
                     lm_head: bool = False, peak_flops: float) -> Dict[str, np.ndarray]:
     """:func:`slice_features` of records (each sequence padded to a multiple of ``2 * group_size``)."""
+    return record_features_padded(model, records, measured_layers=measured_layers, tp=tp, lm_head=lm_head,
+                                  peak_flops=peak_flops)[0]
+
+
+def record_features_padded(model: Any, records: Sequence[Any], *, measured_layers: int, tp: int = 1,
+                           lm_head: bool = False, peak_flops: float) -> Tuple[Dict[str, np.ndarray], np.ndarray]:
+    """:func:`record_features` and each record's padded token count (the ``padded_tokens`` it passed on)."""
     g, lens, secs = parse_records(records)
     padded = np.array([float((-(-x // (2 * k)) * (2 * k)).sum()) for x, k in zip(lens, g.tolist())])
     sq = np.array([float((x.astype(np.float64) ** 2).sum()) for x in lens])
     out = slice_features(model, g, padded, sq, measured_layers=measured_layers, tp=tp, lm_head=lm_head,
                          peak_flops=peak_flops)
     out["seconds"] = secs
-    return out
+    return out, padded
+
+
+def point_features(points: Sequence[Any], model: Any, *, measured_layers: int, tp: int = 1,
+                   lm_head: bool = False, peak_flops: float) -> Dict[str, np.ndarray]:
+    """:func:`slice_features` of calibration grid points (``group_size``, ``lengths``; each sequence padded to a
+    multiple of ``2 * group_size``)."""
+    g = np.array([p.group_size for p in points], dtype=np.float64)
+    padded = np.array([float(sum(-(-n // (2 * p.group_size)) * 2 * p.group_size for n in p.lengths))
+                       for p in points])
+    sq = np.array([float(sum(n * n for n in p.lengths)) for p in points])
+    return slice_features(model, g, padded, sq, measured_layers=measured_layers, tp=tp, lm_head=lm_head,
+                          peak_flops=peak_flops)
 
 
 def slice_features(model: Any, group_sizes: Any, padded_tokens: Any, sq_tokens: Any, *, measured_layers: int,
@@ -241,4 +260,4 @@ def predict_features(profile: CostProfile, f: Mapping[str, np.ndarray]) -> np.nd
 
 
 __all__ = ["fit_records", "fit_profile", "fit_report", "predict_records", "predict_features", "parse_records",
-           "record_features", "slice_features"]
+           "record_features", "record_features_padded", "point_features", "slice_features"]

@@ -119,8 +119,9 @@ def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = N
         raise DynBatchConfigError("--max-seconds", setup.max_seconds, f"only {len(records)} micro-batches were timed "
                                   f"before the limit, fewer than the {MIN_POINTS} a fit needs",
                                   f"raise --max-seconds (start-up alone is ~{STARTUP_S:.0f} s) or shrink the grid")
-    cm, report = fit_setup(setup, records, name=f"calibrated on {sl.environment()['device']}")
-    return CalibrationResult(setup, records, cm, report, sl.environment(), spec, note, stopped,
+    env = sl.environment()
+    cm, report = fit_setup(setup, records, name=f"calibrated on {env['device']}")
+    return CalibrationResult(setup, records, cm, report, env, spec, note, stopped,
                              time.perf_counter() - t0)
 
 
@@ -129,10 +130,12 @@ def fit_setup(setup: CalibrationSetup, records: List[Record], *, slice_model: An
     """Fit records measured on a slice (default: ``setup``'s own) and apply the profile to ``setup.model`` on
     ``setup.parallel``."""
     model = setup.model if slice_model is None else slice_model
-    _, report = fit_records(records, model, measured_layers=setup.layers if slice_layers is None else slice_layers,
-                            tp=setup.tp if slice_tp is None else slice_tp,
-                            lm_head=setup.lm_head if slice_lm_head is None else slice_lm_head,
-                            parallel=setup.parallel, base=setup.base, name=name)
+    cm, report = fit_records(records, model, measured_layers=setup.layers if slice_layers is None else slice_layers,
+                             tp=setup.tp if slice_tp is None else slice_tp,
+                             lm_head=setup.lm_head if slice_lm_head is None else slice_lm_head,
+                             parallel=setup.parallel, base=setup.base, name=name)
+    if slice_model is None:  # fit_records built it for setup.model on setup.parallel already
+        return cm, report
     return CostModel.from_model(setup.model, setup.parallel, profile=_profile(report)), report
 
 

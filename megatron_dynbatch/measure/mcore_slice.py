@@ -31,8 +31,6 @@ from ..core.errors import DynBatchConfigError
 from .layout import SliceLayout, SliceWidths
 from .share import EmulatedCPGroup, ShareGeometry, emulated_gather
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -92,7 +90,7 @@ class McoreSlice:
     """A megatron-core ``GPTModel`` slice (module docstring). :meth:`prepare` builds one share's inputs and
     returns the callable that runs its forward + backward."""
 
-    def __init__(self, widths: SliceWidths, layout: SliceLayout, device: torch.device) -> None:
+    def __init__(self, widths: SliceWidths, layout: SliceLayout, device: torch.device, dtype: torch.dtype) -> None:
         import torch.nn.functional as F
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -100,7 +98,6 @@ class McoreSlice:
         from ..megatron.specs import get_thd_local_layer_spec
 
         ensure_world_of_one(device, layout.seed)
-        dtype = _DTYPES[layout.dtype]
         config = TransformerConfig(
             num_layers=layout.num_layers, hidden_size=widths.hidden_size, num_attention_heads=widths.heads,
             num_query_groups=widths.groups, kv_channels=widths.kv, ffn_hidden_size=widths.ffn,

@@ -53,7 +53,7 @@ class ModelSlice:
         if layout.kind == "mcore":
             from .mcore_slice import McoreSlice
 
-            self.impl: Any = McoreSlice(self.widths, layout, self.device)
+            self.impl: Any = McoreSlice(self.widths, layout, self.device, dtype)
         else:
             from .torch_decoder import TorchDecoderSlice
 

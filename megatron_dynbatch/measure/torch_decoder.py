@@ -77,11 +77,9 @@ class _Context:
             self.inverse = None
         else:
             self.segments = cp_segments(geo.cu_seqlens_padded, geo.cu_seqlens, g, geo.member, causal=True)
-            from ..megatron.context_parallel import zigzag_partition_indices
+            from ..megatron.context_parallel import zigzag_gather_order
 
-            pad = torch.tensor(geo.cu_seqlens_padded)
-            order = torch.cat([zigzag_partition_indices(pad, g, r) for r in range(g)])
-            self.inverse = torch.argsort(order).to(device)
+            self.inverse = zigzag_gather_order(torch.tensor(geo.cu_seqlens_padded), g)[1].to(device)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.inverse is not None:  # the other members' K/V (emulated), back in packed order

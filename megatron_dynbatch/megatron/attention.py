@@ -193,7 +193,7 @@ class ThdDotProductAttention(DotProductAttention):
                           group: Any = None, expected: Optional[int] = None) -> Tensor:
         """Context-parallel THD attention: local zig-zag queries against the CP-gathered full K/V, over the
         model's CP group, or over ``group`` (a dynamic-CP micro-batch's, of ``expected`` GPUs)."""
-        from .context_parallel import zigzag_partition_indices
+        from .context_parallel import _check_cp, zigzag_gather_order
 
         if group is None:
             group, expected = self._cp_group(), self.thd_cp_size
@@ -213,10 +213,11 @@ class ThdDotProductAttention(DotProductAttention):
             raise DynBatchConfigError(
                 "query.shape[0]", t, f"with cp={cp} every rank holds cu_seqlens_q_padded[-1]/cp = {total / cp} rows",
                 "slice the packed micro-batch with context_parallel.slice_packed_for_cp (the iterator does)")
-        # this rank's rows -> global packed positions; the CP-gathered rows (rank-major) -> full packed order
-        local_pos = zigzag_partition_indices(pad_q_t, cp, cp_rank).to(query.device)
-        order = torch.cat([zigzag_partition_indices(pad_q_t, cp, r) for r in range(cp)])
-        inverse = torch.argsort(order).to(key.device)
+        # the CP-gathered rows (rank-major) -> full packed order; rank r's block of ``order`` (its t rows, as
+        # total == t * cp) is zigzag_partition_indices(pad_q_t, cp, r), which validated every slot's divisibility
+        _check_cp(cp, cp_rank)
+        order, inverse = zigzag_gather_order(pad_q_t, cp)
+        inverse = inverse.to(key.device)
         # ONE collective for K and V (so every rank runs the same backward collectives in the same order)
         kv = torch.cat([key, value.to(key.dtype)], dim=-1)
         kv_full = self._cp_gather(kv, group).index_select(0, inverse)
@@ -229,6 +230,8 @@ class ThdDotProductAttention(DotProductAttention):
                 return query.new_zeros(t, heads * head_dim) + 0.0 * (query.sum() + kv_full.sum())
             return varlen_attention(query, key_full, value_full, segments, kernel=kernel,
                                     scale=self.thd_softmax_scale, causal=causal)
+        # only this per-sequence fallback needs this rank's rows -> global packed positions
+        local_pos = order[cp_rank * t:(cp_rank + 1) * t].to(query.device)
         rep = heads // groups
         out = query.new_zeros(t, heads * head_dim)
         rows_out = []

@@ -13,7 +13,7 @@ The sliced batch keeps the FULL ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_s
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -55,6 +55,14 @@ def zigzag_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_r
     second = j >= c
     which_chunk = torch.where(second, 2 * cp_size - 1 - cp_rank, cp_rank)
     return cu[:-1][seq_id] + which_chunk * c + (j - second.to(torch.int64) * c)
+
+
+def zigzag_gather_order(cu_seqlens_padded: torch.Tensor, cp_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(order, inverse)`` for rows gathered from every CP rank, rank-major: ``order`` = each rank's
+    :func:`zigzag_partition_indices` in rank order (the packed position of every gathered row); indexing the
+    gather with ``inverse`` (its argsort) puts it back in packed order. Both on the input's device."""
+    order = torch.cat([zigzag_partition_indices(cu_seqlens_padded, cp_size, r) for r in range(cp_size)])
+    return order, torch.argsort(order)
 
 
 def slice_packed_for_cp(packed: PackedMicroBatch, cp_size: int, cp_rank: int) -> PackedMicroBatch:
@@ -111,6 +119,5 @@ def gather_cp_outputs(
             )
     if cp_size == 1:
         return first
-    order = torch.cat([zigzag_partition_indices(cu, cp_size, r) for r in range(cp_size)])
-    inverse = torch.argsort(order).to(first.device)
+    inverse = zigzag_gather_order(cu, cp_size)[1].to(first.device)
     return torch.cat(list(per_rank_outputs), dim=seq_dim).index_select(seq_dim, inverse)

@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..checks import as_float
-from ..cost_fit import predict_features, slice_features
+from ..cost_fit import point_features, predict_features
 from ..cost_profiles import CostProfile, resolve_profile
 from ..errors import DynBatchConfigError
 from .grid import MIN_POINTS, GridPoint
@@ -37,13 +37,9 @@ def point_seconds(points: Sequence[GridPoint], model: Any, *, measured_layers: i
     if not points:
         return np.zeros(0)
     prof: CostProfile = CPU_ESTIMATE if str(device) == "cpu" else resolve_profile(base, field="--base")
-    g = np.array([p.group_size for p in points], dtype=np.float64)
-    padded = np.array([float(sum(-(-n // (2 * p.group_size)) * 2 * p.group_size for n in p.lengths))
-                       for p in points])
-    sq = np.array([float(sum(n * n for n in p.lengths)) for p in points])
-    f = slice_features(model, g, padded, sq, measured_layers=measured_layers, tp=tp, lm_head=lm_head,
+    f = point_features(points, model, measured_layers=measured_layers, tp=tp, lm_head=lm_head,
                        peak_flops=prof.peak_flops)
-    members = np.where(g > 1, 2.0, 1.0)
+    members = np.where(f["g"] > 1, 2.0, 1.0)
     return predict_features(prof, f) * members * (int(warmup) + int(repeats))
 
 

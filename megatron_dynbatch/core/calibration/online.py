@@ -47,7 +47,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..checks import as_int
-from ..cost_fit import fit_profile, fit_report, predict_features, record_features, slice_features
+from ..cost_fit import fit_profile, fit_report, point_features, predict_features, record_features_padded
 from ..cost_model import CostModel, resolve_cost_model
 from ..cost_profiles import CostProfile, resolve_profile
 from ..errors import DynBatchConfigError
@@ -204,10 +204,10 @@ class OnlineCalibration:
         feats = {}
         for sl, recs in by_slice.items():
             if len(recs) >= 3:
-                feats[sl] = record_features(self.model, recs, measured_layers=sl.measured_layers, tp=sl.tp,
-                                            lm_head=sl.lm_head, peak_flops=self.base_profile.peak_flops)
-                feats[sl]["padded"] = np.array([float(sum(-(-n // (2 * r[0])) * 2 * r[0] for n in r[1]))
-                                                for r in recs])
+                feats[sl], padded = record_features_padded(self.model, recs, measured_layers=sl.measured_layers,
+                                                           tp=sl.tp, lm_head=sl.lm_head,
+                                                           peak_flops=self.base_profile.peak_flops)
+                feats[sl]["padded"] = padded
         if not feats:
             return None, False, feats
         timed_cp = any((f["g"] > 1).any() for f in feats.values())
@@ -253,15 +253,10 @@ class OnlineCalibration:
             sizes = sorted({int(g) for g in f["g"]})
             per_gpu = max(32, int(np.max(f["padded"] / f["g"])))
             grid = build_grid(per_gpu, sizes)
-            g = np.array([p.group_size for p in grid], dtype=np.float64)
-            padded = np.array([float(sum(-(-n // (2 * p.group_size)) * 2 * p.group_size for n in p.lengths))
-                               for p in grid])
-            sq = np.array([float(sum(n * n for n in p.lengths)) for p in grid])
-            pf = slice_features(self.model, g, padded, sq, measured_layers=sl.measured_layers, tp=sl.tp,
+            pf = point_features(grid, self.model, measured_layers=sl.measured_layers, tp=sl.tp,
                                 lm_head=sl.lm_head, peak_flops=self.base_profile.peak_flops)
             pf["seconds"] = predict_features(prof, pf)
-            pf["weight"] = np.full(g.shape, PRIOR_WEIGHT * len(f["g"]) / len(grid))
-            pf["padded"] = padded
+            pf["weight"] = np.full(pf["g"].shape, PRIOR_WEIGHT * len(f["g"]) / len(grid))
             out.append(pf)
         return out
 
