@@ -140,7 +140,7 @@ class ThdDotProductAttention(DotProductAttention):
     def _thd_attention(self, query: Tensor, key: Tensor, value: Tensor, params: Any, causal: bool) -> Tensor:
         t, heads, head_dim = query.shape
         groups = key.shape[1]
-        cu_q, cu_kv, pad_q, pad_kv, _ = _thd_offsets(params)
+        cu_q, cu_kv, pad_q, pad_kv = _thd_offsets(params)
         if pad_q[-1] != t or pad_kv[-1] != key.shape[0]:
             raise DynBatchConfigError(
                 "query.shape[0]", t,
@@ -204,7 +204,7 @@ class ThdDotProductAttention(DotProductAttention):
                                       "micro-batch's own group with dynamic CP)")
         t, heads, head_dim = query.shape
         groups = key.shape[1]
-        cu_q, cu_kv, pad_q, pad_kv, pad_q_t = _thd_offsets(params)
+        cu_q, cu_kv, pad_q, pad_kv = _thd_offsets(params)
         if cu_q != cu_kv or pad_q != pad_kv:
             raise DynBatchConfigError("cu_seqlens_kv", cu_kv, "context parallelism in the CPU THD attention needs "
                                       "self-attention (the same cu_seqlens for q and kv)", "pass equal cu_seqlens")
@@ -214,9 +214,10 @@ class ThdDotProductAttention(DotProductAttention):
                 "query.shape[0]", t, f"with cp={cp} every rank holds cu_seqlens_q_padded[-1]/cp = {total / cp} rows",
                 "slice the packed micro-batch with context_parallel.slice_packed_for_cp (the iterator does)")
         # the CP-gathered rows (rank-major) -> full packed order; rank r's block of ``order`` (its t rows, as
-        # total == t * cp) is zigzag_partition_indices(pad_q_t, cp, r), which validated every slot's divisibility
+        # total == t * cp) is zigzag_partition_indices(pad_q, cp, r), which validated every slot's divisibility.
+        # Built on the CPU from the offsets already read there: no device sync per layer, one copy of the result
         _check_cp(cp, cp_rank)
-        order, inverse = zigzag_gather_order(pad_q_t, cp)
+        order, inverse = zigzag_gather_order(torch.tensor(pad_q, dtype=torch.int64), cp)
         inverse = inverse.to(key.device)
         # ONE collective for K and V (so every rank runs the same backward collectives in the same order)
         kv = torch.cat([key, value.to(key.dtype)], dim=-1)
@@ -389,11 +390,10 @@ def _lengths(cu: List[int]) -> List[int]:
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
-def _thd_offsets(params: Any) -> Tuple[List[int], List[int], List[int], List[int], Tensor]:
+def _thd_offsets(params: Any) -> Tuple[List[int], List[int], List[int], List[int]]:
     """Sequence offsets of THD ``PackedSeqParams`` with TE's defaults filled in: real ``cu_seqlens`` of q and kv
-    (kv defaults to q), padded ones (q defaults to the real q offsets, kv to the padded q), and the padded q
-    offsets as a tensor for the zig-zag index helpers."""
+    (kv defaults to q), padded ones (q defaults to the real q offsets, kv to the padded q), as Python lists."""
     cu_kv_t = params.cu_seqlens_kv if params.cu_seqlens_kv is not None else params.cu_seqlens_q
     pad_q_t = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
     pad_kv_t = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else pad_q_t
-    return params.cu_seqlens_q.tolist(), cu_kv_t.tolist(), pad_q_t.tolist(), pad_kv_t.tolist(), pad_q_t
+    return params.cu_seqlens_q.tolist(), cu_kv_t.tolist(), pad_q_t.tolist(), pad_kv_t.tolist()
