@@ -192,7 +192,8 @@ def _complete_bins(size: List[int], cap: int, k: int, work: int, spent: List[int
 
     def completions(first: int, room: int):
         """Sets of unplaced items after ``first`` (positions, decreasing size) that fit ``room``, fullest
-        first, each maximal (no further unplaced item fits what it leaves)."""
+        first, each maximal (no further unplaced item fits what it leaves), as (the room it leaves, its
+        positions)."""
         free = [p for p in range(first + 1, n) if placed[p] < 0 and size[p] <= room]
         found: List[tuple] = []
 
@@ -210,7 +211,7 @@ def _complete_bins(size: List[int], cap: int, k: int, work: int, spent: List[int
                     chosen.append(p)
                     extend(j + 1, room_left - size[p], chosen)
                     chosen.pop()
-            if not grew or not any(size[q] <= room_left for q in free if q not in chosen):
+            if not grew:  # nothing after free[i] fits, and chosen holds only items before it: a leaf
                 found.append((room_left, tuple(chosen)))
 
         extend(0, room, [])
@@ -218,7 +219,7 @@ def _complete_bins(size: List[int], cap: int, k: int, work: int, spent: List[int
         if spent[0] > work:
             raise _OutOfWork
         found.sort()  # least room left first; ties by positions (deterministic)
-        return [c for r, c in found if not any(size[q] <= r for q in free if q not in c)]
+        return [(r, c) for r, c in found if not any(size[q] <= r for q in free if q not in c)]
 
     # one frame per open bin: (its first item, its completions, the next one to try, the waste before it)
     stack: List[list] = []
@@ -235,13 +236,12 @@ def _complete_bins(size: List[int], cap: int, k: int, work: int, spent: List[int
                 top = stack[-1]
                 b, (item, options, i, base) = len(stack) - 1, top
                 if i > 0:  # undo the completion tried last
-                    for p in options[i - 1]:
+                    for p in options[i - 1][1]:
                         placed[p] = -1
-                room = cap - size[item]
-                if i < len(options) and base + room - sum(size[p] for p in options[i]) <= slack:
-                    for p in options[i]:
+                if i < len(options) and base + options[i][0] <= slack:  # [0]: the room the completion leaves
+                    for p in options[i][1]:
                         placed[p] = b
-                    waste = base + room - sum(size[p] for p in options[i])
+                    waste = base + options[i][0]
                     top[2] = i + 1
                     break
                 placed[item] = -1  # no completion left within the waste: close this bin, back to the previous

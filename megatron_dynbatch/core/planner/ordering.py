@@ -196,22 +196,21 @@ class SmallRankTimes(RankTimes):
         key = tuple(times)
         found = self.memo.rank.get(key)
         if found is None:
-            t, pattern = best_of_list(times, self.cm)
-            found = self.memo.rank[key] = (t, pattern, arrangement_of(times, pattern))
+            found = self.memo.rank[key] = best_of_list(times, self.cm)
         return found
 
     def ranks_timed(self, times: List[List[float]]) -> Tuple[np.ndarray, list]:
         # pp == 1 sums each rank largest first; else each rank's best arrangement is best_arrangements' choice
         # (its vectorised 1F1B simulation is the per-rank one, row by row)
         if self.cm.pp == 1:
-            perms = [arrangement_of(t, "desc") for t in times]
+            perms = [descending(t) for t in times]
             return np.array([self.cm.rank_time_of([t[i] for i in p]) for t, p in zip(times, perms)]), perms
         best = [self._best(t) for t in times]
         return np.array([b[0] for b in best]), [b[2] for b in best]
 
     @staticmethod
     def by_time(times: List[float]) -> List[int]:
-        return sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in order
+        return descending(times)
 
     def fastest_fit(self, r: int, times: List[float], need: int, cap: int) -> Optional[int]:
         best = None
@@ -221,16 +220,17 @@ class SmallRankTimes(RankTimes):
         return best
 
 
-def best_of_list(times: List[float], cm: CostModel) -> Tuple[float, str]:
-    """:meth:`RankTimes.best_of` of a list of Python floats, in plain Python (the same time and arrangement)."""
+def best_of_list(times: List[float], cm: CostModel) -> Tuple[float, str, List[int]]:
+    """:meth:`RankTimes.best_of` of a list of Python floats, in plain Python (the same time and arrangement),
+    with the arrangement's permutation (the one of :func:`arrangements_of`)."""
     if cm.pp == 1:
-        return cm.rank_time_of(times), "desc"
+        return cm.rank_time_of(times), "desc", descending(times)
     best = None
     stage = [t / cm.pp for t in times]
     for pattern, perm in zip(PATTERNS, arrangements_of(times)):
         t = cm.pipeline_time_of([stage[i] for i in perm])
         if best is None or t < best[0] - 1e-15:
-            best = (t, pattern)
+            best = (t, pattern, perm)
     return best
 
 
@@ -242,14 +242,14 @@ def segment_sum(values: List[float]) -> float:
 def arrangements_of(times: List[float]) -> Tuple[List[int], ...]:
     """:func:`arrangement` of a list of Python floats for every pattern of :data:`PATTERNS`, in plain Python (the
     same permutations)."""
-    desc = sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in index order
+    desc = descending(times)
     asc = desc[::-1]
     return desc, asc, asc[0::2] + asc[1::2][::-1]
 
 
-def arrangement_of(times: List[float], pattern: str) -> List[int]:
-    """One arrangement of :func:`arrangements_of`."""
-    return arrangements_of(times)[PATTERNS.index(pattern)]
+def descending(times: List[float]) -> List[int]:
+    """The positions of ``times`` longest first, ties in index order: the "desc" arrangement."""
+    return sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in index order
 
 
 def best_arrangements(times: List[np.ndarray], cm: CostModel) -> Tuple[np.ndarray, List[np.ndarray]]:

@@ -289,9 +289,9 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     if dp < 2:
         return
     small = is_small(inp.unit_weight.size)
-    # per-unit weight, tokens and count (and samples, under equal_samples: swaps keep sample counts; no moves)
+    # per-unit weight, tokens and count (under equal_samples the exchanges also read the samples from inp:
+    # swaps keep sample counts; no moves)
     units = inp.unit_lists[:3] if small else (inp.unit_weight, inp.unit_tokens, inp.unit_count)
-    smp = (inp.unit_lists[3] if small else inp.unit_samples) if inp.equal_samples else None
     capacity = m * inp.cap
     w, tok, cnt_u = units
     if small:
@@ -316,7 +316,7 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
         found = None
         for b in lightest[: min(4, dp - 1)]:
             if b != a:
-                found = _pair_exchange(state, a, b, inp, units, smp, small)
+                found = _pair_exchange(state, a, b, inp, small)
                 if found is not None:
                     x, y = found
                     break
@@ -324,7 +324,7 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
             cost = len(ranks[a]) * len(w)  # candidate pairs the vectorised search builds
             if cost > global_left or not ranks[a]:
                 return
-            found = _global_exchange(state, a, inp, units, smp, cost)
+            found = _global_exchange(state, a, inp, cost)
             if found is None:
                 return
             x, y, b = found
@@ -332,20 +332,20 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
         _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u)
 
 
-def _global_exchange(state, a, inp, units, smp, cost):
-    """Best single move or swap between rank ``a`` and any other rank, ``(x, y, b)`` or None; with ``smp``
-    (samples per unit, under equal_samples) only swaps of units with equal sample counts. Up to
+def _global_exchange(state, a, inp, cost):
+    """Best single move or swap between rank ``a`` and any other rank, ``(x, y, b)`` or None; under
+    ``inp.equal_samples`` only swaps of units with equal sample counts. Up to
     :data:`SMALL_GLOBAL` candidate pairs in plain Python (:func:`_global_py`), else vectorised (:func:`_global_np`);
     ``state`` is refine_ranks' ``(ranks, loads, used, cnt, capacity, m)``, lists or NumPy arrays."""
     ranks, loads, used, cnt, capacity, m = state
     bound = loads[a] * (1 - 1e-12)  # an exchange must lower rank a's load
     if cost <= SMALL_GLOBAL:
         return _global_py(ranks, a, float(bound), _as_list(loads), _as_list(used), _as_list(cnt), capacity, m,
-                          *inp.unit_lists[:3], _as_list(smp))
+                          *inp.unit_lists[:3], inp.unit_lists[3] if inp.equal_samples else None)
     unit_arrays = (inp.unit_weight, inp.unit_tokens, inp.unit_count)
     return _global_np(ranks, a, bound, np.asarray(loads), np.asarray(used, dtype=np.int64),
                       np.asarray(cnt, dtype=np.int64), capacity, m, *unit_arrays,
-                      None if smp is None else inp.unit_samples)
+                      inp.unit_samples if inp.equal_samples else None)
 
 
 def _as_list(values):
@@ -436,7 +436,7 @@ def _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u) -> None:
     cnt[b] += delta_c
 
 
-def _pair_exchange(state, a, b, inp, units, smp, small):
+def _pair_exchange(state, a, b, inp, small):
     """Move one unit from rank ``a`` to ``b``, or swap a unit of ``a`` with a lighter one of ``b``: the exchange
     ``(x, y)`` (``y`` None for a move) whose weight is closest to half their gap, if it shrinks the gap, else None.
     Small steps and pairs of up to :data:`SMALL_PAIR` units search in plain Python (:func:`_pair_py`), others
@@ -447,8 +447,9 @@ def _pair_exchange(state, a, b, inp, units, smp, small):
         return None
     args = (ranks[a], ranks[b], float(gap), int(used[a]), int(used[b]), int(cnt[a]), int(cnt[b]), capacity, m)
     if small or len(ranks[a]) + len(ranks[b]) <= SMALL_PAIR:
-        return _pair_py(*args, *inp.unit_lists[:3], inp.unit_lists[3] if smp is not None else None)
-    return _pair_np(*args, *units, smp)
+        return _pair_py(*args, *inp.unit_lists[:3], inp.unit_lists[3] if inp.equal_samples else None)
+    return _pair_np(*args, inp.unit_weight, inp.unit_tokens, inp.unit_count,
+                    inp.unit_samples if inp.equal_samples else None)
 
 
 def _pair_np(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w, tok, cnt_u, smp):

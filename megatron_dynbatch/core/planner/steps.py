@@ -103,11 +103,8 @@ def split_steps(items: Items, dp: int, *, group_ids: Any = None, samples_per_ste
                                               "give the samples of one micro-batch group the same group id")
                 item_gid.append(g)
     sizes = items.sizes()
-    # every step's items in increasing order (what np.flatnonzero(item_step == s) gives), in one sort for all steps
-    by_step = np.split(np.argsort(item_step, kind="stable"), np.cumsum(np.bincount(item_step, minlength=n_steps))[:-1])
     out = []
-    for s in range(n_steps):
-        idx = np.arange(items.count, dtype=np.int64) if n_steps == 1 else by_step[s].astype(np.int64)
+    for s, idx in enumerate(indices_by_step(item_step, n_steps)):
         if item_gid is None:
             units = None
         else:
@@ -177,3 +174,12 @@ def step_of_sample(n: int, samples_per_step: Any = None, rollout_ids: Any = None
             "samples_per_step", sps, f"does not divide the global batch of {n} samples",
             f"use a divisor of {n} or a global batch that is a multiple of {sps}")
     return np.arange(n, dtype=np.int64) // sps, n // sps
+
+
+def indices_by_step(step_of: np.ndarray, n_steps: int) -> List[np.ndarray]:
+    """The indices of every step ``0 .. n_steps - 1`` in increasing order (what ``np.flatnonzero(step_of == s)``
+    gives for each ``s``, as int64 arrays of their own), in one stable sort for all steps instead of one pass
+    per step."""
+    order = np.argsort(step_of, kind="stable")
+    bounds = np.cumsum(np.bincount(step_of, minlength=n_steps))[:-1]
+    return [part.astype(np.int64) for part in np.split(order, bounds)]

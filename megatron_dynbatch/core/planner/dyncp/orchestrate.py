@@ -69,7 +69,7 @@ from .schedule import Schedule
 from .step import StepData
 from ..inputs import check_budget, check_lengths, check_margin, check_oversize_policy, resolve_costs
 from .pool import PoolTree, group_alignment, pool_tree
-from ..steps import step_of_sample
+from ..steps import indices_by_step, step_of_sample
 from ..vpp import check_forced_count
 
 
@@ -121,7 +121,7 @@ def plan_dynamic_cp(
     lb_time, lb_count = 0.0, 0
     chosen = []
     step_of, n_steps = step_of_sample(int(lens.size), samples_per_step)
-    for step_samples in (np.flatnonzero(step_of == k) for k in range(n_steps)):
+    for step_samples in indices_by_step(step_of, n_steps):
         st = StepData(lens[step_samples], tree, cm, par, budget, tile, over[step_samples],
                       forced=num_microbatches, rounds=rounds, margin=margin)
         best, fixed = _plan_step(st)
