@@ -2,7 +2,7 @@
 """MODELLED: does dynamic context parallelism pay for a run preset? Its layout and budget, with and without
 ``dynamic_cp``, on batches shaped like the preset's workload (one optimizer step of ``samples_per_step``).
 
-Both plans come from ``plan_global_batch`` with the preset's planner arguments (``RunConfig.planner_kwargs``);
+Both plans come from ``plan_global_batch`` with the preset's planner arguments (``RunConfig.plan_options``);
 the fixed-CP plan is re-scored with the CP communication of its ``cp``-GPU groups
 (``score_with_cp_comm``), so both use one cost model -- ``CostModel.from_model`` with the default (fitted)
 profile, whose CP exchange runs at NVLink numbers inside a node and InfiniBand numbers across nodes
@@ -70,10 +70,10 @@ def evaluate(run: str, seeds: int, cp_bandwidth: Optional[float] = None) -> Dict
     for shape, gen in shapes(rc).items():
         for seed in range(seeds):
             lengths = gen(np.random.default_rng(seed))
-            fixed = score_with_cp_comm(plan_global_batch(lengths, cost_model=cm, **rc.planner_kwargs()),
+            fixed = score_with_cp_comm(plan_global_batch(lengths, rc.plan_options(), cost_model=cm),
                                        model=rc.model_spec(), cost_model=cm, lengths=lengths)
             t0 = time.perf_counter()
-            dyn = plan_global_batch(lengths, cost_model=cm, **on.planner_kwargs())
+            dyn = plan_global_batch(lengths, on.plan_options(), cost_model=cm)
             planning = time.perf_counter() - t0
             dyn.validate(len(lengths))
             rows.append({"shape": shape, "seed": seed, "samples": int(len(lengths)),

@@ -20,13 +20,13 @@ from typing import Any
 from .core.alignment import Alignment
 from .core.cost_model import CostModel, fit_cost_model, fit_cp_comm, load_cost_model
 from .core.errors import (DropinAssertionError, DynBatchConfigError, OversizeAssertionError, OversizeSampleError,
-                          OversizeSampleWarning)
+                          OversizeSampleWarning, UnknownOptionError)
 from .core.flops import FlopsCoefficients, calculate_fwd_flops, flops_coefficients, per_gpu_flops
 from .core.memory import estimate_max_tokens_per_gpu
 from .core.model_spec import ModelSpec
 from .core.parallel import ParallelConfig
-from .core.planner import (DynamicCPPlan, Plan, build_dynamic_cp_plan, local_microbatch_counts, plan_global_batch,
-                           plan_local_batch, score_assignment)
+from .core.planner import (BalanceBy, DynamicCPPlan, Plan, PlanOptions, build_dynamic_cp_plan,
+                           local_microbatch_counts, plan_global_batch, plan_local_batch, score_assignment)
 from .core.run_config import RunConfig
 from .core.startup import check_max_seq_len_fits
 from ._legacy import install_legacy_module_aliases
@@ -50,6 +50,7 @@ _LAZY = {
 
 __all__ = [
     "Alignment",
+    "BalanceBy",
     "CostModel",
     "DropinAssertionError",
     "DynBatchConfigError",
@@ -61,7 +62,9 @@ __all__ = [
     "OversizeSampleWarning",
     "ParallelConfig",
     "Plan",
+    "PlanOptions",
     "RunConfig",
+    "UnknownOptionError",
     "__version__",
     "build_dynamic_cp_plan",
     "calculate_fwd_flops",

@@ -166,8 +166,7 @@ def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace
     from .core.calibration.compare import step_time_change
     from .core.cost_model import save_cost_model
 
-    kwargs = _plan_kwargs(target, setup)
-    change = step_time_change(lengths, old=args.base, new=cm, plan_kwargs=kwargs)
+    change = step_time_change(lengths, old=args.base, new=cm, options=_plan_options(target, setup))
     save_cost_model(cm, args.output, report)
     out.update(fit=report.to_dict(), cost_model=cm.to_dict(), sample={"samples": int(len(lengths)),
                "tokens": int(sum(lengths)), **change.to_dict()}, output=args.output)
@@ -212,17 +211,15 @@ def _sample(args: argparse.Namespace, setup: Any) -> Any:
     return sample_lengths(setup.max_tokens_per_gpu, setup.parallel, seed=_int(args.seed, "--seed"))
 
 
-def _plan_kwargs(target: Dict[str, Any], setup: Any) -> Dict[str, Any]:
+def _plan_options(target: Dict[str, Any], setup: Any) -> Any:
+    """The options the sample batch is planned with (one optimizer step; the cost model is replaced)."""
+    from .core.planner.options import PlanOptions
+
     run = target["run"]
     if run is not None:
-        kw = run.planner_kwargs()
-        kw.pop("cost_model", None)
-        kw.pop("samples_per_step", None)  # the sample batch is one step
-        return kw
-    kw = {"model": setup.model, "parallel": setup.parallel, "max_tokens_per_gpu": setup.max_tokens_per_gpu}
-    if setup.dynamic_cp:
-        kw["dynamic_cp"] = True
-    return kw
+        return run.plan_options().replace(samples_per_step=None)
+    return PlanOptions(model=setup.model, parallel=setup.parallel, max_tokens_per_gpu=setup.max_tokens_per_gpu,
+                       dynamic_cp=bool(setup.dynamic_cp))
 
 
 def _print_result(report: Any, change: Any, lengths: Any, setup: Any, args: argparse.Namespace) -> None:

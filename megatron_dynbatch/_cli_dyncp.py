@@ -23,24 +23,24 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ._cli_summary import count_line, first_of, step_time_line, table_end, token_lines
 from .core.errors import DynBatchConfigError
 
-#: balancing flags of ``plan`` that dynamic CP honours (it balances the cost model's seconds)
-_COMPATIBLE_BALANCING = (None, "flops", "time")
+def check_dynamic_cp_balancing(args: argparse.Namespace) -> None:
+    """Refuse a ``--balance-by`` dynamic CP would silently ignore (it balances the cost model's seconds)."""
+    if args.balance_by not in (None, "time"):
+        flag = f"--balance-by {args.balance_by}"
+        raise DynBatchConfigError("--dynamic-cp", True, f"dynamic CP always balances the cost model's seconds, so "
+                                  f"{flag} would be silently ignored", f"drop {flag} (or --dynamic-cp)")
 
 
-def check_dynamic_cp_flags(args: argparse.Namespace, kwargs: Dict[str, Any], group_ids: Optional[list],
-                           run: Any) -> None:
+def check_dynamic_cp_flags(args: argparse.Namespace, opts: Any, group_ids: Optional[list], run: Any) -> None:
     """Refuse what ``plan --dynamic-cp`` cannot do (module docstring)."""
     from .core.run_config import dynamic_cp_problem
 
-    if args.balance_by not in _COMPATIBLE_BALANCING:
-        flag = {"raw-flops": "--balance-by-raw-flops", "tokens": "--balance-by-tokens"}[args.balance_by]
-        raise DynBatchConfigError("--dynamic-cp", True, f"dynamic CP always balances the cost model's seconds, so "
-                                  f"{flag} would be silently ignored", f"drop {flag} (or --dynamic-cp)")
-    if run is not None and args.balance_by is None and run.balance_by == "tokens":
-        raise DynBatchConfigError("--dynamic-cp", True, f"the run preset {run.name!r} balances tokens, which dynamic "
-                                  "CP would silently ignore (it balances the cost model's seconds)",
-                                  "add --balance-by-flops, or drop --dynamic-cp")
-    problem = dynamic_cp_problem(kwargs["parallel"], grouped=group_ids is not None)
+    check_dynamic_cp_balancing(args)
+    if run is not None and args.balance_by is None and run.balance_by != "time":
+        raise DynBatchConfigError("--dynamic-cp", True, f"the run preset {run.name!r} balances {run.balance_by}, which "
+                                  "dynamic CP would silently ignore (it balances the cost model's seconds)",
+                                  "add --balance-by time, or drop --dynamic-cp")
+    problem = dynamic_cp_problem(opts.parallel, grouped=group_ids is not None)
     if problem is not None:
         where = ""
         if group_ids is not None:
@@ -49,20 +49,20 @@ def check_dynamic_cp_flags(args: argparse.Namespace, kwargs: Dict[str, Any], gro
             "turn dynamic CP off", "drop --dynamic-cp"))
 
 
-def run_plan_dynamic_cp(args: argparse.Namespace, lengths: Sequence[int], kwargs: Dict[str, Any]) -> int:
+def run_plan_dynamic_cp(args: argparse.Namespace, lengths: Sequence[int], opts: Any) -> int:
     """Plan with dynamic CP, print the summary, the per-GPU table and the fixed-CP comparison; 0 on success."""
     from .core.planner import plan_global_batch
 
-    plan = plan_global_batch(lengths, num_microbatches=args.num_microbatches, **kwargs)
+    plan = plan_global_batch(lengths, opts)
     if args.json:
         print(plan.to_json(indent=1))
         return 0
-    fixed, fixed_error = _fixed_cp_plan(lengths, args, kwargs)
+    fixed, fixed_error = _fixed_cp_plan(lengths, opts)
     print(pool_summary(plan, args, len(lengths)))
     print()
     print(gpu_table(plan, args.max_ranks))
     print()
-    others = _peers(lengths, args, kwargs["parallel"]) if args.compare else {}
+    others = _peers(lengths, args, opts.parallel) if args.compare else {}
     print(comparison(plan, fixed, fixed_error, others))
     if args.plot:
         from .bench.plot import plot_timelines
@@ -77,22 +77,20 @@ def run_plan_dynamic_cp(args: argparse.Namespace, lengths: Sequence[int], kwargs
     return 0
 
 
-def _fixed_cp_plan(lengths: Sequence[int], args: argparse.Namespace,
-                   kwargs: Dict[str, Any]) -> Tuple[Any, Optional[str]]:
+def _fixed_cp_plan(lengths: Sequence[int], opts: Any) -> Tuple[Any, Optional[str]]:
     """The fixed-CP plan of the same layout scored with CP communication, or ``(None, why it cannot plan)``."""
     import warnings
 
     from .core.planner import plan_global_batch
     from .core.planner.dyncp.assembly import score_with_cp_comm
 
-    fixed_kwargs = {k: v for k, v in kwargs.items() if k != "dynamic_cp"}
     try:
         with warnings.catch_warnings():  # the dynamic-CP plan already warned about what matters
             warnings.simplefilter("ignore")
-            plan = plan_global_batch(lengths, num_microbatches=args.num_microbatches, **fixed_kwargs)
+            plan = plan_global_batch(lengths, opts.replace(dynamic_cp=False))
     except DynBatchConfigError as exc:
         return None, exc.problem
-    return score_with_cp_comm(plan, model=kwargs["model"], cost_model=kwargs.get("cost_model"), lengths=lengths), None
+    return score_with_cp_comm(plan, model=opts.model, cost_model=opts.cost_model, lengths=lengths), None
 
 
 def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[str, Any]:

@@ -21,13 +21,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .core.errors import DynBatchConfigError
 
 OVERRIDE_FLAG = "--override-run"
-_LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage", "gpus_per_node")
+LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage", "gpus_per_node")
 #: flags named like the preset field they set (``--fp8`` sets ``fp8_alignment``)
-_SAME_NAME_FLAGS = ("oversize", "samples_per_step", "cost_model", "decision_margin")
+_SAME_NAME_FLAGS = ("balance_by", "oversize", "samples_per_step", "cost_model", "decision_margin")
 #: preset fields that ``plan`` has a flag for (named in the fix when the overridden preset fails its checks)
-_FLAG_OF_FIELD = ("model", "max_tokens_per_gpu") + _SAME_NAME_FLAGS + _LAYOUT_FLAGS
-#: ``--balance-by-*`` flag -> the preset's ``balance_by`` it matches (raw FLOPs and time have no preset value)
-_BALANCE = {"flops": "flops", "tokens": "tokens", "raw-flops": None, "time": None}
+_FLAG_OF_FIELD = ("model", "max_tokens_per_gpu") + _SAME_NAME_FLAGS + LAYOUT_FLAGS
 
 
 def _flag(name: str) -> str:
@@ -54,7 +52,7 @@ def _contradictions(args: argparse.Namespace, run: Any) -> List[Tuple[str, Any, 
     if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu != run.max_tokens_per_gpu:
         out.append(("--max-tokens-per-gpu", args.max_tokens_per_gpu, f"max_tokens_per_gpu={run.max_tokens_per_gpu}",
                     {"max_tokens_per_gpu": args.max_tokens_per_gpu}))
-    for name in _LAYOUT_FLAGS:
+    for name in LAYOUT_FLAGS:
         value = getattr(args, name, None)
         if name == "microbatch_group_size_per_vp_stage":
             mine = par.vp_group_size
@@ -69,9 +67,6 @@ def _contradictions(args: argparse.Namespace, run: Any) -> List[Tuple[str, Any, 
             out.append((_flag(name), value, said, {"parallel": {name: value}}))
     if args.sequence_parallel and not par.sequence_parallel:
         out.append(("--sequence-parallel", True, "sequence_parallel=false", {"parallel": {"sequence_parallel": True}}))
-    if args.balance_by is not None and _BALANCE[args.balance_by] != run.balance_by:
-        change = {"balance_by": _BALANCE[args.balance_by]} if _BALANCE[args.balance_by] else {}
-        out.append((f"--balance-by-{args.balance_by}", True, f"balance_by: {run.balance_by}", change))
     for flag, field in (("fp8", "fp8_alignment"),) + tuple((f, f) for f in _SAME_NAME_FLAGS):
         value = getattr(args, flag)
         if value is not None and value != getattr(run, field):
@@ -79,13 +74,13 @@ def _contradictions(args: argparse.Namespace, run: Any) -> List[Tuple[str, Any, 
     return out
 
 
-def resolve_run(args: argparse.Namespace, run: Any) -> Tuple[Any, Dict[str, Any]]:
-    """The preset to plan with, and planner arguments it cannot express (balancing by raw FLOPs or time).
+def resolve_run(args: argparse.Namespace, run: Any) -> Any:
+    """The preset to plan with: ``run``, or ``run`` with the flags' values under ``--override-run``.
 
     Refuses flags that contradict ``run`` unless ``--override-run`` was given (module docstring)."""
     found = _contradictions(args, run)
     if not found:
-        return run, {}
+        return run
     if not getattr(args, "override_run", False):
         flag, value, said, _ = found[0]
         more = "".join(f"; {f} contradicts its {s}" for f, _, s, _ in found[1:])
@@ -101,13 +96,8 @@ def resolve_run(args: argparse.Namespace, run: Any) -> Tuple[Any, Dict[str, Any]
                 changes.setdefault("parallel", {}).update(value)
             else:
                 changes[key] = value
-    extra: Dict[str, Any] = {}
-    if args.balance_by in ("raw-flops", "time"):  # no preset value for these: passed to the planner directly
-        extra = {"balance_by_flops": True, "balance_by": "flops" if args.balance_by == "raw-flops" else "time"}
-    if not changes:
-        return run, extra
     try:
-        return run.replace(**changes), extra
+        return run.replace(**changes)
     except DynBatchConfigError as exc:  # say that it is the preset with the flags' values that fails the check
         name = exc.field.split(".")[-1]
         flag = _flag(name) if name in _FLAG_OF_FIELD else None
@@ -135,4 +125,4 @@ def _partition(ids: Sequence[Any]) -> List[int]:
     return [first.setdefault(g if isinstance(g, (int, str, float)) else repr(g), len(first)) for g in ids]
 
 
-__all__ = ["OVERRIDE_FLAG", "check_group_ids", "resolve_run"]
+__all__ = ["OVERRIDE_FLAG", "LAYOUT_FLAGS", "check_group_ids", "resolve_run"]

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from ._argparse import SuggestingArgumentParser
 from ._cli_io import read_values as _read_values
-from ._cli_run import _LAYOUT_FLAGS
+from ._cli_run import LAYOUT_FLAGS
 from ._cli_summary import group_line, plan_summary, rank_table
 from .core.errors import DynBatchConfigError
 
@@ -168,6 +168,15 @@ def _cmd_bench_dropins(args: argparse.Namespace) -> int:
 
 # ============================================================================================ plan
 def _cmd_plan(args: argparse.Namespace) -> int:
+    """``plan``: planning errors name the flags (``--max-tokens-per-gpu``); with ``--run`` the preset's keys."""
+    from .core.errors import trainer_terms
+    from .core.planner.options import PlanOptions
+
+    with trainer_terms({} if args.run else PlanOptions.spellings("cli")):
+        return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     from .core.planner import plan_global_batch
 
     if args.plot:
@@ -176,12 +185,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         require_matplotlib(args.plot)
     lengths = _read_values(args.lengths, "--lengths", integers=True)
     group_ids = _read_values(args.group_ids, "--group-ids", integers=False) if args.group_ids else None
-    kwargs, run = _plan_kwargs(args)
-    par = kwargs["parallel"]
-    if kwargs["model"] is not None:  # check the layout against the model (tp divides the heads, ep the experts)
+    if args.dynamic_cp:  # a balancing flag dynamic CP would ignore: named before the options are built
+        from ._cli_dyncp import check_dynamic_cp_balancing
+
+        check_dynamic_cp_balancing(args)
+    opts, run = _plan_options(args)
+    par = opts.parallel
+    if opts.model is not None:  # check the layout against the model (tp divides the heads, ep the experts)
         from .core.flops import per_gpu_flops
 
-        per_gpu_flops(1.0, kwargs["model"], par)
+        per_gpu_flops(1.0, opts.model, par)
     group_source = "--group-ids" if group_ids is not None else None
     if run is not None:
         from ._cli_run import check_group_ids
@@ -190,18 +203,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if group_ids is None:
             group_ids = run.group_ids(len(lengths))
             group_source = f"the run preset's group_size={run.group_size}" if group_ids is not None else None
-    mode = kwargs["balance_by"] or ("tokens" if not kwargs["balance_by_flops"] else
-                                    "flops-eff" if kwargs["model"] is not None else "flops")
-    balance_by = {"flops-eff": "FLOPs at kernel efficiency", "flops": "raw FLOPs", "tokens": "tokens",
-                  "time": "cost-model time"}[mode]
-    args.model, args.max_tokens_per_gpu, args.fp8 = kwargs["model"], kwargs["max_tokens_per_gpu"], kwargs["fp8_alignment"]
-    args.cost_model = kwargs.get("cost_model")  # a run preset's cost model scores the baselines too (--compare)
-    if kwargs.get("dynamic_cp"):  # the pool summary and the fixed-CP plan next to it (_cli_dyncp.py)
+    balance_by = {"time": "cost-model time (FLOPs at kernel efficiency)", "flops": "raw FLOPs",
+                  "tokens": "tokens"}[str(opts.balance_by)]
+    args.model, args.max_tokens_per_gpu, args.fp8 = opts.model, opts.max_tokens_per_gpu, opts.fp8_alignment
+    args.cost_model = opts.cost_model  # a run preset's cost model scores the baselines too (--compare)
+    if opts.dynamic_cp:  # the pool summary and the fixed-CP plan next to it (_cli_dyncp.py)
         from ._cli_dyncp import check_dynamic_cp_flags, run_plan_dynamic_cp
 
-        check_dynamic_cp_flags(args, kwargs, group_ids, run)
-        return run_plan_dynamic_cp(args, lengths, kwargs)
-    plan = plan_global_batch(lengths, group_ids=group_ids, num_microbatches=args.num_microbatches, **kwargs)
+        check_dynamic_cp_flags(args, opts, group_ids, run)
+        return run_plan_dynamic_cp(args, lengths, opts)
+    plan = plan_global_batch(lengths, opts, group_ids=group_ids)
     if args.json:
         print(plan.to_json(indent=1))
         return 0
@@ -224,55 +235,36 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_kwargs(args: argparse.Namespace) -> Tuple[Dict[str, Any], Any]:
-    """``plan_global_batch`` keyword arguments: the ``--run`` preset's (a flag must agree with it, or
-    ``--override-run`` applies it: ``_cli_run.py``), else the flags'."""
-    from .core.parallel import ParallelConfig
+def _plan_options(args: argparse.Namespace) -> Tuple[Any, Any]:
+    """The planner's options: the ``--run`` preset's (a flag must agree with it, or ``--override-run`` applies
+    it: ``_cli_run.py``), else the flags' (each :class:`PlanOptions` field's flag is its ``metadata["cli"]``)."""
+    from .core.planner.options import PlanOptions
 
     if args.run:
         from ._cli_run import resolve_run
         from .core.run_config import RunConfig
 
-        run, extra = resolve_run(args, RunConfig.from_yaml(args.run))
-        kw = {**run.planner_kwargs(), **extra}
+        run = resolve_run(args, RunConfig.from_yaml(args.run))
+        opts = run.plan_options()
+        changes = {"num_microbatches": args.num_microbatches}
         if args.dynamic_cp is not None:  # --dynamic-cp / --no-dynamic-cp override the preset (documented)
-            kw["dynamic_cp"] = args.dynamic_cp
-        if not kw.get("dynamic_cp"):
-            kw.pop("dynamic_cp", None)
-        return kw, run
+            changes["dynamic_cp"] = args.dynamic_cp
+        return opts.replace(**changes), run
     if args.override_run:
         raise DynBatchConfigError("--override-run", True, "only means something with --run PRESET (it lets the flags "
                                   "replace the preset's values)", "drop --override-run, or add --run PRESET")
-    kw = {"model": None, "parallel": ParallelConfig(), "max_tokens_per_gpu": None, "balance_by_flops": True,
-          "balance_by": None, "oversize": "error", "fp8_alignment": None, "samples_per_step": None}
-    if args.model:
-        kw["model"] = args.model
-    if args.max_tokens_per_gpu is not None:
-        kw["max_tokens_per_gpu"] = args.max_tokens_per_gpu
-    layout = kw["parallel"].to_dict()
-    for name in _LAYOUT_FLAGS:
-        if getattr(args, name, None) is not None:
-            layout[name] = getattr(args, name)
-    if args.sequence_parallel:
-        layout["sequence_parallel"] = True
-    kw["parallel"] = ParallelConfig.from_any(layout)
-    if args.balance_by is not None:  # --balance-by-flops | --balance-by-raw-flops | --balance-by-tokens | --balance-by-time
-        kw["balance_by_flops"] = args.balance_by != "tokens"
-        kw["balance_by"] = {"flops": None, "raw-flops": "flops"}.get(args.balance_by, args.balance_by)
-    else:
-        kw["balance_by_flops"] = kw["model"] is not None
-    for flag, key in (("oversize", "oversize"), ("fp8", "fp8_alignment"), ("samples_per_step", "samples_per_step")):
-        if getattr(args, flag) is not None:
-            kw[key] = getattr(args, flag)
-    for flag in ("cost_model", "decision_margin"):
-        if getattr(args, flag, None) is not None:
-            kw[flag] = getattr(args, flag)
-    if args.dynamic_cp:
-        kw["dynamic_cp"] = True
-    if kw["max_tokens_per_gpu"] is None:
+    if args.max_tokens_per_gpu is None:
         raise DynBatchConfigError("--max-tokens-per-gpu", None, "is required",
                                   "pass --max-tokens-per-gpu N, or --run PRESET (configs/runs/*.yaml)")
-    return kw, None
+    layout = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name, None) is not None}
+    if args.sequence_parallel:
+        layout["sequence_parallel"] = True
+    given = {"model": args.model, "parallel": layout, "max_tokens_per_gpu": args.max_tokens_per_gpu,
+             "balance_by": args.balance_by, "oversize": args.oversize, "fp8_alignment": args.fp8,
+             "samples_per_step": args.samples_per_step, "cost_model": args.cost_model,
+             "decision_margin": args.decision_margin, "dynamic_cp": bool(args.dynamic_cp),
+             "num_microbatches": args.num_microbatches}
+    return PlanOptions(**{k: v for k, v in given.items() if v is not None}), None
 
 
 def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Tuple[str, Dict[str, Any]]:
@@ -468,16 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-per-gpu", type=_positive_int, default=None,
                    help="per-GPU token budget; a micro-batch holds at most this times cp tokens (required "
                         "unless --run gives it)")
-    bal = p.add_mutually_exclusive_group()
-    bal.add_argument("--balance-by-flops", dest="balance_by", action="store_const", const="flops",
-                     help="balance the model's FLOPs, each at its kernel's efficiency (attention runs below GEMMs), "
-                          "as a Megatron launch's --balance-by-flops does (default when a model is given)")
-    bal.add_argument("--balance-by-raw-flops", dest="balance_by", action="store_const", const="raw-flops",
-                     help="balance raw FLOPs (every FLOP weighs the same)")
-    bal.add_argument("--balance-by-tokens", dest="balance_by", action="store_const", const="tokens",
-                     help="balance token counts (default without --model)")
-    bal.add_argument("--balance-by-time", dest="balance_by", action="store_const", const="time",
-                     help="balance the cost model's predicted seconds (attention and GEMMs at their own efficiency)")
+    p.add_argument("--balance-by", choices=("time", "flops", "tokens"), default=None,
+                   help="what balancing equalises: time -- the cost model's seconds, each FLOP at its kernel's "
+                        "efficiency, as a Megatron launch's --balance-by-flops (default with --model); flops -- raw "
+                        "FLOPs; tokens -- padded tokens (default without --model)")
     p.add_argument("--group-ids", metavar="FILE", default=None,
                    help="one group id per sample (same formats); a group (GRPO prompt) stays on one DP rank")
     p.add_argument("--samples-per-step", type=_positive_int, default=None,

@@ -329,7 +329,7 @@ def _report(results: Sequence[Mapping[str, Any]], check: bool, *, verbose: bool 
 def _precheck(args: argparse.Namespace) -> Optional[str]:
     """Plan every step's batch here, before any rank starts (the ranks plan the same lengths): a setting the
     planner refuses becomes one error line instead of a traceback per rank. Returns that line, or None."""
-    from .core.errors import DynBatchConfigError
+    from .core.errors import DynBatchConfigError, trainer_terms
     from .core.planner import plan_global_batch
 
     if args.samples < 1:
@@ -339,8 +339,9 @@ def _precheck(args: argparse.Namespace) -> Optional[str]:
         lengths += [p + r for p, r, _ in _synthetic_shapes(args.samples, args.seed * 1000 + step)]
     groups = [(i // args.samples, (i % args.samples) // max(1, args.group_size)) for i in range(len(lengths))]
     try:
-        plan_global_batch(lengths, parallel={"dp": args.dp}, balance_by_flops=False, samples_per_step=args.samples,
-                          max_tokens_per_gpu=args.max_tokens_per_gpu, group_ids=groups)
+        with trainer_terms({"max_tokens_per_gpu": "--max-tokens-per-gpu"}):  # the demo's flag
+            plan_global_batch(lengths, parallel={"dp": args.dp}, balance_by="tokens", samples_per_step=args.samples,
+                              max_tokens_per_gpu=args.max_tokens_per_gpu, group_ids=groups)
     except DynBatchConfigError as exc:
         text = str(exc).replace("optimizer step", "demo step")
         if exc.field == "group_ids":

@@ -12,7 +12,7 @@ from megatron_dynbatch.megatron.args import (
     fp8_alignment_from_args,
     model_spec_from_args,
     parallel_from_args,
-    plan_kwargs_from_args,
+    plan_options_from_args,
     validate_dynamic_batch_args,
 )
 from megatron_dynbatch.core.errors import DynBatchConfigError
@@ -69,9 +69,8 @@ def test_log_probs_budget_kept_when_given():
     args = parse("--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--log-probs-max-tokens-per-gpu", "16384")
     validate_dynamic_batch_args(args)
     assert args.log_probs_max_tokens_per_gpu == 16384
-    kw = plan_kwargs_from_args(args, forward_only=True)
-    assert kw["max_tokens_per_gpu"] == 16384
-    assert plan_kwargs_from_args(args)["max_tokens_per_gpu"] == 4096
+    assert plan_options_from_args(args, forward_only=True).max_tokens_per_gpu == 16384
+    assert plan_options_from_args(args).max_tokens_per_gpu == 4096
 
 
 def test_balance_by_flops_needs_dynamic_batching():
@@ -171,16 +170,16 @@ def test_parallel_from_args_without_world_size(monkeypatch):
     assert parallel_from_args(ns).dp == 4
 
 
-def test_model_spec_and_plan_kwargs():
+def test_model_spec_and_plan_options():
     args = parse("--use-dynamic-batch-size", "--max-tokens-per-gpu", "512", "--balance-by-flops",
                  "--dynbatch-samples-per-step", "8", world_size=2)
     args.swiglu = True
     validate_dynamic_batch_args(args)
     spec = model_spec_from_args(args)
     assert isinstance(spec, ModelSpec) and spec.num_layers == 4 and spec.hidden_size == 256 and spec.swiglu
-    kw = plan_kwargs_from_args(args)
-    assert kw["parallel"].dp == 2 and kw["balance_by_flops"] and kw["samples_per_step"] == 8
+    opts = plan_options_from_args(args)
+    assert opts.parallel.dp == 2 and opts.balance_by == "time" and opts.samples_per_step == 8
     from megatron_dynbatch import plan_global_batch
 
-    plan = plan_global_batch([100, 200, 50, 400, 30, 60, 70, 80] * 2, **kw)
+    plan = plan_global_batch([100, 200, 50, 400, 30, 60, 70, 80] * 2, opts)
     assert plan.microbatches_per_step and len(plan.microbatches_per_step) == 2

@@ -131,7 +131,7 @@ def test_a_cpu_run_fits_reports_and_writes_the_file_every_reader_takes(calibrate
     # RunConfig.cost_model and --dynbatch-cost-model
     rc = RunConfig.from_dict({"name": "t", "model": "tiny-gpt", "parallel": {"dp": 2, "pp": 2},
                               "max_tokens_per_gpu": 256, "cost_model": path})
-    plan = plan_global_batch([40, 200, 90, 250, 17, 130, 60, 75], **rc.planner_kwargs())
+    plan = plan_global_batch([40, 200, 90, 250, 17, 130, 60, 75], rc.plan_options())
     assert plan.cap_violations == 0
     args_mod = pytest.importorskip("megatron_dynbatch.megatron.args")
     ns = args_mod.add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
@@ -139,8 +139,8 @@ def test_a_cpu_run_fits_reports_and_writes_the_file_every_reader_takes(calibrate
     ns.data_parallel_size, ns.num_layers, ns.hidden_size, ns.num_attention_heads = 2, 2, 64, 4
     ns.ffn_hidden_size, ns.padded_vocab_size, ns.num_query_groups, ns.swiglu = 128, 128, 2, True
     args_mod.validate_dynamic_batch_args(ns)
-    kw = args_mod.plan_kwargs_from_args(ns)
-    assert kw["cost_model"] == resolve_cost_model(path, kw["model"], kw["parallel"])
+    opts = args_mod.plan_options_from_args(ns)
+    assert opts.resolved_cost_model == resolve_cost_model(path, opts.model, opts.parallel)
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ def test_plan_json_output_and_file_formats(tmp_path, capsys, fmt):
         np.save(path, np.array(LENGTHS))
     groups = tmp_path / "groups.txt"
     groups.write_text("\n".join(str(i // 3) for i in range(len(LENGTHS))))
-    rc = main(["plan", "--lengths", str(path), "--dp", "2", "--max-tokens-per-gpu", "2500", "--balance-by-tokens",
+    rc = main(["plan", "--lengths", str(path), "--dp", "2", "--max-tokens-per-gpu", "2500", "--balance-by", "tokens",
                "--group-ids", str(groups), "--json"])
     assert rc == 0
     plan = Plan.from_dict(json.loads(capsys.readouterr().out))
@@ -136,7 +136,7 @@ def test_plan_accepts_a_run_preset_and_flags_that_agree_with_it(tmp_path, capsys
     assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["parallel"]["dp"] == 2 and plan["cap"] == 160
-    same = ["--dp", "2", "--tp", "1", "--max-tokens-per-gpu", "160", "--model", "tiny-gpt", "--balance-by-flops",
+    same = ["--dp", "2", "--tp", "1", "--max-tokens-per-gpu", "160", "--model", "tiny-gpt", "--balance-by", "time",
             "--oversize", "error", "--samples-per-step", "16", "--microbatch-group-size-per-vp-stage", "1"]
     assert main(["plan", "--lengths", str(lengths), "--run", "tiny-cpu-demo", *same, "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
@@ -182,7 +182,7 @@ def test_compare_scores_the_baselines_with_the_run_presets_cost_model(tmp_path, 
     assert table(from_preset) == table(from_flag)
 
 
-CONTRADICTIONS = [  # tiny-cpu-demo: tiny-gpt, world_size 2 (dp 2), 160 tokens, flops, error, samples_per_step 16, groups of 4
+CONTRADICTIONS = [  # tiny-cpu-demo: tiny-gpt, world_size 2 (dp 2), 160 tokens, time, error, samples_per_step 16, groups of 4
     (["--model", "qwen3-0.6b"], "--model", "model 'tiny-gpt'"),
     (["--max-tokens-per-gpu", "320"], "--max-tokens-per-gpu", "max_tokens_per_gpu=160"),
     (["--dp", "3"], "--dp", "dp=2 (world size 2"),
@@ -194,9 +194,8 @@ CONTRADICTIONS = [  # tiny-cpu-demo: tiny-gpt, world_size 2 (dp 2), 160 tokens, 
     (["--microbatch-group-size-per-vp-stage", "2"], "--microbatch-group-size-per-vp-stage",
      "microbatch_group_size_per_vp_stage=1"),
     (["--sequence-parallel"], "--sequence-parallel", "sequence_parallel=false"),
-    (["--balance-by-tokens"], "--balance-by-tokens", "balance_by: flops"),
-    (["--balance-by-raw-flops"], "--balance-by-raw-flops", "balance_by: flops"),
-    (["--balance-by-time"], "--balance-by-time", "balance_by: flops"),
+    (["--balance-by", "tokens"], "--balance-by", "balance_by='time'"),
+    (["--balance-by", "flops"], "--balance-by", "balance_by='time'"),
     (["--oversize", "alone"], "--oversize", "oversize='error'"),
     (["--fp8", "fp8"], "--fp8", "fp8_alignment=None"),
     (["--samples-per-step", "32"], "--samples-per-step", "samples_per_step=16"),

@@ -93,7 +93,7 @@ def test_calibrated_model_reaches_the_planner_through_args(tmp_path):
     import argparse
 
     from megatron_dynbatch import plan_global_batch
-    from megatron_dynbatch.megatron.args import add_dynamic_batch_args, plan_kwargs_from_args, validate_dynamic_batch_args
+    from megatron_dynbatch.megatron.args import add_dynamic_batch_args, plan_options_from_args, validate_dynamic_batch_args
     from megatron_dynbatch.core.cost_model import load_cost_model, save_cost_model
 
     path = tmp_path / "cm.json"
@@ -106,9 +106,9 @@ def test_calibrated_model_reaches_the_planner_through_args(tmp_path):
                      data_parallel_size=2, world_size=2).items():
         setattr(args, k, v)
     validate_dynamic_batch_args(args, world_size=2)
-    kwargs = plan_kwargs_from_args(args, world_size=2)
-    assert kwargs["cost_model"] == load_cost_model(path)
-    plan = plan_global_batch(list(range(1, 41)), **kwargs)
+    opts = plan_options_from_args(args, world_size=2)
+    assert opts.resolved_cost_model == load_cost_model(path)
+    plan = plan_global_batch(list(range(1, 41)), opts)
     assert plan.num_samples == 40
 
 

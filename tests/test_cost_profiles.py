@@ -109,7 +109,7 @@ def test_gpus_per_node_flows_from_every_entry_point():
     rc = RunConfig.from_dict({"name": "r", "model": "qwen3-8b", "parallel": {"dp": 4, "tp": 2, "cp": 4,
                                                                               "gpus_per_node": 4},
                               "max_tokens_per_gpu": 20480})
-    assert rc.parallel().gpus_per_node == 4 and rc.planner_kwargs()["parallel"].gpus_per_node == 4
+    assert rc.parallel().gpus_per_node == 4 and rc.plan_options().parallel.gpus_per_node == 4
     assert rc.to_megatron_args()[-2:] == ["--dynbatch-gpus-per-node", "4"]
     assert RunConfig.from_dict(rc.to_dict()) == rc
     plan = plan_global_batch([30000, 500, 400, 300] * 4, model="qwen3-8b", parallel=rc.parallel(),
@@ -146,8 +146,8 @@ def test_megatron_flags_carry_gpus_per_node_margin_and_profile(monkeypatch):
                                                     "--dynbatch-decision-margin", "0.05"))
     ns.num_layers, ns.hidden_size, ns.num_attention_heads, ns.ffn_hidden_size = 2, 64, 4, 128
     ns.padded_vocab_size = 256
-    kw = args_mod.plan_kwargs_from_args(ns)
-    assert kw["decision_margin"] == 0.05 and kw["cost_model"].min_microbatch_s == 0.0  # analytic: no floor
+    opts = args_mod.plan_options_from_args(ns)
+    assert opts.decision_margin == 0.05 and opts.resolved_cost_model.min_microbatch_s == 0.0  # analytic: no floor
 
 
 # ------------------------------------------------------------------------------------------ margin
@@ -323,7 +323,7 @@ def test_plan_and_bench_take_the_cost_model_the_margin_and_gpus_per_node(tmp_pat
         assert main(base + bad) == 2
         assert bad[0] in capsys.readouterr().err
     assert main(base + ["--cost-model", "fited"]) != 0
-    assert "cost_model" in capsys.readouterr().err
+    assert "--cost-model" in capsys.readouterr().err
     out = tmp_path / "b.json"
     assert main(["bench", "--workloads", "dyncp-longdoc-8b-1mb", "--no-speed", "--cost-model", "analytic",
                  "--gpus-per-node", "4", "--decision-margin", "0.05", "--output", str(out)]) == 0
@@ -404,5 +404,5 @@ def test_run_presets_refuse_bad_cost_models_and_margins(field, value):
     with pytest.raises(DynBatchConfigError, match=field):
         RunConfig.from_dict({**base, field: value})
     ok = RunConfig.from_dict({**base, "cost_model": "analytic", "decision_margin": np.float64(0.05)})
-    assert ok.planner_kwargs()["decision_margin"] == 0.05 and ok.to_dict()["cost_model"] == "analytic"
+    assert ok.plan_options().decision_margin == 0.05 and ok.to_dict()["cost_model"] == "analytic"
     assert "--dynbatch-cost-model" in ok.to_megatron_args()

@@ -255,7 +255,7 @@ def test_dp_ranks_agree_on_one_count_with_one_all_reduce():
     assert r0["local_count"] < r1["local_count"]
     assert r0["fits"] and r1["fits"]
     assert r0["plan_count"] == r1["plan_count"] and r0["plan_dp"] == r1["plan_dp"] == 1
-    assert r0["failure"] == "--max-tokens-per-gpu" and r1["failure"] == "lengths"
+    assert r0["failure"] == "max_tokens_per_gpu" and r1["failure"] == "lengths"
     assert r0["empty"] == "dp_group" and r1["empty"] == "batch"
 
 

@@ -240,7 +240,7 @@ def test_dynamic_cp_oversize_policies():
     ({"parallel": {"dp": 2, "pp": 2, "vpp": 2}}, "parallel.vpp"),
     ({"dynamic_cp": "yes"}, "dynamic_cp"),
     ({"num_microbatches": 0}, "num_microbatches"),
-    ({"max_tokens_per_gpu": 0}, "--max-tokens-per-gpu"),
+    ({"max_tokens_per_gpu": 0}, "max_tokens_per_gpu"),
     ({"refine_rounds": -1}, "refine_rounds"),
     ({"equal_samples_per_rank": True}, "equal_samples_per_rank"),
     ({"min_num_microbatches": 2}, "min_num_microbatches"),
@@ -389,7 +389,7 @@ def test_dyncp_bench_workload_rows():
 def test_dynamic_cp_launch_flag():
     import argparse
 
-    from megatron_dynbatch.megatron.args import add_dynamic_batch_args, plan_kwargs_from_args, validate_dynamic_batch_args
+    from megatron_dynbatch.megatron.args import add_dynamic_batch_args, plan_options_from_args, validate_dynamic_batch_args
 
     parser = add_dynamic_batch_args(argparse.ArgumentParser())
 
@@ -424,10 +424,10 @@ def test_dynamic_cp_launch_flag():
     args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size = 2, 64, 4, 128
     args.padded_vocab_size = 128
     try:
-        kw = plan_kwargs_from_args(args)
+        dynamic_cp = plan_options_from_args(args).dynamic_cp
     except DynBatchConfigError:  # the model fields come from Megatron's parser; the flag is what matters here
-        kw = {"dynamic_cp": True}
-    assert kw["dynamic_cp"] is True
+        dynamic_cp = True
+    assert dynamic_cp is True
 
 
 # -------------------------------------------------------------------------------------- iterator, one process

@@ -31,18 +31,18 @@ def _run(**overrides):
 def test_run_config_dynamic_cp_reaches_the_planner_and_megatron():
     rc = RunConfig.from_dict(_run(samples_per_step=8))
     assert rc.dynamic_cp is True
-    assert rc.planner_kwargs()["dynamic_cp"] is True
-    assert rc.planner_kwargs(forward_only=True)["dynamic_cp"] is True  # as the Megatron flag: log-probs too
+    assert rc.plan_options().dynamic_cp is True
+    assert rc.plan_options(forward_only=True).dynamic_cp is True  # as the Megatron flag: log-probs too
     args = rc.to_megatron_args()
     assert args.count("--dynbatch-dynamic-cp") == 1
     lengths = np.random.default_rng(0).integers(500, 20000, 16)
-    plan = plan_global_batch(lengths, **rc.planner_kwargs())
+    plan = plan_global_batch(lengths, rc.plan_options())
     assert isinstance(plan, DynamicCPPlan) and plan.pool_size == 4  # dp=2 x cp=2
     plan.validate(lengths.size)
     assert len(plan.microbatches_per_step) == 2
     assert RunConfig.from_dict(rc.to_dict()) == rc
     off = rc.replace(dynamic_cp=False)
-    assert "dynamic_cp" not in off.planner_kwargs() and "--dynbatch-dynamic-cp" not in off.to_megatron_args()
+    assert not off.plan_options().dynamic_cp and "--dynbatch-dynamic-cp" not in off.to_megatron_args()
     assert RunConfig.from_dict(_run(dynamic_cp=np.bool_(True))).to_dict()["dynamic_cp"] is True  # stored as bool
 
 
@@ -182,8 +182,8 @@ def test_plan_dynamic_cp_from_a_run_preset_and_no_dynamic_cp(tmp_path, monkeypat
 @pytest.mark.parametrize("extra, words", [
     (["--dp", "1"], "one GPU"),
     (["--dp", "2", "--pp", "2", "--vpp", "2"], "pp=2"),
-    (["--dp", "2", "--balance-by-tokens"], "--balance-by-tokens"),
-    (["--dp", "2", "--balance-by-raw-flops"], "--balance-by-raw-flops"),
+    (["--dp", "2", "--balance-by", "tokens"], "--balance-by tokens"),
+    (["--dp", "2", "--balance-by", "flops"], "--balance-by flops"),
     (["--dp", "2", "--group-ids", "GROUPS"], "(--group-ids)"),
     (["--run", "qwen3-8b-grpo"], "group_size=8"),
 ])

@@ -218,7 +218,7 @@ def test_run_config_hostile_field(field, value):
         import yaml
 
         yaml.safe_dump(rc.to_dict())  # only plain Python values inside
-        rc.planner_kwargs()
+        rc.plan_options()
 
 
 @SETTINGS
@@ -247,8 +247,8 @@ def test_run_config_dynamic_cp_plans_or_explains(layout, dynamic_cp, conflict, l
     n = len(lengths) - len(lengths) % (group_size or 1)
     if n == 0:
         return
-    kw = rc.planner_kwargs()
-    plan = _check_plan_or_error(lambda: plan_global_batch(lengths[:n], group_ids=rc.group_ids(n), **kw))
+    opts = rc.plan_options()
+    plan = _check_plan_or_error(lambda: plan_global_batch(lengths[:n], opts, group_ids=rc.group_ids(n)))
     if plan is not None:
         from megatron_dynbatch import DynamicCPPlan
 

@@ -346,16 +346,16 @@ def test_sequence_parallel_plan_alignment_is_checked_and_filled_in():
 
     from megatron_dynbatch import plan_global_batch
     from megatron_dynbatch.core.errors import DynBatchConfigError
-    from megatron_dynbatch.megatron.schedule import _with_model_layout, check_sequence_parallel_alignment
+    from megatron_dynbatch.megatron.schedule import _options_for_model, check_sequence_parallel_alignment
 
     cfg = SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2, context_parallel_size=1)
     lengths = [7, 12, 5, 9]
     plan = plan_global_batch(lengths, parallel={"tp": 2}, max_tokens_per_gpu=32, balance_by_flops=False)
     with pytest.raises(DynBatchConfigError, match="sequence_parallel"):
         check_sequence_parallel_alignment(plan, cfg)
-    kwargs = _with_model_layout({"parallel": {"tp": 2}, "max_tokens_per_gpu": 32}, cfg)
-    assert kwargs["parallel"] == {"tp": 2, "sequence_parallel": True}
-    good = plan_global_batch(lengths, parallel=kwargs["parallel"], max_tokens_per_gpu=32, balance_by_flops=False)
+    opts = _options_for_model({"parallel": {"tp": 2}, "max_tokens_per_gpu": 32, "balance_by": "tokens"}, cfg)
+    assert opts.parallel.tp == 2 and opts.parallel.sequence_parallel
+    good = plan_global_batch(lengths, opts)
     check_sequence_parallel_alignment(good, cfg)
     assert all(t % 2 == 0 for rank in good.microbatch_tokens for t in rank)
     check_sequence_parallel_alignment(plan, SimpleNamespace(sequence_parallel=False, tensor_model_parallel_size=2))

@@ -45,21 +45,21 @@ def test_groups_reject_bad_cp():
         mp.sample_id_groups_from_plan(plan, [0, 1], 0)
 
 
-def test_plan_kwargs_from_scheduler_settings():
+def test_plan_options_from_scheduler_settings():
     config = types.SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                    virtual_pipeline_model_parallel_size=2, sequence_parallel=True)
-    kw = mp.scheduler_plan_kwargs(max_seqlen_per_dp_cp_rank=4096, dp=4, cp=2, config=config,
-                                  microbatch_group_size_per_vp_stage=2)
-    par = kw["parallel"]
+    opts = mp.scheduler_plan_options(max_seqlen_per_dp_cp_rank=4096, dp=4, cp=2, config=config,
+                                     microbatch_group_size_per_vp_stage=2)
+    par = opts.parallel
     assert (par.dp, par.cp, par.tp, par.pp, par.vpp, par.sequence_parallel) == (4, 2, 2, 2, 2, True)
-    assert kw["max_tokens_per_gpu"] == 4096 and kw["balance_by_flops"] is False  # no vocabulary: tokens
+    assert opts.max_tokens_per_gpu == 4096 and opts.balance_by == "tokens"  # no vocabulary: tokens
     args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                               padded_vocab_size=128, seq_length=128, swiglu=True, dynbatch_oversize="alone")
-    kw = mp.scheduler_plan_kwargs(max_seqlen_per_dp_cp_rank=256, dp=2, cp=1, args=args)
-    assert kw["balance_by_flops"] is True and kw["model"].padded_vocab_size == 128 and kw["oversize"] == "alone"
+    opts = mp.scheduler_plan_options(max_seqlen_per_dp_cp_rank=256, dp=2, cp=1, args=args)
+    assert opts.balance_by == "time" and opts.model.padded_vocab_size == 128 and opts.oversize == "alone"
     for bad in (None, 0, -3, 1.5):
         with pytest.raises(DynBatchConfigError, match="--max-seqlen-per-dp-cp-rank"):
-            mp.scheduler_plan_kwargs(max_seqlen_per_dp_cp_rank=bad, dp=1, cp=1)
+            mp.scheduler_plan_options(max_seqlen_per_dp_cp_rank=bad, dp=1, cp=1)
 
 
 def test_upstreams_post_packing_padding_counts_against_the_budget():
@@ -68,29 +68,29 @@ def test_upstreams_post_packing_padding_counts_against_the_budget():
     budget. The planner counts that padding, so the padded share never exceeds ``max_seqlen_per_dp_cp_rank``."""
     from megatron_dynbatch.core.dropin.megatron_packing import plan_sample_id_groups
 
-    def kwargs(**fields):
-        return mp.scheduler_plan_kwargs(max_seqlen_per_dp_cp_rank=1000, dp=2, cp=2,
-                                        config=types.SimpleNamespace(**fields))
+    def options(**fields):
+        return mp.scheduler_plan_options(max_seqlen_per_dp_cp_rank=1000, dp=2, cp=2,
+                                         config=types.SimpleNamespace(**fields))
 
-    assert "microbatch_pad_multiple" not in kwargs()
-    assert "microbatch_pad_multiple" not in kwargs(pad_packed_seq_alignment=None)
-    assert kwargs(pad_packed_seq_alignment=384)["microbatch_pad_multiple"] == 384
-    assert kwargs(pad_packed_seq_alignment="384")["microbatch_pad_multiple"] == 384
-    assert kwargs(pad_packed_seq_alignment=np.int64(8))["microbatch_pad_multiple"] == 8
-    assert kwargs(pad_packed_seq_alignment="max")["microbatch_pad_multiple"] == 1000
-    assert kwargs(pad_packed_seq_alignment=8, cuda_graph_impl="transformer_engine")["microbatch_pad_multiple"] == 1000
-    assert kwargs(pad_packed_seq_alignment=8, cuda_graph_impl="none")["microbatch_pad_multiple"] == 8
+    assert options().microbatch_pad_multiple is None
+    assert options(pad_packed_seq_alignment=None).microbatch_pad_multiple is None
+    assert options(pad_packed_seq_alignment=384).microbatch_pad_multiple == 384
+    assert options(pad_packed_seq_alignment="384").microbatch_pad_multiple == 384
+    assert options(pad_packed_seq_alignment=np.int64(8)).microbatch_pad_multiple == 8
+    assert options(pad_packed_seq_alignment="max").microbatch_pad_multiple == 1000
+    assert options(pad_packed_seq_alignment=8, cuda_graph_impl="transformer_engine").microbatch_pad_multiple == 1000
+    assert options(pad_packed_seq_alignment=8, cuda_graph_impl="none").microbatch_pad_multiple == 8
     for bad in (0, -8, 1001, 2.5, "eight", True):
         with pytest.raises(DynBatchConfigError, match="--pad-packed-seq-alignment"):
-            kwargs(pad_packed_seq_alignment=bad)
+            options(pad_packed_seq_alignment=bad)
 
     rng = np.random.default_rng(3)
     lens = rng.integers(10, 900, 64).tolist()
     pairs = list(enumerate(lens))
     for alignment in (384, "max"):
-        kw = kwargs(pad_packed_seq_alignment=alignment)
-        groups, plan = plan_sample_id_groups(pairs, max_seqlen_per_dp_cp_rank=kw.pop("max_tokens_per_gpu"), dp=2,
-                                             cp=2, parallel=kw.pop("parallel"), **kw)
+        opts = options(pad_packed_seq_alignment=alignment)
+        groups, plan = plan_sample_id_groups(pairs, opts, max_seqlen_per_dp_cp_rank=opts.max_tokens_per_gpu, dp=2,
+                                             cp=2)
         step = 384 if alignment == 384 else 1000
         for g in groups:
             for d in range(2):
@@ -100,8 +100,7 @@ def test_upstreams_post_packing_padding_counts_against_the_budget():
         # the planner scored the same padding: every micro-batch's tokens are cp x a multiple of the step
         assert all(t % (2 * step) == 0 and t <= 2000 for row in plan.microbatch_tokens for t in row)
     # uncounted, a share the planner fills to 976 tokens would be padded by upstream to 1,152 > 1,000
-    kw = kwargs()
-    plan = plan_sample_id_groups(pairs, max_seqlen_per_dp_cp_rank=1000, dp=2, cp=2, parallel=kw["parallel"],
+    plan = plan_sample_id_groups(pairs, max_seqlen_per_dp_cp_rank=1000, dp=2, cp=2, parallel=options().parallel,
                                  balance_by_flops=False)[1]
     assert max(-(-t // 2 // 384) * 384 for row in plan.microbatch_tokens for t in row) > 1000
 
@@ -303,7 +302,7 @@ def test_planner_options_model_balances_by_flops_on_a_stand_in_base():
 
     sched = mp.scheduler_class(Base)(4096, 1, 2, None, max_num_seqs=3, plan_options={"model": "tiny-gpt"})
     groups = sched.get_groups_and_subsamples(list(enumerate([900, 30, 400, 600, 30, 700, 20, 800])))
-    assert sched.last_plan.balance_by_flops and max(len(g[0]) for g in groups) <= 3  # no max_num_seqs in Base
+    assert sched.last_plan.balance_by == "time" and max(len(g[0]) for g in groups) <= 3  # no max_num_seqs in Base
 
 
 def test_wrap_data_iterator_refuses_a_missing_budget():

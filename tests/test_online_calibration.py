@@ -111,7 +111,7 @@ def _hook_steps(model, spec, parallel, kwargs) -> dict:
         args = Namespace(dynbatch_online_calibration=online, dynbatch_calibration_interval=1 if online else None,
                          dynbatch_cost_model=None, curr_iteration=0, log_interval=1000)
         hooks[online] = hook = DynamicForwardBackward(get_forward_backward_func(), args,
-                                                      plan_kwargs=lambda a: dict(kwargs))
+                                                      plan_options=lambda a: dict(kwargs))
         losses[online] = []
         for step in range(3):
             for d in (model if isinstance(model, list) else [model]):

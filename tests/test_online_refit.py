@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from megatron_dynbatch import DynBatchConfigError, plan_global_batch
+from megatron_dynbatch import DynBatchConfigError, PlanOptions, plan_global_batch
 from megatron_dynbatch.core.calibration.online import OnlineCalibration
 from megatron_dynbatch.core.calibration.records import MAX_RECORD_S, SliceInfo, clean_records
 from megatron_dynbatch.core.calibration.shared import merged_profile, profile_vector, scale_profile
@@ -44,7 +44,7 @@ def _train(cal, steps, *, true=CPU, noise=0.03, seed=0, rank=None):
                 secs = secs * (1.0 + noise * rng.standard_normal(secs.size))
                 if cal.recording:
                     cal.add([[g, L, float(s)] for (g, L, _), s in zip(recs, secs)], sl)
-        cal.end_step(plan, lengths, KW)
+        cal.end_step(plan, lengths, PlanOptions(**KW))
 
 
 def test_refits_converge_to_the_hardware_and_report_their_error():

@@ -50,16 +50,16 @@ def test_unknown_parallel_field():
 
 @pytest.mark.parametrize("cap", [0, -5, 3.5, None])
 def test_bad_budget(cap):
-    _raises("--max-tokens-per-gpu", max_tokens_per_gpu=cap)
+    _raises("max_tokens_per_gpu", max_tokens_per_gpu=cap)
 
 
 def test_cap_smaller_than_alignment():
     # cp=4 pads every sequence to a multiple of 8 and sequence parallel (tp=2) needs micro-batch totals that
     # are a multiple of tp*cp=8: a budget of 1 token per GPU (4 per micro-batch) cannot hold one sequence.
-    err = _raises("--max-tokens-per-gpu", parallel={"dp": 2, "cp": 4, "tp": 2, "sequence_parallel": True},
+    err = _raises("max_tokens_per_gpu", parallel={"dp": 2, "cp": 4, "tp": 2, "sequence_parallel": True},
                   max_tokens_per_gpu=1)
     assert "smaller than one aligned sequence" in str(err)
-    _raises("--max-tokens-per-gpu", fp8_alignment="nvfp4", max_tokens_per_gpu=100)
+    _raises("max_tokens_per_gpu", fp8_alignment="nvfp4", max_tokens_per_gpu=100)
 
 
 def test_vpp_without_pp():

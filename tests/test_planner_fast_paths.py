@@ -27,6 +27,7 @@ from megatron_dynbatch.core.planner import bounds, ordering, packer, search
 from megatron_dynbatch.core.planner.local import local_microbatch_counts
 from megatron_dynbatch.core.planner.ordering import PATTERNS, RankTimes, SmallRankTimes, TimingMemo
 from megatron_dynbatch.core.planner.packer import StepInput
+from megatron_dynbatch.core.planner.options import PlanOptions
 from megatron_dynbatch.core.planner.prepare import prepare
 from megatron_dynbatch.core.planner.timing import rank_times_of
 
@@ -342,20 +343,22 @@ def test_the_longer_polish_reuses_an_ordering_only_for_unchanged_bins(workload):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            prep = prepare(lengths, **kw)
+            opts = {k: v for k, v in kw.items() if k != "group_ids"}
+            prep = prepare(lengths, PlanOptions.from_kwargs(opts), group_ids=kw.get("group_ids"))
         except DynBatchConfigError:
             return
     for step in prep.steps:
-        counts = search._Counts(step.inp, prep.par, prep.cm, step.sq, prep.rounds, prep.align, prep.rule)
-        m = prep.rule.next(search.lower_bound_count(step.inp, prep.par.dp))
-        if m > search._max_count(step.inp, prep.par.dp) or counts.evaluate(m) is None or m not in counts.polished:
+        counts = search._Counts(step.inp, prep.parallel, prep.cost_model, step.sq, prep.refine_rounds, prep.alignment,
+                                prep.count_rule)
+        m = prep.count_rule.next(search.lower_bound_count(step.inp, prep.parallel.dp))
+        if m > search._max_count(step.inp, prep.parallel.dp) or counts.evaluate(m) is None or m not in counts.polished:
             continue
         got = counts.evaluate(m, search.FINAL_POLISH_EVALS)
         bins, done = copy.deepcopy(counts.polished[m][0]), counts.polished[m][1]
-        ordering.polish_pipeline(bins, step.inp.aligned, step.sq, step.inp.oversize, step.inp.cap, prep.cm, prep.align,
-                                 max_evals=search.FINAL_POLISH_EVALS, max_ops=search.FINAL_POLISH_OPS,
+        ordering.polish_pipeline(bins, step.inp.aligned, step.sq, step.inp.oversize, step.inp.cap, prep.cost_model,
+                                 prep.alignment, max_evals=search.FINAL_POLISH_EVALS, max_ops=search.FINAL_POLISH_OPS,
                                  start_evals=done)
-        want = ordering.order_and_time(bins, step.inp.aligned, step.sq, prep.cm, prep.align)
+        want = ordering.order_and_time(bins, step.inp.aligned, step.sq, prep.cost_model, prep.alignment)
         assert got[0] == want[0] and bits(got[1:]) == bits(want[1:])
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dynbatch import DynBatchConfigError
+from megatron_dynbatch import DynBatchConfigError, PlanOptions
 from megatron_dynbatch.integrations import megatron_lm as ml
 from megatron_dynbatch.core.run_config import RunConfig
 
@@ -376,21 +376,21 @@ def test_megatron_loss_dicts():
 def test_dynamic_forward_backward_wrapper_with_a_fake_schedule():
     calls = {}
 
-    def run_step(model, samples, plan_kwargs, **kw):
-        calls.update(model=model, samples=samples, plan_kwargs=plan_kwargs, kw=kw)
+    def run_step(model, samples, options, **kw):
+        calls.update(model=model, samples=samples, options=options, kw=kw)
         return types.SimpleNamespace(loss=0.5, num_microbatches=2)
 
     args = types.SimpleNamespace(dynbatch_loss_mode="sample_mean", dynbatch_group_reduce="token", eval_iters=0)
     inner = object()
     fb = ml.DynamicForwardBackward(inner, args, run_step=run_step,
-                                   plan_kwargs=lambda a: {"max_tokens_per_gpu": 64, "samples_per_step": 8})
+                                   plan_options=lambda a: {"max_tokens_per_gpu": 64, "samples_per_step": 8})
     batch = [{"tokens": [1, 2]}]
     out = fb(forward_step_func=None, data_iterator=[iter([batch]), iter([batch])], model=["m"], num_microbatches=99,
              seq_length=4096, micro_batch_size=1, decoder_seq_length=None, forward_only=False,
              force_all_reduce=False, adjust_tensor_shapes_fn=None)
     assert [d["lm loss"].item() for d in out] == [0.5, 0.5]
     assert calls["samples"] is batch and calls["model"] == ["m"]
-    assert calls["plan_kwargs"] == {"max_tokens_per_gpu": 64}  # one Megatron iteration = one step
+    assert calls["options"] == PlanOptions(max_tokens_per_gpu=64)  # one Megatron iteration = one step
     assert calls["kw"]["forward_backward_func"] is inner and calls["kw"]["loss_mode"] == "sample_mean"
     assert "num_microbatches" not in calls["kw"] and calls["kw"]["force_all_reduce"] is False
     with pytest.raises(DynBatchConfigError, match="--eval-iters"):
@@ -456,7 +456,7 @@ def test_wrapper_runs_a_real_megatron_schedule_on_cpu(megatron_world1):
     model = megatron_cpu.build_tiny_gpt(config, vocab_size=128, thd=True)
     spec = ModelSpec.from_megatron(config, vocab_size=128)
     args = types.SimpleNamespace(dynbatch_loss_mode="token_mean", dynbatch_group_reduce="token", eval_iters=0)
-    fb = ml.DynamicForwardBackward(get_forward_backward_func(), args, plan_kwargs=lambda a: {
+    fb = ml.DynamicForwardBackward(get_forward_backward_func(), args, plan_options=lambda a: {
         "model": spec, "parallel": {"dp": 1}, "max_tokens_per_gpu": 96, "samples_per_step": 8})
     samples = synthetic_rl_batch(8, seed=1)
     out = fb(forward_step_func=None, data_iterator=iter([samples]), model=[model], num_microbatches=8,

@@ -62,7 +62,7 @@ class Shape:
         lengths, kwargs = self.make(n, np.random.default_rng(n))
         dp = max(1, min(self.dp, n // 64))
         par = dict(kwargs.pop("parallel", {}), dp=dp)
-        kwargs = {"max_tokens_per_gpu": BUDGET, "balance_by_flops": "model" in kwargs, **kwargs, "parallel": par}
+        kwargs = {"max_tokens_per_gpu": BUDGET, **kwargs, "parallel": par}  # balance_by: time with a model
         return np.asarray(lengths, dtype=np.int64), kwargs
 
 

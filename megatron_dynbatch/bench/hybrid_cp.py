@@ -245,7 +245,7 @@ def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_
     counts = [len(x) for x in micro_batches]
     return DynamicCPPlan(
         micro_batches=micro_batches, microbatches_per_step=[max(counts)], parallel=par,
-        alignment=Alignment.for_layout(par, tile), cap=int(max_tokens_per_gpu), balance_by_flops=False,
+        alignment=Alignment.for_layout(par, tile), cap=int(max_tokens_per_gpu), balance_by="tokens",
         microbatch_tokens=mb_tokens, microbatch_time=mb_time,
         rank_tokens=np.array([sum(t) for t in mb_tokens], dtype=np.int64), rank_flops=np.zeros(pool),
         rank_time=np.full(pool, total), padding_tokens=int(sum(sum(t) for t in mb_tokens) - lens.sum()),

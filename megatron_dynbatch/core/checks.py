@@ -17,8 +17,9 @@ the same way everywhere.
 
 from __future__ import annotations
 
+import difflib
 import math
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -121,6 +122,17 @@ def as_float(value: Any, field: str, *, minimum: Optional[float] = None, maximum
         raise DynBatchConfigError(field, value, f"must be a finite number in [{lo}, {hi}]",
                                   fix or f"pass a number between {lo} and {hi}")
     return out
+
+
+def close_matches(key: str, known: Sequence[str], *, n: int = 3, cutoff: float = 0.6) -> List[str]:
+    """The names in ``known`` close to ``key``, best first: at most ``n``, each at least ``cutoff`` similar and
+    about as close as the best one (within 0.1) -- the one "did you mean" rule of every error that names an
+    unknown key, choice, flag or preset."""
+    scored = sorted(((difflib.SequenceMatcher(None, str(key), str(k)).ratio(), str(k)) for k in known),
+                    key=lambda rk: -rk[0])
+    if not scored or scored[0][0] < cutoff:
+        return []
+    return [k for r, k in scored[:n] if r >= cutoff and r >= scored[0][0] - 0.1]
 
 
 def as_bool(value: Any, field: str) -> bool:

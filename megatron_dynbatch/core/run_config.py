@@ -6,8 +6,9 @@ balancing mode, the oversize policy, FP8 alignment, the loss normalisation, the 
 the ``dp x cp`` GPUs are planned as one dynamic-CP pool (``docs/dynamic_cp.md``). It is
 the single source for three consumers that must agree with each other:
 
-* the planner -- :meth:`RunConfig.planner_kwargs` gives the exact keyword arguments of
-  :func:`~megatron_dynbatch.plan_global_batch` (training, or the forward-only log-prob pass);
+* the planner -- :meth:`RunConfig.plan_options` gives the planner's
+  :class:`~megatron_dynbatch.core.planner.options.PlanOptions` (training, or the forward-only log-prob pass),
+  built once at construction, so the preset's planning fields are checked by the planner's own rules;
 * Megatron -- :meth:`RunConfig.to_megatron_args` gives the command-line flags the preset implies (layout,
   dispatcher, batching flags); model-shape flags stay in the launch script;
 * people -- ``configs/runs/<name>.yaml`` is readable and is checked at load time.
@@ -23,29 +24,25 @@ This module is pure Python (+ PyYAML): it never imports torch or megatron.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from .alignment import Alignment
-from .checks import as_float
+from .checks import close_matches
 from .checks import is_bool as _is_bool
 from .checks import is_int as _is_int
-from .errors import DynBatchConfigError
+from .errors import DynBatchConfigError, trainer_terms
 from .model_spec import ModelSpec
+from .planner.options import BalanceBy, PlanOptions
 from .presets import available_presets, available_run_presets, load_run_mapping, resolve_run_preset, run_preset_dirs
 from .parallel import ALIASES as _PARALLEL_ALIASES
 from .parallel import EXTRA_KEYS as _PARALLEL_EXTRA
 from .parallel import DEFAULT_GPUS_PER_NODE, ParallelConfig, parallel_from_mapping
 
-__all__ = ["RunConfig", "run_preset_dirs", "available_run_presets", "LOSS_MODES", "BALANCE_MODES",
-           "OVERSIZE_POLICIES", "MOE_DISPATCHERS", "dynamic_cp_problem"]
+__all__ = ["RunConfig", "run_preset_dirs", "available_run_presets", "LOSS_MODES", "MOE_DISPATCHERS",
+           "dynamic_cp_problem"]
 
-# Kept as literals (not imported from planner/loss/args) so that this module stays import-light; tests check
-# them against those modules. Balancing by "time" needs a calibrated CostModel object: use the Python API.
-BALANCE_MODES = ("flops", "tokens")
-OVERSIZE_POLICIES = ("error", "alone")
+# Kept as literals (not imported from megatron/loss.py, which needs torch); tests check them against it.
 LOSS_MODES = ("token_mean", "sample_mean", "group_mean", "token_sum")
 GROUP_REDUCE = ("token", "sample")
 #: MoE token dispatchers that accept variable token counts per rank (``allgather`` does not).
@@ -71,7 +68,9 @@ class RunConfig:
             ``max_tokens_per_gpu * cp`` tokens after alignment padding).
         log_probs_max_tokens_per_gpu: budget of forward-only passes (log-probs, reference model); no
             activations are kept for backward there, so it is usually larger. Default: ``max_tokens_per_gpu``.
-        balance_by: ``"flops"`` (default) or ``"tokens"``.
+        balance_by: what balancing equalises: ``"time"`` (default: the cost model's seconds -- FLOPs at their
+            kernels' efficiency), ``"flops"`` (raw FLOPs) or ``"tokens"``
+            (:class:`~megatron_dynbatch.core.planner.options.BalanceBy`).
         oversize: ``"error"`` (default) or ``"alone"`` for a sample longer than the budget.
         fp8_alignment: ``None``, a recipe name (``"fp8"``, ``"mxfp8"``, ``"nvfp4"``, ...) or a token multiple.
         loss_mode: ``"token_mean"`` (default), ``"sample_mean"``, ``"group_mean"`` or ``"token_sum"``.
@@ -110,7 +109,7 @@ class RunConfig:
     layout: ParallelConfig
     max_tokens_per_gpu: int
     log_probs_max_tokens_per_gpu: Optional[int] = None
-    balance_by: str = "flops"
+    balance_by: str = "time"
     oversize: str = "error"
     fp8_alignment: Union[None, str, int] = None
     loss_mode: str = "token_mean"
@@ -128,6 +127,7 @@ class RunConfig:
     megatron_args: Tuple[str, ...] = ()
     description: str = ""
     _spec: Optional[ModelSpec] = field(default=None, init=False, repr=False, compare=False)
+    _options: Any = field(default=None, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -157,13 +157,13 @@ class RunConfig:
             set_("layout", ParallelConfig.from_any(self.layout))
         par: ParallelConfig = self.layout
 
-        self._check_budgets(par)
+        self._check_dynamic_cp(par)  # before the options: it names dynamic_cp, theirs the layout
+        set_("_options", self._build_options(spec, par))
         self._check_choices()
         self._check_max_seq_len(par)
         self._check_steps(par)
         self._check_layout(spec, par)
         self._check_moe(spec, par)
-        self._check_dynamic_cp(par)
 
     def _check_cost_model(self) -> None:
         from .cost_profiles import PROFILES, is_cost_model_choice
@@ -172,10 +172,6 @@ class RunConfig:
                                             not is_cost_model_choice(self.cost_model)):
             raise DynBatchConfigError("cost_model", self.cost_model, "is neither a cost profile nor a file",
                                       f"write one of {sorted(PROFILES)} or the path of a cost-model JSON file")
-        if self.decision_margin is not None:
-            object.__setattr__(self, "decision_margin", as_float(
-                self.decision_margin, "decision_margin", minimum=0.0, maximum=0.999,
-                fix="write a relative margin such as 0.03, or leave it out for the cost model's own uncertainty"))
 
     def _check_calibration(self) -> None:
         if not _is_bool(self.online_calibration):
@@ -201,22 +197,20 @@ class RunConfig:
         raise DynBatchConfigError("model", self.model, "must be a model preset name or a mapping of ModelSpec fields",
                                   "write model: qwen3-8b, or model: {num_layers: ..., hidden_size: ...}")
 
-    def _check_budgets(self, par: ParallelConfig) -> None:
-        align = Alignment.for_layout(par, self.fp8_alignment)  # also validates fp8_alignment
-        for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
-            value = getattr(self, name)
-            if value is None and name == "log_probs_max_tokens_per_gpu":
-                continue
-            if not _is_int(value) or value < 1:
-                raise DynBatchConfigError(name, value, "must be a positive integer",
-                                          f"set {name} to a per-GPU token count, e.g. 16384")
-            cap = value * par.cp
-            if align.effective_cap(cap) < align.seq_multiple:
-                need = -(-max(align.total_multiple, align.seq_multiple) // par.cp)
-                raise DynBatchConfigError(
-                    name, value, f"a micro-batch of {cap} tokens cannot hold one aligned sequence (per-sequence "
-                    f"multiple {align.seq_multiple}, micro-batch multiple {align.total_multiple})",
-                    f"use {name} >= {need}")
+    def _build_options(self, spec: ModelSpec, par: ParallelConfig) -> PlanOptions:
+        """The preset's planning fields as the planner's options -- every field of ``PlanOptions`` this class
+        has, under the same name -- checked by the planner's own rules; the log-prob budget is checked as the
+        budget of the forward-only options."""
+        shared = [name for name in PlanOptions.names() if name in _OWN_FIELDS and name != "model"]
+        options = PlanOptions(**{name: getattr(self, name) for name in shared}, model=spec, parallel=par)
+        for name in shared:  # stored as the options hold them: 4096.0 -> 4096, BalanceBy.TIME -> "time"
+            value = getattr(options, name)
+            object.__setattr__(self, name, str(value) if isinstance(value, BalanceBy) else value)
+        if self.log_probs_max_tokens_per_gpu is not None:
+            with trainer_terms({"max_tokens_per_gpu": "log_probs_max_tokens_per_gpu"}):
+                budget = options.for_forward_only(self.log_probs_max_tokens_per_gpu).max_tokens_per_gpu
+            object.__setattr__(self, "log_probs_max_tokens_per_gpu", budget)
+        return options
 
     def _check_max_seq_len(self, par: ParallelConfig) -> None:
         """The start-up check (``core/startup.py``) for both budgets, when ``max_seq_len`` is set."""
@@ -235,11 +229,10 @@ class RunConfig:
                                        length_field="max_seq_len", budget_field=name, dynamic_cp=self.dynamic_cp)
 
     def _check_choices(self) -> None:
-        for name, allowed in (("balance_by", BALANCE_MODES), ("oversize", OVERSIZE_POLICIES),
-                              ("loss_mode", LOSS_MODES), ("group_reduce", GROUP_REDUCE)):
+        for name, allowed in (("loss_mode", LOSS_MODES), ("group_reduce", GROUP_REDUCE)):
             value = getattr(self, name)
             if value not in allowed:
-                close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+                close = close_matches(str(value), allowed, n=1, cutoff=0.5)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 raise DynBatchConfigError(name, value, "is not a known choice", f"{hint}use one of {list(allowed)}")
 
@@ -361,31 +354,15 @@ class RunConfig:
                                       "pass whole groups (prompts x responses per prompt)")
         return [i // self.group_size for i in range(num_samples)]
 
-    def planner_kwargs(self, *, forward_only: bool = False) -> Dict[str, Any]:
-        """Keyword arguments for :func:`~megatron_dynbatch.plan_global_batch` (add ``lengths`` and, with groups,
-        ``group_ids=self.group_ids(n)``).
+    def plan_options(self, *, forward_only: bool = False) -> PlanOptions:
+        """The planner's options for this run (checked at construction); pass them as
+        ``plan_global_batch(lengths, run.plan_options(), group_ids=run.group_ids(n))``.
 
         ``forward_only=True`` plans a log-prob / reference pass: the budget is
         ``log_probs_max_tokens_per_gpu`` and there is no optimizer step, so ``samples_per_step`` is dropped."""
-        kwargs = {
-            "model": self.model_spec(),
-            "parallel": self.layout,
-            "max_tokens_per_gpu": self.effective_log_probs_max_tokens_per_gpu if forward_only else self.max_tokens_per_gpu,
-            # "flops" is the planner's FLOPs balancing (each FLOP at its kernel's efficiency), the same thing
-            # --balance-by-flops selects in a Megatron launch; "time" and "tokens" are passed as they are.
-            "balance_by_flops": self.balance_by != "tokens",
-            "balance_by": None if self.balance_by == "flops" else self.balance_by,
-            "oversize": self.oversize,
-            "fp8_alignment": self.fp8_alignment,
-            "samples_per_step": None if forward_only else self.samples_per_step,
-        }
-        if self.dynamic_cp:  # only when on (as the Megatron flag does); it plans the log-prob passes too
-            kwargs["dynamic_cp"] = True
-        if self.cost_model is not None:
-            kwargs["cost_model"] = self.cost_model
-        if self.decision_margin is not None:
-            kwargs["decision_margin"] = self.decision_margin
-        return kwargs
+        if forward_only:
+            return self._options.for_forward_only(self.effective_log_probs_max_tokens_per_gpu)
+        return self._options
 
     def to_megatron_args(self) -> List[str]:
         """The Megatron-LM command-line flags this preset implies, as an argv list.
@@ -419,8 +396,10 @@ class RunConfig:
         out += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(self.max_tokens_per_gpu)]
         if self.log_probs_max_tokens_per_gpu is not None:
             out += ["--log-probs-max-tokens-per-gpu", str(self.log_probs_max_tokens_per_gpu)]
-        if self.balance_by == "flops":
-            out.append("--balance-by-flops")
+        if self.balance_by == "time":
+            out.append("--balance-by-flops")  # the peers' name for balancing compute: BalanceBy.TIME
+        elif self.balance_by == "flops":
+            out += ["--dynbatch-balance-by", "flops"]
         if self.oversize != "error":
             out += ["--dynbatch-oversize", self.oversize]
         if self.fp8_alignment is not None:
@@ -502,7 +481,7 @@ class RunConfig:
                 if key in {f.name for f in fields(ParallelConfig)} or key in _PARALLEL_EXTRA:
                     fix = f"layout keys go under 'parallel:' (parallel: {{{key}: {value!r}}})"
                 else:
-                    close = _suggest(str(key), known)
+                    close = close_matches(str(key), known)
                     fix = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {', '.join(known)}"
                 raise DynBatchConfigError(str(key), value, "unknown run field", fix)
             kwargs[key] = value
@@ -544,8 +523,12 @@ class RunConfig:
                                   f"pass a preset name ({', '.join(available_run_presets())}), a YAML path or a dict")
 
 
+#: the run fields that are planner options under the same name (:meth:`RunConfig._build_options`)
+_OWN_FIELDS = frozenset(f.name for f in fields(RunConfig))
+
+
 # --------------------------------------------------------------------------------------------- helpers
-def dynamic_cp_problem(par: ParallelConfig, *, grouped: bool = False, balance_by: str = "flops",
+def dynamic_cp_problem(par: ParallelConfig, *, grouped: bool = False, balance_by: str = "time",
                        hybrid_cp: bool = False, off: str = "turn dynamic CP off") -> Optional[Tuple[str, str]]:
     """Why a run cannot use dynamic CP, as ``(problem, fix)``, or ``None`` when it can: a pool of one GPU,
     ``pp=2`` with ``vpp > 1``, GRPO groups kept on one DP rank (``grouped``), token balancing, or Megatron's
@@ -561,22 +544,14 @@ def dynamic_cp_problem(par: ParallelConfig, *, grouped: bool = False, balance_by
                 f"use vpp=1 or another pp, or {off}")
     if grouped:
         return ("groups that stay on one DP rank (group_size / group ids) have no meaning when a sample's CP group "
-                f"spans several DP ranks", f"drop the groups, or {off}")
+                "spans several DP ranks", f"drop the groups, or {off}")
     if balance_by == "tokens":
         return ("dynamic CP always balances the cost model's seconds, so token balancing would be silently ignored",
-                f"balance by flops, or {off}")
+                f"balance by time, or {off}")
     if hybrid_cp:
         return ("Megatron's own --hybrid-context-parallel reroutes samples with its scheduler; the two cannot both "
-                f"plan the batch", f"remove --hybrid-context-parallel, or {off}")
+                "plan the batch", f"remove --hybrid-context-parallel, or {off}")
     return None
-
-
-def _suggest(key: str, known: Sequence[str]) -> List[str]:
-    """Close matches of ``key`` among ``known``, keeping only those about as close as the best one."""
-    scored = sorted(((difflib.SequenceMatcher(None, key, k).ratio(), k) for k in known), reverse=True)
-    if not scored or scored[0][0] < 0.6:
-        return []
-    return [k for r, k in scored[:3] if r >= 0.6 and r >= scored[0][0] - 0.1]
 
 
 def _parallel_from_mapping(par: Any) -> Tuple[ParallelConfig, Optional[int]]:

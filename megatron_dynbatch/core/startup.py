@@ -20,7 +20,7 @@ import warnings
 from typing import Any, Optional, Union
 
 from .checks import MAX_TOKENS, as_int
-from .errors import OversizeSampleError, OversizeSampleWarning
+from .errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from .parallel import ParallelConfig
 
 __all__ = ["check_max_seq_len_fits"]
@@ -29,7 +29,7 @@ __all__ = ["check_max_seq_len_fits"]
 def check_max_seq_len_fits(max_seq_len: int, *, max_tokens_per_gpu: int, parallel: Any = None,
                            fp8_alignment: Union[None, str, int] = None, sequence_pad_multiple: Optional[int] = None,
                            microbatch_pad_multiple: Optional[int] = None, oversize: str = "error",
-                           length_field: str = "max_seq_len", budget_field: str = "--max-tokens-per-gpu",
+                           length_field: str = "max_seq_len", budget_field: str = "max_tokens_per_gpu",
                            dynamic_cp: bool = False) -> bool:
     """``True`` if a sample of ``max_seq_len`` tokens fits one micro-batch of ``max_tokens_per_gpu`` (x cp,
     padding included); else raise (``oversize="error"``) or warn and return ``False`` (``"alone"``).
@@ -39,16 +39,19 @@ def check_max_seq_len_fits(max_seq_len: int, *, max_tokens_per_gpu: int, paralle
     ``dp x cp`` pool of a stage, so the pool is its largest CP group."""
     import dataclasses
 
-    from .planner.inputs import check_budget, check_oversize_policy
+    from .planner.inputs import check_budget
+    from .planner.options import OVERSIZE_POLICIES
 
     par = ParallelConfig.from_any(parallel)
     if dynamic_cp:
         par = dataclasses.replace(par, dp=1, cp=par.dp * par.cp)
     length = as_int(max_seq_len, length_field, minimum=1, maximum=MAX_TOKENS,
                     fix="pass the longest sample the run can produce (prompt + response)")
-    check_oversize_policy(oversize)
+    if oversize not in OVERSIZE_POLICIES:
+        raise DynBatchConfigError("oversize", oversize, "unknown oversize-sample policy",
+                                  f"use one of {OVERSIZE_POLICIES}")
     _, align, cap_eff = check_budget(max_tokens_per_gpu, par, fp8_alignment, sequence_pad_multiple,
-                                     microbatch_pad_multiple)
+                                     microbatch_pad_multiple, field=budget_field)
     slot = int(align.seq_len(length))
     if slot <= cap_eff:
         return True

@@ -25,7 +25,7 @@ to every ``train_step``; ``train_step`` calls it with ``num_microbatches=get_num
 ``global_batch_size / (micro_batch_size * dp)``). :func:`install` replaces that ONE module attribute,
 ``megatron.training.training.get_forward_backward_func``, by a function that validates the flags and returns
 Megatron's real schedule wrapped in :class:`DynamicForwardBackward`. The wrapper ignores the fixed count: it
-takes one global batch from the data iterator, plans it (:func:`megatron_dynbatch.megatron.args.plan_kwargs_from_args`:
+takes one global batch from the data iterator, plans it (:func:`megatron_dynbatch.megatron.args.plan_options_from_args`:
 identical plan on every rank, no communication) and runs it through
 :func:`megatron_dynbatch.megatron.schedule.dynamic_forward_backward` with the plan's micro-batch count, THD packing and
 exact loss normalisation. One more attribute is replaced when present: ``num_floating_point_operations`` (the
@@ -502,11 +502,11 @@ class DynamicForwardBackward:
     dynamic-batching plan. ``inner`` is Megatron's real schedule; ``args`` Megatron's parsed args."""
 
     def __init__(self, inner: Callable[..., Any], args: Any, *, run_step: Optional[Callable[..., Any]] = None,
-                 plan_kwargs: Optional[Callable[..., Dict[str, Any]]] = None, device: Any = None) -> None:
+                 plan_options: Optional[Callable[[Any], Any]] = None, device: Any = None) -> None:
         self.inner = inner
         self.args = args
         self.run_step = run_step
-        self.plan_kwargs = plan_kwargs
+        self.plan_options = plan_options  # args -> PlanOptions (or a dict of them); default: the launch flags
         self.device = device
         self.last_result: Any = None
         self.last_lengths: List[int] = []
@@ -529,20 +529,23 @@ class DynamicForwardBackward:
             raise DynBatchConfigError("data_iterator", type(samples).__name__,
                                       "must yield the whole global batch as a list of sample dicts",
                                       "yield [{'tokens': LongTensor, ...}, ...] (the same list on every rank)")
-        plan_kwargs = self.plan_kwargs or _default_plan_kwargs
         run_step = self.run_step or _default_run_step
-        pk = dict(plan_kwargs(self.args))
-        pk.pop("samples_per_step", None)  # one Megatron iteration = one optimizer step = this global batch
+        from ..core.planner.api import options_of
+        from ..megatron.args import plan_options_from_args
+
+        given = (self.plan_options or plan_options_from_args)(self.args)
+        opts = given if not isinstance(given, Mapping) else options_of(None, given)
+        opts = opts.replace(samples_per_step=None)  # one Megatron iteration = one optimizer step = this global batch
         passthrough = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
         if getattr(self.args, "dynbatch_online_calibration", False):
-            passthrough["calibrator"] = self._calibrator(pk)
-        result = run_step(model, samples, pk, forward_backward_func=self.inner,
+            passthrough["calibrator"] = self._calibrator(opts)
+        result = run_step(model, samples, opts, forward_backward_func=self.inner,
                           loss_mode=getattr(self.args, "dynbatch_loss_mode", "token_mean") or "token_mean",
                           group_reduce=getattr(self.args, "dynbatch_group_reduce", "token") or "token",
                           **passthrough)
         self.last_result = result
         self.last_lengths = [int(len(smp["tokens"])) for smp in samples]
-        self.last_model = pk.get("model")
+        self.last_model = opts.model
         plan = getattr(getattr(result, "iterator", None), "plan", None)
         stats = {STAT_KEYS[0]: float(sum(self.last_lengths))}
         if plan is not None:
@@ -550,7 +553,7 @@ class DynamicForwardBackward:
             self._log_plan(plan)
         return megatron_loss_dicts(result.loss, result.num_microbatches, device=self.device, stats=stats)
 
-    def _calibrator(self, plan_kwargs: Mapping[str, Any]) -> Any:
+    def _calibrator(self, options: Any) -> Any:
         """The rank's :class:`~megatron_dynbatch.megatron.online_calibration.OnlineCalibrator`: it plans with the
         refitted model once there is one (``dynamic_forward_backward`` swaps it in), the configured
         ``--dynbatch-cost-model`` before and as the prior's shape."""
@@ -559,7 +562,7 @@ class DynamicForwardBackward:
             from ..megatron.online_calibration import OnlineCalibrator
 
             interval = getattr(self.args, "dynbatch_calibration_interval", None) or DEFAULT_INTERVAL
-            self.calibrator = OnlineCalibrator(plan_kwargs["model"], plan_kwargs["parallel"], interval=interval,
+            self.calibrator = OnlineCalibrator(options.model, options.parallel, interval=interval,
                                                base=getattr(self.args, "dynbatch_cost_model", None),
                                                device=self.device)
         return self.calibrator
@@ -606,12 +609,6 @@ def plan_log_line(plan: Any) -> str:
     else:
         parts.append(f"cp groups (size: count): {plan.parallel.cp}: {plan.num_microbatches * plan.parallel.dp}")
     return " | ".join(parts)
-
-
-def _default_plan_kwargs(args: Any) -> Dict[str, Any]:
-    from ..megatron.args import plan_kwargs_from_args
-
-    return plan_kwargs_from_args(args)
 
 
 def _default_run_step(*a: Any, **k: Any) -> Any:

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..core.dropin.megatron_packing import plan_sample_id_groups, sample_id_groups_from_plan
 from ..core.checks import whole_number
 from ..core.errors import DynBatchConfigError
+from ..core.planner.options import PlanOptions
 
 __all__ = [
     "SCHEDULER_NAME",
@@ -43,7 +44,7 @@ __all__ = [
     "register_packing_scheduler",
     "sample_id_groups_from_plan",
     "scheduler_class",
-    "scheduler_plan_kwargs",
+    "scheduler_plan_options",
     "wrap_data_iterator",
 ]
 
@@ -56,15 +57,18 @@ _DEFAULT_OPTIONS: Dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------------------------------ pure parts
-def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, config: Any = None,
-                          args: Any = None, microbatch_group_size_per_vp_stage: Optional[int] = None) -> Dict[str, Any]:
-    """:func:`plan_global_batch` arguments for the scheduler: the budget is upstream's
-    ``max_seqlen_per_dp_cp_rank`` (per GPU; a micro-batch holds up to that x CP), DP/CP are the scheduler's,
-    PP/VPP/TP/sequence parallelism come from the model ``config``; the FLOPs model from Megatron's ``args``
-    (preferred: they know the vocabulary) or ``config``. ``--balance-by-flops`` is this planner's default here;
-    ``args.dynbatch_cost_model``, ``dynbatch_decision_margin``, ``dynbatch_oversize`` and ``dynbatch_fp8_alignment`` apply when set."""
+def scheduler_plan_options(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, config: Any = None,
+                           args: Any = None, microbatch_group_size_per_vp_stage: Optional[int] = None) -> PlanOptions:
+    """The planner's options for the scheduler: the budget is upstream's ``max_seqlen_per_dp_cp_rank`` (per
+    GPU; a micro-batch holds up to that x CP), DP/CP are the scheduler's, PP/VPP/TP/sequence parallelism come from
+    the model ``config``; the FLOPs model from Megatron's ``args`` (preferred: they know the vocabulary). With
+    ``args`` every other option comes from the launch flags as in a ``--use-dynamic-batch-size`` launch
+    (:func:`~megatron_dynbatch.megatron.args.plan_options_from_args`: ``--dynbatch-cost-model``,
+    ``--dynbatch-oversize``, ...), except that balancing defaults to ``time`` when the model is known (tokens
+    otherwise: the logits term is linear in tokens anyway)."""
     from ..core.model_spec import ModelSpec
     from ..core.parallel import ParallelConfig
+    from ..core.planner.options import BalanceBy
 
     if not isinstance(max_seqlen_per_dp_cp_rank, int) or isinstance(max_seqlen_per_dp_cp_rank, bool) \
             or max_seqlen_per_dp_cp_rank < 1:
@@ -81,27 +85,19 @@ def scheduler_plan_kwargs(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, c
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage if vpp else None,
         sequence_parallel=bool(getattr(src, "sequence_parallel", False)),
     )
-    kwargs: Dict[str, Any] = {"parallel": parallel, "max_tokens_per_gpu": int(max_seqlen_per_dp_cp_rank)}
     pad = packed_seq_padding(config if config is not None and hasattr(config, "pad_packed_seq_alignment")
                              else args, int(max_seqlen_per_dp_cp_rank))
-    if pad is not None:
-        kwargs["microbatch_pad_multiple"] = pad
-    model_src = args if args is not None and getattr(args, "padded_vocab_size", None) else None
-    if model_src is not None:
-        kwargs["model"] = ModelSpec.from_megatron(model_src)
-        kwargs["balance_by_flops"] = True
-    else:  # no vocabulary known: balance tokens (the logits term is linear in tokens anyway)
-        kwargs["balance_by_flops"] = False
-    if args is not None:
-        from ..megatron.args import fp8_alignment_from_args
+    model = ModelSpec.from_megatron(args) if args is not None and getattr(args, "padded_vocab_size", None) else None
+    own = {"parallel": parallel, "max_tokens_per_gpu": int(max_seqlen_per_dp_cp_rank), "model": model,
+           "microbatch_pad_multiple": pad,
+           "balance_by": BalanceBy.TIME if model is not None else BalanceBy.TOKENS}
+    if args is None:
+        return PlanOptions(**own)
+    from ..megatron.args import plan_options_from_args
 
-        kwargs["oversize"] = getattr(args, "dynbatch_oversize", None) or "error"
-        kwargs["fp8_alignment"] = fp8_alignment_from_args(args)
-        if getattr(args, "dynbatch_cost_model", None):  # a profile name or a file: the planner resolves it
-            kwargs["cost_model"] = str(args.dynbatch_cost_model)
-        if getattr(args, "dynbatch_decision_margin", None) is not None:
-            kwargs["decision_margin"] = float(args.dynbatch_decision_margin)
-    return kwargs
+    if getattr(args, "dynbatch_balance_by", None) is not None or getattr(args, "balance_by_flops", False):
+        own.pop("balance_by")  # the launch said how to balance
+    return plan_options_from_args(args, **own)
 
 
 def packed_seq_padding(src: Any, max_seqlen_per_dp_cp_rank: int) -> Optional[int]:
@@ -188,18 +184,18 @@ def _make_scheduler_class(base: type) -> type:
                                dev, config)
 
         def get_groups_and_subsamples(self, sample_id_seqlens: Any, *unused: Any) -> List[List[List[int]]]:
-            kwargs = scheduler_plan_kwargs(
+            options = scheduler_plan_options(
                 max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank, dp=self.dp_size, cp=self.cp_size,
                 config=self._config, args=_megatron_args(),
                 microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage)
-            kwargs.update(self.plan_options)
-            parallel = kwargs.pop("parallel")
-            if "model" in self.plan_options and "balance_by_flops" not in self.plan_options:
-                kwargs["balance_by_flops"] = True  # a model given here: balance its time, as with Megatron's args
+            own = dict(self.plan_options)
+            if "model" in own and "balance_by" not in own and "balance_by_flops" not in own:
+                own["balance_by"] = "time"  # a model given here: balance its time, as with Megatron's args
+            options = options.replace(**own) if own else options
             groups, self.last_plan = plan_sample_id_groups(
-                sample_id_seqlens, max_seqlen_per_dp_cp_rank=kwargs.pop("max_tokens_per_gpu"), dp=self.dp_size,
+                sample_id_seqlens, options, max_seqlen_per_dp_cp_rank=options.max_tokens_per_gpu, dp=self.dp_size,
                 cp=self.cp_size, microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
-                max_num_seqs=self.max_num_seqs, parallel=parallel, **kwargs)
+                max_num_seqs=self.max_num_seqs)
             return groups
 
     DynBatchScheduler.__qualname__ = DynBatchScheduler.__name__

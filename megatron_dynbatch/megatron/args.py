@@ -3,15 +3,19 @@
 ``add_dynamic_batch_args(parser)`` is a Megatron ``extra_args_provider``: it adds one argument group and returns
 the parser. ``validate_dynamic_batch_args(args)`` checks the combination against the parallel layout Megatron
 parsed (raising :class:`~megatron_dynbatch.core.errors.DynBatchConfigError` with the flag, its value and the fix)
-and fills in derived defaults. ``model_spec_from_args`` / ``parallel_from_args`` / ``plan_kwargs_from_args``
-turn Megatron's ``args`` into the planner's inputs.
+and fills in derived defaults. ``model_spec_from_args`` / ``parallel_from_args`` / ``plan_options_from_args``
+turn Megatron's ``args`` into the planner's inputs: one
+:class:`~megatron_dynbatch.core.planner.options.PlanOptions`, whose fields name their launch flags (its
+``metadata["megatron"]``), and whose errors are re-raised with those flags.
 
 ==========================================  ===========================================================
 flag                                        meaning
 ==========================================  ===========================================================
 ``--use-dynamic-batch-size``                plan FLOPs/token-balanced variable micro-batches (THD packing)
 ``--max-tokens-per-gpu N``                  per-GPU token budget of one micro-batch (x cp per micro-batch)
-``--balance-by-flops``                      balance FLOPs (attention is quadratic) instead of tokens
+``--balance-by-flops``                      balance compute time (FLOPs at their kernels' efficiency; attention
+                                            is quadratic) instead of tokens: ``--dynbatch-balance-by time``
+``--dynbatch-balance-by {time,flops,tokens}``  what balancing equalises, spelled out (``flops``: raw FLOPs)
 ``--log-probs-max-tokens-per-gpu N``        budget of forward-only (log-prob / reference) passes;
                                             default ``--max-tokens-per-gpu``
 ``--dynbatch-oversize {error,alone}``       a sample over the budget: fail, or run it alone
@@ -45,15 +49,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional, Union
 
-from ..core.alignment import Alignment, fp8_multiple
+from ..core.alignment import fp8_multiple
 from ..core.checks import get_arg as _get
-from ..core.checks import as_float, is_int
+from ..core.checks import is_int
 from ..core.cost_profiles import PROFILES, is_cost_model_choice
-from ..core.errors import DynBatchConfigError
-from .loss import GROUP_REDUCE, LOSS_MODES
+from ..core.errors import DynBatchConfigError, trainer_terms
 from ..core.parallel import DEFAULT_GPUS_PER_NODE, MAX_RANKS, ParallelConfig
+from ..core.planner.options import BalanceBy, PlanOptions
+from .loss import GROUP_REDUCE, LOSS_MODES
 
 __all__ = [
     "add_dynamic_batch_args",
@@ -61,8 +66,12 @@ __all__ = [
     "model_spec_from_args",
     "parallel_from_args",
     "fp8_alignment_from_args",
-    "plan_kwargs_from_args",
+    "plan_options_from_args",
+    "MEGATRON_WORDS",
 ]
+
+#: planner option -> its launch flag: the words launch errors are raised in (``core.errors.trainer_terms``)
+MEGATRON_WORDS = PlanOptions.spellings("megatron")
 
 
 def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,7 +84,11 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="Per-GPU token budget of one micro-batch; a micro-batch holds up to this times the "
                         "context-parallel size, padding included.")
     g.add_argument("--balance-by-flops", action="store_true", default=False,
-                   help="Balance ranks and micro-batches by FLOPs (linear + quadratic attention) instead of tokens.")
+                   help="Balance ranks and micro-batches by compute time -- each sample's FLOPs (linear + quadratic "
+                        "attention) at their kernels' efficiency -- instead of tokens (= --dynbatch-balance-by time).")
+    g.add_argument("--dynbatch-balance-by", choices=[m.value for m in BalanceBy], default=None,
+                   help="What balancing equalises: time (the cost model's seconds, as --balance-by-flops), flops "
+                        "(raw FLOPs) or tokens. Default: time with --balance-by-flops, else tokens.")
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None,
                    help="Token budget of forward-only passes (log-probs, reference model); default: "
                         "--max-tokens-per-gpu.")
@@ -238,17 +251,10 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
     mode = getattr(args, "dynbatch_loss_mode", "token_mean")
     if mode is not None and mode not in LOSS_MODES:
         raise DynBatchConfigError("--dynbatch-loss-mode", mode, "unknown loss normalisation", f"use one of {LOSS_MODES}")
-    oversize = getattr(args, "dynbatch_oversize", "error")
-    if oversize not in (None, "error", "alone"):
-        raise DynBatchConfigError("--dynbatch-oversize", oversize, "unknown policy", "use error or alone")
     cost_model = getattr(args, "dynbatch_cost_model", None)
     if cost_model is not None and not is_cost_model_choice(str(cost_model)):
         raise DynBatchConfigError("--dynbatch-cost-model", cost_model, "is neither a cost profile nor a file",
                                   f"pass one of {sorted(PROFILES)} or the path of a cost-model JSON file, or drop the flag")
-    margin = getattr(args, "dynbatch_decision_margin", None)
-    if margin is not None:
-        as_float(margin, "--dynbatch-decision-margin", minimum=0.0, maximum=0.999,
-                 fix="pass a relative margin such as 0.03, or drop the flag for the cost model's own uncertainty")
     _check_online_calibration(args, use)
     gpus_per_node_from_args(args)
     resolved = fp8_alignment_from_args(args)
@@ -260,23 +266,16 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
         return args
 
     par = parallel_from_args(args, world_size=world_size)
-    align = Alignment.for_layout(par, resolved)
-    need = -(-max(align.total_multiple, align.seq_multiple) // par.cp)
-    why = (f"per-sequence multiple {align.seq_multiple} (2*cp with cp={par.cp}) and micro-batch multiple "
-           f"{align.total_multiple} (TP sequence parallel x FP8 tile x cp)")
-    for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
-                       ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu")):
-        budget = int(getattr(args, name))
-        if align.effective_cap(budget * par.cp) < align.seq_multiple:
-            raise DynBatchConfigError(flag, budget, f"the budget cannot hold one aligned sequence ({why})",
-                                      f"use {flag} >= {need}")
+    for forward_only in (False, True):  # both passes' options: the planner's own checks, in the launch's words
+        # (the model's shape is Megatron's to check; the cost model is resolved against it when planning)
+        plan_options_from_args(args, forward_only=forward_only, world_size=world_size, model=None, cost_model=None)
     _check_max_seq_length(args, par, resolved)
 
     if getattr(args, "dynbatch_dynamic_cp", False):
         from ..core.run_config import dynamic_cp_problem  # the same refusals as RunConfig and `plan --dynamic-cp`
 
         problem = dynamic_cp_problem(
-            par, balance_by="flops" if getattr(args, "balance_by_flops", False) else "tokens",
+            par, balance_by=balance_by_from_args(args),
             hybrid_cp=bool(getattr(args, "hybrid_context_parallel", False)), off="drop --dynbatch-dynamic-cp")
         if problem is not None:
             raise DynBatchConfigError("--dynbatch-dynamic-cp", True, *problem)
@@ -327,29 +326,45 @@ def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, 
                                dynamic_cp=bool(getattr(args, "dynbatch_dynamic_cp", False)))
 
 
-def plan_kwargs_from_args(args: Any, *, forward_only: bool = False, world_size: Optional[int] = None) -> Dict[str, Any]:
-    """:func:`plan_global_batch` keyword arguments from validated ``args`` (``forward_only``: the log-prob
-    budget and no optimizer-step split)."""
-    kwargs: Dict[str, Any] = {
-        "model": model_spec_from_args(args),
-        "parallel": parallel_from_args(args, world_size=world_size),
-        "max_tokens_per_gpu": int(args.log_probs_max_tokens_per_gpu if forward_only and
-                                  getattr(args, "log_probs_max_tokens_per_gpu", None) else args.max_tokens_per_gpu),
-        "balance_by_flops": bool(getattr(args, "balance_by_flops", False)),
-        "oversize": getattr(args, "dynbatch_oversize", "error") or "error",
-        "fp8_alignment": fp8_alignment_from_args(args),
-    }
-    if getattr(args, "dynbatch_dynamic_cp", False):
-        kwargs["dynamic_cp"] = True
-    if not forward_only and getattr(args, "dynbatch_samples_per_step", None):
-        kwargs["samples_per_step"] = int(args.dynbatch_samples_per_step)
-    if getattr(args, "dynbatch_cost_model", None):
-        from ..core.cost_model import resolve_cost_model
+def balance_by_from_args(args: Any) -> BalanceBy:
+    """``--dynbatch-balance-by`` if given, else ``--balance-by-flops`` (time) or its absence (tokens): the one
+    mapping of :meth:`BalanceBy.resolve`."""
+    explicit = getattr(args, "dynbatch_balance_by", None)
+    flops = bool(getattr(args, "balance_by_flops", False))
+    if explicit is not None and flops and BalanceBy.parse(explicit) is not BalanceBy.TIME:
+        raise DynBatchConfigError("--dynbatch-balance-by", explicit, "contradicts --balance-by-flops (which means "
+                                  "--dynbatch-balance-by time)", "give one of the two flags")
+    return BalanceBy.resolve(explicit, flops)
 
-        # With a calibrated model, --balance-by-flops balances its measured seconds (the planner's default
-        # "time" mode when a model is given).
-        kwargs["cost_model"] = resolve_cost_model(args.dynbatch_cost_model, kwargs["model"], kwargs["parallel"],
-                                                  field="--dynbatch-cost-model")
-    if getattr(args, "dynbatch_decision_margin", None) is not None:
-        kwargs["decision_margin"] = float(args.dynbatch_decision_margin)
-    return kwargs
+
+def plan_options_from_args(args: Any, *, forward_only: bool = False, world_size: Optional[int] = None,
+                           **given: Any) -> PlanOptions:
+    """The planner's options from Megatron's ``args`` (``forward_only``: the log-prob budget and no optimizer-step
+    split); ``given``: options the caller sets itself (e.g. upstream's packing scheduler: its budget and layout),
+    not read from ``args``. Errors name the launch flags (:data:`MEGATRON_WORDS`)."""
+    def budget() -> int:
+        if forward_only and getattr(args, "log_probs_max_tokens_per_gpu", None):
+            return args.log_probs_max_tokens_per_gpu
+        return args.max_tokens_per_gpu
+
+    # options read from more than their own flag; every other option with a launch flag is that flag's value
+    derived = {
+        "max_tokens_per_gpu": budget,
+        "model": lambda: model_spec_from_args(args),
+        "parallel": lambda: parallel_from_args(args, world_size=world_size),
+        "balance_by": lambda: balance_by_from_args(args),
+        "fp8_alignment": lambda: fp8_alignment_from_args(args),
+        "samples_per_step": lambda: None if forward_only else getattr(args, "dynbatch_samples_per_step", None),
+    }
+    values = {}
+    for name, flag in MEGATRON_WORDS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None and value is not False:  # store_true flags left off and unset flags: the default
+            values[name] = value
+    words = dict(MEGATRON_WORDS)
+    if forward_only:
+        words["max_tokens_per_gpu"] = "--log-probs-max-tokens-per-gpu"
+    with trainer_terms(words):
+        values.update({name: read() for name, read in derived.items() if name not in given})
+        values.update(given)
+        return PlanOptions(**values)

@@ -37,17 +37,12 @@ from ..core.errors import DynBatchConfigError
 from .loss import LOSS_MODES, LossNormalizer, loss_mask_stats, make_loss_func
 from ..core.parallel import ParallelConfig
 from ..core.planner import Plan, plan_global_batch
+from ..core.planner.api import options_of
 from ..core.planner.dyncp.plan import DynamicCPPlan
 from ..core.planner.inputs import check_group_ids
+from ..core.planner.options import PlanOptions
 
-__all__ = ["DynamicBatchIterator", "PLAN_KWARGS"]
-
-#: Keyword arguments forwarded to :func:`plan_global_batch` when the iterator plans the batch itself.
-PLAN_KWARGS = ("model", "parallel", "max_tokens_per_gpu", "balance_by_flops", "balance_by", "samples_per_step",
-               "oversize", "fp8_alignment", "cost_model", "num_microbatches", "refine_rounds",
-               "equal_samples_per_rank", "microbatch_group_ids", "min_num_microbatches", "num_microbatches_multiple",
-               "rollout_ids", "rollouts_per_step", "sequence_pad_multiple", "microbatch_pad_multiple",
-               "dynamic_cp")
+__all__ = ["DynamicBatchIterator"]
 
 
 def _parallel_state():
@@ -85,9 +80,10 @@ class DynamicBatchIterator:
             shape exchange (``variable_seq_lengths``) mixes up the two directions between the only two stages
             (the same peer is both previous and next stage; NVIDIA/Megatron-LM #5100, PR #5271); with uniform
             lengths no shape exchange is needed. Costs the padding in compute, never in memory.
-        **plan_kwargs: :func:`plan_global_batch` arguments (``model``, ``parallel``, ``max_tokens_per_gpu``,
-            ``balance_by_flops``, ``samples_per_step``, ``oversize``, ``fp8_alignment``, ``cost_model``,
-            ``num_microbatches``) when ``plan`` is None.
+        options: the planner's :class:`~megatron_dynbatch.core.planner.options.PlanOptions` when ``plan`` is None;
+            keywords given too replace its fields.
+        **plan_kwargs: the options as keywords (any :class:`PlanOptions` field, and ``balance_by_flops``;
+            ``microbatch_group_ids`` / ``rollout_ids`` per sample) when ``plan`` is None.
     """
 
     def __init__(
@@ -106,6 +102,7 @@ class DynamicBatchIterator:
         device: Any = None,
         uniform_length: Optional[bool] = None,
         cp_groups: Any = None,
+        options: Optional[PlanOptions] = None,
         **plan_kwargs: Any,
     ) -> None:
         _check_sample_dicts(samples, "the global batch")
@@ -116,20 +113,19 @@ class DynamicBatchIterator:
         gids = check_group_ids(group_ids, len(samples)) if group_ids is not None else None
 
         if plan is None:
-            unknown = sorted(set(plan_kwargs) - set(PLAN_KWARGS))
-            if unknown:
-                raise DynBatchConfigError("plan_kwargs", unknown, "unknown planning arguments",
-                                          f"use only {list(PLAN_KWARGS)}")
-            if "max_tokens_per_gpu" not in plan_kwargs:
+            if options is None and "max_tokens_per_gpu" not in plan_kwargs:
                 raise DynBatchConfigError("max_tokens_per_gpu", None, "needed to plan the batch (no plan given)",
-                                          "pass plan=Plan or max_tokens_per_gpu=<per-GPU token budget>")
+                                          "pass plan=Plan, options=PlanOptions(...) or max_tokens_per_gpu=<per-GPU "
+                                          "token budget>")
+            batch = {k: plan_kwargs.pop(k) for k in ("microbatch_group_ids", "rollout_ids") if k in plan_kwargs}
+            opts = options_of(options, plan_kwargs)
             # Under dynamic CP a sample may run on GPUs of several DP ranks, so "a group stays on one DP rank"
             # has no meaning (the planner refuses it); the ids still define group_mean's groups (the loss).
-            plan_gids = None if plan_kwargs.get("dynamic_cp") else gids
-            plan = plan_global_batch(lengths, group_ids=plan_gids, **plan_kwargs)
-        elif plan_kwargs:
-            raise DynBatchConfigError("plan_kwargs", sorted(plan_kwargs), "given together with a plan",
-                                      "pass either plan= or planning arguments, not both")
+            plan = plan_global_batch(lengths, opts, group_ids=None if opts.dynamic_cp else gids, **batch)
+        elif plan_kwargs or options is not None:
+            given = sorted(plan_kwargs) + (["options"] if options is not None else [])
+            raise DynBatchConfigError("plan_kwargs", given, "given together with a plan",
+                                      "pass either plan= or planning options, not both")
         self._setup(samples, lengths, plan, gids, None, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size,
                     loss_mode=loss_mode, group_reduce=group_reduce, pad_token_id=pad_token_id, device=device,
                     uniform_length=uniform_length, cp_groups=cp_groups)

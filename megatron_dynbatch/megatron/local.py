@@ -37,19 +37,25 @@ def all_reduce_max(values: Sequence[int], group: Any = None) -> List[int]:
     return [int(v) for v in t.cpu().tolist()]
 
 
-def plan_local_batch_across_dp(lengths: Sequence[int], *, group: Any = None, **planner_kwargs: Any):
+def plan_local_batch_across_dp(lengths: Sequence[int], options: Any = None, *, group: Any = None, **kwargs: Any):
     """This rank's :class:`~megatron_dynbatch.Plan` in local mode: its own first counts
     (:func:`~megatron_dynbatch.local_microbatch_counts`), the MAX over ``group``, then
-    :func:`~megatron_dynbatch.plan_local_batch` with the agreed counts (see the module docstring)."""
+    :func:`~megatron_dynbatch.plan_local_batch` with the agreed counts (see the module docstring). ``options`` /
+    ``kwargs``: :func:`~megatron_dynbatch.plan_global_batch`'s."""
     from ..core.errors import DynBatchConfigError
+    from ..core.planner.api import options_of
     from ..core.planner.local import local_microbatch_counts, plan_local_batch
+    from ..core.planner.options import BATCH_ARGUMENTS
+
+    batch = {k: kwargs.pop(k) for k in BATCH_ARGUMENTS if k in kwargs}
+    opts = options_of(options, kwargs)
 
     # A rank that cannot plan still joins the collective (a flag in front of the counts), so the others raise
     # instead of hanging. With one optimizer step the vector's length is known to all; with several, every
     # rank must have the same number of steps.
-    single = planner_kwargs.get("samples_per_step") is None and planner_kwargs.get("rollouts_per_step") is None
+    single = opts.samples_per_step is None and opts.rollouts_per_step is None
     try:
-        counts, failure = local_microbatch_counts(lengths, **planner_kwargs), None
+        counts, failure = local_microbatch_counts(lengths, opts, **batch), None
     except DynBatchConfigError as exc:
         if not single:
             raise
@@ -61,4 +67,4 @@ def plan_local_batch_across_dp(lengths: Sequence[int], *, group: Any = None, **p
         raise DynBatchConfigError("lengths", "another DP rank's samples",
                                   "a DP rank could not plan its samples, so no count was agreed",
                                   "see that rank's error (its samples or the budget)")
-    return plan_local_batch(lengths, num_microbatches=agreed[1:], **planner_kwargs)
+    return plan_local_batch(lengths, opts, num_microbatches=agreed[1:], **batch)

@@ -163,11 +163,11 @@ class OnlineCalibrator:
             yield
         self.state.add(self.recorder.records, self.recorder.slice)
 
-    def end_step(self, plan: Any = None, lengths: Any = None,
-                 plan_kwargs: Optional[Dict[str, Any]] = None) -> Optional[RefitLog]:
+    def end_step(self, plan: Any = None, lengths: Any = None, options: Any = None) -> Optional[RefitLog]:
         """Count the finished optimizer step; refit every ``interval`` steps (a collective: call it on every
-        rank). Returns the refit's log entry, or ``None``."""
-        return self.state.end_step(plan, lengths, plan_kwargs)
+        rank). Returns the refit's log entry, or ``None``; ``options``: the PlanOptions the step was planned
+        with (the log's re-planned time)."""
+        return self.state.end_step(plan, lengths, options)
 
 
 __all__ = ["OnlineCalibrator", "TimingRecorder", "records_of"]

@@ -28,6 +28,8 @@ from ..core.errors import DynBatchConfigError
 from .iterator import DynamicBatchIterator, split_per_sample
 from .loss import RESULT_KEY, MicroBatchResult
 from ..core.planner import Plan
+from ..core.planner.api import options_of
+from ..core.planner.options import PlanOptions
 
 __all__ = [
     "DynamicStepResult",
@@ -143,14 +145,18 @@ def _config_sp_tp(config: Any) -> tuple:
     return bool(getattr(config, "sequence_parallel", False)) and tp > 1, tp
 
 
-def _with_model_layout(plan_kwargs: dict, config: Any) -> dict:
-    """Plan arguments given as a dict: when the model runs sequence-parallel and ``parallel`` is a dict that
-    does not say ``sequence_parallel``, add it (the packer must then pad micro-batches to a multiple of tp)."""
+def _options_for_model(plan_or_options: Union[PlanOptions, Mapping[str, Any]], config: Any) -> PlanOptions:
+    """The options this call plans with. Given as keywords, when the model runs sequence-parallel and
+    ``parallel`` is a dict that does not say ``sequence_parallel``, it is added (the packer must then pad
+    micro-batches to a multiple of tp)."""
+    if isinstance(plan_or_options, PlanOptions):
+        return plan_or_options
+    kw = dict(plan_or_options)
     sp, _ = _config_sp_tp(config)
-    par = plan_kwargs.get("parallel")
+    par = kw.get("parallel")
     if sp and isinstance(par, Mapping) and "sequence_parallel" not in par:
-        plan_kwargs["parallel"] = dict(par, sequence_parallel=True)
-    return plan_kwargs
+        kw["parallel"] = dict(par, sequence_parallel=True)
+    return options_of(None, kw)
 
 
 def check_sequence_parallel_alignment(plan: Plan, config: Any) -> None:
@@ -172,7 +178,7 @@ def check_sequence_parallel_alignment(plan: Plan, config: Any) -> None:
 def dynamic_forward_backward(
     model: Any,
     samples: Union[Sequence[Mapping[str, Any]], DynamicBatchIterator],
-    plan_or_kwargs: Union[Plan, Mapping[str, Any], None] = None,
+    plan_or_options: Union[Plan, PlanOptions, Mapping[str, Any], None] = None,
     *,
     config: Any = None,
     loss_mode: str = "token_mean",
@@ -196,9 +202,11 @@ def dynamic_forward_backward(
     Args:
         model: the model, or the list of model chunks (VPP), usually wrapped in Megatron's DDP.
         samples: the global batch (identical on every rank), or a ready :class:`DynamicBatchIterator`.
-        plan_or_kwargs: a :class:`Plan`, or :func:`plan_global_batch` keyword arguments (``model`` spec,
-            ``parallel``, ``max_tokens_per_gpu``, ...). For a forward-only log-prob pass give its own budget
-            (``max_tokens_per_gpu=log_probs_max_tokens_per_gpu``). Ignored when ``samples`` is an iterator.
+        plan_or_options: a :class:`Plan`, the planner's
+            :class:`~megatron_dynbatch.core.planner.options.PlanOptions`, or the options as a dict of
+            :func:`plan_global_batch` keywords (``model`` spec, ``parallel``, ``max_tokens_per_gpu``, ...). For a
+            forward-only log-prob pass give its own budget (``options.for_forward_only(log_probs_budget)``).
+            Ignored when ``samples`` is an iterator.
         config: the model's ``TransformerConfig`` (default: read from the model).
         loss_mode, group_reduce: loss normalisation (:mod:`megatron_dynbatch.megatron.loss`).
         forward_step_func: a Megatron forward step of your own (``(data_iterator, model) -> (output, loss_fn)``;
@@ -215,7 +223,7 @@ def dynamic_forward_backward(
         pad_token_id, device: packing options (``device`` default: the current CUDA device, else the CPU).
         calibrator: an :class:`~megatron_dynbatch.megatron.online_calibration.OnlineCalibrator` (online
             calibration): a training step's micro-batches are timed, every ``interval`` steps the cost model is
-            refitted (one all-reduce: call this on every rank), and plans made here from ``plan_or_kwargs`` use
+            refitted (one all-reduce: call this on every rank), and plans made here from ``plan_or_options`` use
             the refitted model (pass ``calibrator.cost_model`` yourself when you plan). Never changes the loss.
         **fb_kwargs: passed on to ``forward_backward_func`` (e.g. ``first_val_step``).
     """
@@ -232,21 +240,21 @@ def dynamic_forward_backward(
 
     if device is None:  # pack where the model runs (the GPU when there is one)
         device = _comm_device()
-    plan_kwargs: Optional[dict] = None  # the planner's arguments when this call plans (for the calibration log)
+    options: Optional[PlanOptions] = None  # the planner's options when this call plans (for the calibration log)
     if isinstance(samples, DynamicBatchIterator):
         it = samples
-    elif isinstance(plan_or_kwargs, Plan):
-        it = DynamicBatchIterator(samples, plan_or_kwargs, loss_mode=loss_mode, group_reduce=group_reduce,
+    elif isinstance(plan_or_options, Plan):
+        it = DynamicBatchIterator(samples, plan_or_options, loss_mode=loss_mode, group_reduce=group_reduce,
                                   pad_token_id=pad_token_id, device=device)
-    elif isinstance(plan_or_kwargs, Mapping):
-        plan_kwargs = _with_model_layout(dict(plan_or_kwargs), config)
+    elif isinstance(plan_or_options, (PlanOptions, Mapping)):
+        options = _options_for_model(plan_or_options, config)
         if calibrator is not None and calibrator.cost_model is not None:
-            plan_kwargs["cost_model"] = calibrator.cost_model
+            options = options.replace(cost_model=calibrator.cost_model)
         it = DynamicBatchIterator(samples, None, loss_mode=loss_mode, group_reduce=group_reduce,
-                                  pad_token_id=pad_token_id, device=device, **plan_kwargs)
+                                  pad_token_id=pad_token_id, device=device, options=options)
     else:
-        raise DynBatchConfigError("plan_or_kwargs", type(plan_or_kwargs).__name__,
-                                  "needs a Plan or a dict of plan_global_batch arguments",
+        raise DynBatchConfigError("plan_or_options", type(plan_or_options).__name__,
+                                  "needs a Plan, a PlanOptions or a dict of plan_global_batch options",
                                   "pass e.g. {'model': spec, 'parallel': par, 'max_tokens_per_gpu': 8192}")
 
     prepare_config(config, pp_size, uniform_length=it.uniform_length)
@@ -334,7 +342,7 @@ def dynamic_forward_backward(
     else:
         sample_indices = it.sample_indices(run_step)
     if calibrator is not None and not forward_only:
-        calibrator.end_step(it.plan, it.lengths, plan_kwargs)
+        calibrator.end_step(it.plan, it.lengths, options)
     return DynamicStepResult(loss=loss, local_loss_sum=local, per_sample=per_sample, sample_indices=sample_indices,
                              num_microbatches=num_mb, iterator=it, forward_data_store=store or [])
 
@@ -342,14 +350,14 @@ def dynamic_forward_backward(
 def forward_log_probs(
     model: Any,
     samples: Union[Sequence[Mapping[str, Any]], DynamicBatchIterator],
-    plan_or_kwargs: Union[Plan, Mapping[str, Any], None] = None,
+    plan_or_options: Union[Plan, PlanOptions, Mapping[str, Any], None] = None,
     **kwargs: Any,
 ) -> DynamicStepResult:
     """Forward-only pass returning per-sample per-token log-probs in ORIGINAL order (``result.per_sample[k]``
     belongs to sample ``result.sample_indices[k]``; ``L_i`` entries aligned with its labels). Plan it with its
-    own budget, e.g. ``{"max_tokens_per_gpu": args.log_probs_max_tokens_per_gpu, ...}``."""
+    own budget, e.g. ``plan_options_from_args(args, forward_only=True)``."""
     kwargs.setdefault("collect", log_probs_collector)
-    return dynamic_forward_backward(model, samples, plan_or_kwargs, forward_only=True, **kwargs)
+    return dynamic_forward_backward(model, samples, plan_or_options, forward_only=True, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------ internal

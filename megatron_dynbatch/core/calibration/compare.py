@@ -12,7 +12,7 @@ sample batch of ``calibrate``. Pure Python + NumPy.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -74,26 +74,25 @@ def rescore(plan: Any, lengths: Sequence[int], *, model: Any, cost_model: Any, m
 
 
 def step_time_change(lengths: Sequence[int], *, old_plan: Any = None, old: Any = None, new: Any,
-                     plan_kwargs: Optional[Mapping[str, Any]] = None, model: Any = None,
+                     options: Any = None, model: Any = None,
                      max_tokens_per_gpu: Optional[int] = None) -> StepTimeChange:
-    """:class:`StepTimeChange` of a batch. Give ``plan_kwargs`` (:func:`~..planner.plan_global_batch` arguments
-    without ``cost_model``) to plan with ``old`` and re-plan with ``new``; or ``old_plan`` (the plan that ran) with
-    ``model`` and ``max_tokens_per_gpu`` to score it under ``new`` only (then ``replanned`` is ``None`` unless
-    ``plan_kwargs`` are given too)."""
+    """:class:`StepTimeChange` of a batch. Give ``options`` (the planner's
+    :class:`~..planner.options.PlanOptions`; their cost model is replaced) to plan with ``old`` and re-plan with
+    ``new``; or ``old_plan`` (the plan that ran) with ``model`` and ``max_tokens_per_gpu`` to score it under
+    ``new`` only (then ``replanned`` is ``None`` unless ``options`` are given too)."""
     from ..planner import plan_global_batch
 
-    kw = dict(plan_kwargs or {})
-    kw.pop("cost_model", None)
-    model = kw.get("model", model)
-    budget = int(kw.get("max_tokens_per_gpu", max_tokens_per_gpu))
-    fp8 = kw.get("fp8_alignment")
+    fp8 = None
+    if options is not None:
+        model, max_tokens_per_gpu, fp8 = options.model, options.max_tokens_per_gpu, options.fp8_alignment
+    budget = int(max_tokens_per_gpu)
     if old_plan is None:
-        old_plan = plan_global_batch(lengths, cost_model=old, **kw)
+        old_plan = plan_global_batch(lengths, options.replace(cost_model=old))
     old_s = float(old_plan.predicted_step_time)
     same = rescore(old_plan, lengths, model=model, cost_model=new, max_tokens_per_gpu=budget, fp8_alignment=fp8)
     replanned = new_m = None
-    if plan_kwargs is not None:
-        new_plan = plan_global_batch(lengths, cost_model=new, **kw)
+    if options is not None:
+        new_plan = plan_global_batch(lengths, options.replace(cost_model=new))
         replanned, new_m = float(new_plan.predicted_step_time), int(new_plan.num_microbatches)
     return StepTimeChange(old_s, same, replanned, int(old_plan.num_microbatches), new_m)
 

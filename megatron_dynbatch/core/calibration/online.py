@@ -185,16 +185,16 @@ class OnlineCalibration:
                                                   field="--dynbatch-cost-model")
         return self._base_model
 
-    def end_step(self, plan: Any = None, lengths: Any = None, plan_kwargs: Optional[Dict[str, Any]] = None
+    def end_step(self, plan: Any = None, lengths: Any = None, options: Any = None
                  ) -> Optional[RefitLog]:
         """Count a finished optimizer step; every ``interval`` recorded steps refit (on every rank at the same
         step: the merge is a collective). ``plan`` / ``lengths`` (the step's) give the log's step-time change,
-        ``plan_kwargs`` its re-planned time."""
+        ``options`` (the PlanOptions it was planned with) its re-planned time."""
         self.steps += 1
         recorded = self.steps - self.skip_steps
         if recorded <= 0 or recorded % self.interval:
             return None
-        return self.refit(plan, lengths, plan_kwargs)
+        return self.refit(plan, lengths, options)
 
     def local_fit(self) -> Tuple[Optional[CostProfile], bool, Dict[SliceInfo, Any]]:
         """This rank's fit of its window: (profile or None, whether CP shares were timed, features per slice)."""
@@ -260,7 +260,7 @@ class OnlineCalibration:
             out.append(pf)
         return out
 
-    def refit(self, plan: Any = None, lengths: Any = None, plan_kwargs: Optional[Dict[str, Any]] = None) -> RefitLog:
+    def refit(self, plan: Any = None, lengths: Any = None, options: Any = None) -> RefitLog:
         """Refit now (module docstring); returns (and logs) the :class:`RefitLog`."""
         prof, timed_cp, feats = self.local_fit()
         summed = np.asarray(self.merge(profile_vector(prof, self.num_records, timed_cp)), dtype=np.float64)
@@ -276,7 +276,7 @@ class OnlineCalibration:
                 pred = np.concatenate([predict_features(shared, f) for f in feats.values()])
                 entry.per_group = fit_report(pred, secs, gs).per_group
             if plan is not None and lengths is not None:
-                entry.change = _change(plan, lengths, new, self.model, plan_kwargs)
+                entry.change = _change(plan, lengths, new, self.model, options)
             self.cost_model, self._shared = new, shared
         self.history.append(entry)
         if self.log is not None:
@@ -297,13 +297,12 @@ def _shape_of(base: Any) -> CostProfile:
         raise
 
 
-def _change(plan: Any, lengths: Any, new: CostModel, model: Any,
-            plan_kwargs: Optional[Dict[str, Any]]) -> Any:
+def _change(plan: Any, lengths: Any, new: CostModel, model: Any, options: Any) -> Any:
     from .compare import step_time_change
 
     budget = int(getattr(plan, "max_tokens_per_gpu", 0) or plan.cap // plan.parallel.cp)
     try:
-        return step_time_change(np.asarray(lengths), old_plan=plan, new=new, plan_kwargs=plan_kwargs, model=model,
+        return step_time_change(np.asarray(lengths), old_plan=plan, new=new, options=options, model=model,
                                 max_tokens_per_gpu=budget)
     except DynBatchConfigError:  # a plan the scorer cannot rebuild (a trainer's own) -- the refit still stands
         return None

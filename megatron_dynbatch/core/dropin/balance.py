@@ -9,9 +9,9 @@ __all__ = ["balance_kwargs"]
 
 def balance_kwargs(model: Any, cost_model: Any) -> Dict[str, Any]:
     """The planner's balance arguments: the model's modelled time when ``model`` is given (with ``cost_model``),
-    else ``cost_model``'s time when only it is given, else plain tokens (``balance_by_flops=False``)."""
+    else ``cost_model``'s time when only it is given, else plain tokens."""
     if model is not None:
         return {"model": model, "cost_model": cost_model}
     if cost_model is not None:
         return {"balance_by": "time", "cost_model": cost_model}
-    return {"balance_by_flops": False}
+    return {"balance_by": "tokens"}

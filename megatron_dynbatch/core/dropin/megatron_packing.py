@@ -29,6 +29,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from ..checks import as_int, is_int, whole_number
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from ..planner.api import options_of
 from .sequence_limit import plan_with_sequence_limit
 
 __all__ = ["plan_sample_id_groups", "sample_id_groups_from_plan", "split_sample_id_seqlens"]
@@ -79,16 +80,17 @@ def _as_index(value: Any) -> int:
     return index
 
 
-def plan_sample_id_groups(sample_id_seqlens: Any, *, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int,
-                          microbatch_group_size_per_vp_stage: Optional[int] = None,
+def plan_sample_id_groups(sample_id_seqlens: Any, options: Any = None, *, max_seqlen_per_dp_cp_rank: int, dp: int,
+                          cp: int, microbatch_group_size_per_vp_stage: Optional[int] = None,
                           max_num_seqs: Optional[int] = None, parallel: Any = None,
-                          **plan_kwargs: Any) -> Tuple[List[List[List[int]]], Any]:
+                          **option_kwargs: Any) -> Tuple[List[List[List[int]]], Any]:
     """Plan upstream's scheduler input and return ``(groups, plan)`` in upstream's format.
 
     ``dp``, ``cp``, ``max_seqlen_per_dp_cp_rank`` and ``microbatch_group_size_per_vp_stage`` are the scheduler's
-    constructor arguments; ``parallel`` adds what the model config knows (``tp``, ``pp``, ``vpp``,
-    ``sequence_parallel``); ``plan_kwargs`` go to :func:`plan_global_batch` (``model``, ``cost_model``,
-    ``balance_by_flops``, ``oversize``, ``fp8_alignment``, ...)."""
+    constructor arguments and replace the options' layout and budget; ``parallel`` adds what the model config
+    knows (``tp``, ``pp``, ``vpp``, ``sequence_parallel``; default: the options' layout); ``options`` /
+    ``option_kwargs`` are :func:`plan_global_batch`'s (``model``, ``cost_model``, ``balance_by``, ``oversize``,
+    ``fp8_alignment``, ...)."""
     ids, lengths = split_sample_id_seqlens(sample_id_seqlens)
     dp = as_int(dp, "dp_size", minimum=1, fix="pass the data-parallel size")
     cp = as_int(cp, "cp_size", minimum=1, fix="pass the context-parallel size")
@@ -102,10 +104,13 @@ def plan_sample_id_groups(sample_id_seqlens: Any, *, max_seqlen_per_dp_cp_rank: 
         raise DynBatchConfigError("sample_id_seqlens", f"{len(lengths)} sub-samples",
                                   f"cannot give each of the {dp} DP ranks a micro-batch",
                                   "raise the global batch size (at least one sample per DP rank)")
+    if parallel is None and options is not None:
+        parallel = options.parallel
     base = ParallelConfig.from_any(parallel).to_dict()
     base.update(dp=dp, cp=cp)
     if multiple is not None and base.get("vpp", 1) > 1:
         base["microbatch_group_size_per_vp_stage"] = multiple
-    plan = plan_with_sequence_limit(lengths, max_num_seqs, field="max_num_seqs", parallel=ParallelConfig(**base),
-                                    max_tokens_per_gpu=budget, num_microbatches_multiple=multiple, **plan_kwargs)
+    opts = options_of(options, {**option_kwargs, "parallel": ParallelConfig(**base), "max_tokens_per_gpu": budget,
+                                "num_microbatches_multiple": multiple})
+    plan = plan_with_sequence_limit(lengths, max_num_seqs, opts, field="max_num_seqs")
     return sample_id_groups_from_plan(plan, ids, cp), plan

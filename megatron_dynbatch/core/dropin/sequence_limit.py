@@ -30,31 +30,31 @@ def max_sequences_per_microbatch(plan: Any) -> int:
     return max((len(mb) for rank in plan.micro_batches for mb in rank), default=0)
 
 
-def plan_with_sequence_limit(lengths: Any, limit: Optional[int], *, field: str = "max_sequences",
-                             **plan_kwargs: Any) -> Any:
-    """``plan_global_batch(lengths, **plan_kwargs)`` whose micro-batches hold at most ``limit`` samples each
-    (``None``: no limit). ``plan_kwargs`` must not force ``num_microbatches`` when a limit is given."""
+def plan_with_sequence_limit(lengths: Any, limit: Optional[int], options: Any = None, *,
+                             field: str = "max_sequences", **option_kwargs: Any) -> Any:
+    """``plan_global_batch(lengths, options, **option_kwargs)`` whose micro-batches hold at most ``limit``
+    samples each (``None``: no limit). The options must not force ``num_microbatches`` when a limit is given."""
     from ..planner import plan_global_batch
+    from ..planner.api import options_of
     from ..planner.counts import CountRule
-    from ..parallel import ParallelConfig
 
-    plan = plan_global_batch(lengths, **plan_kwargs)
+    opts = options_of(options, option_kwargs)
+    plan = plan_global_batch(lengths, opts)
     if limit is None:
         return plan
     limit = as_int(limit, field, minimum=1, fix="pass the most sequences one packed micro-batch may hold, or None")
     if max_sequences_per_microbatch(plan) <= limit:
         return plan
-    if plan_kwargs.get("num_microbatches") is not None:
+    if opts.num_microbatches is not None:
         raise DynBatchConfigError(field, limit, "cannot be met with a forced micro-batch count",
                                   "leave num_microbatches unset so the count can grow")
-    rule = CountRule.build(ParallelConfig.from_any(plan_kwargs.get("parallel")),
-                           plan_kwargs.get("min_num_microbatches"), plan_kwargs.get("num_microbatches_multiple"))
+    rule = CountRule.build(opts.parallel, opts.min_num_microbatches, opts.num_microbatches_multiple)
     count = plan.num_microbatches
     while True:
         most = max(sum(len(mb) for mb in rank) for rank in plan.micro_batches)
         target = rule.next(max(count + 1, -(-most // limit)))
         try:  # the count rises every round; past a rank's sample count the planner refuses, ending the loop
-            plan = plan_global_batch(lengths, **{**plan_kwargs, "num_microbatches": target})
+            plan = plan_global_batch(lengths, opts, num_microbatches=target)
         except DynBatchConfigError:
             break  # no rank can be split that far
         count = plan.num_microbatches

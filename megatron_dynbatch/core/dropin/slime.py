@@ -140,7 +140,7 @@ def slime_schedule(total_lengths: Sequence[int], *, rollout_indices: Sequence[An
     if data_pad_size_multiplier is not None:
         pad = check_pad_budget(max_tokens_per_gpu, parallel, data_pad_size_multiplier, pad_multiplier_assumed)
     plan = plan_global_batch(lens[kept], model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
-                             balance_by_flops=model is not None, cost_model=cost_model, oversize=oversize,
+                             cost_model=cost_model, oversize=oversize,  # balance_by: time with a model, else tokens
                              rollout_ids=[rids[i] for i in kept], rollouts_per_step=gbs, microbatch_pad_multiple=pad)
     partitions: List[List[int]] = [[] for _ in range(dp)]
     mbi: List[List[List[int]]] = [[] for _ in range(dp)]

@@ -39,6 +39,8 @@ Invariants (asserted by ``tests/test_planner_properties.py`` over thousands of r
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import time
 from typing import Any, List, Mapping, Optional, Sequence, Union
 
@@ -46,139 +48,73 @@ import numpy as np
 
 from ..alignment import Alignment
 from ..cost_model import CostModel
-from ..checks import as_bool
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .dyncp import plan_dynamic_cp
 from .fallback import SearchBudget
-from .inputs import BALANCE_MODES, OVERSIZE_POLICIES, check_budget, check_lengths, resolve_costs, sample_flops
+from .inputs import check_lengths, flops_coefficients_of, sample_flops
+from .options import BATCH_ARGUMENTS, BalanceBy, PlanOptions, dynamic_cp_knob_error
 from .ordering import mb_sums
 from .plan import Plan
 from .prepare import Prepared, prepare
 from .search import plan_step
 from .timing import rank_times_of
 
-__all__ = ["plan_global_batch", "score_assignment", "BALANCE_MODES", "OVERSIZE_POLICIES"]
+__all__ = ["plan_global_batch", "options_of", "score_assignment"]
 
 
 def plan_global_batch(
     lengths: Union[Sequence[int], np.ndarray],
+    options: Optional[PlanOptions] = None,
     *,
-    model: Any = None,
-    parallel: Union[ParallelConfig, Mapping[str, Any], None] = None,
-    max_tokens_per_gpu: int,
-    balance_by_flops: bool = True,
-    balance_by: Optional[str] = None,
     group_ids: Optional[Sequence[Any]] = None,
-    samples_per_step: Optional[int] = None,
-    oversize: str = "error",
-    fp8_alignment: Union[None, str, int] = None,
-    cost_model: Optional[CostModel] = None,
-    num_microbatches: Union[None, int, Sequence[int]] = None,
-    refine_rounds: Optional[int] = None,
-    equal_samples_per_rank: bool = False,
     microbatch_group_ids: Optional[Sequence[Any]] = None,
-    min_num_microbatches: Optional[int] = None,
-    num_microbatches_multiple: Optional[int] = None,
     rollout_ids: Optional[Sequence[Any]] = None,
-    rollouts_per_step: Optional[int] = None,
-    sequence_pad_multiple: Optional[int] = None,
-    microbatch_pad_multiple: Optional[int] = None,
-    dynamic_cp: bool = False,
-    decision_margin: Optional[float] = None,
+    **option_kwargs: Any,
 ) -> Plan:
     """Split a global batch over DP ranks and into micro-batches (see the module docstring).
 
     Args:
         lengths: tokens per sample (non-negative integers; 0 is allowed and takes one padding slot).
-        model: ``ModelSpec``, a dict of Megatron field names or a preset name; needed to balance by FLOPs.
-        parallel: ``ParallelConfig`` or a mapping with ``dp, tp, pp, cp, ep, vpp`` (missing = 1) -- or anything a
-            run preset's ``parallel:`` takes: ``world_size`` for ``dp``, Megatron's long names, ``etp``
-            (``core.parallel.parallel_from_mapping``; the same checks and error messages as a preset).
-        max_tokens_per_gpu: the per-GPU budget; a micro-batch holds at most ``max_tokens_per_gpu * cp``.
-        balance_by_flops: balance compute (True) or tokens (False) across ranks and micro-batches. Compute is
-            the model's FLOPs per sample, linear and attention terms each at their kernel efficiency (the
-            cost model's seconds), since equal time -- not equal raw FLOPs -- is what makes ranks finish
-            together.
-        balance_by: explicit mode overriding ``balance_by_flops``: ``"time"`` (the default with a model; pass a
-            calibrated ``cost_model`` to balance measured time), ``"flops"`` (raw FLOPs) or ``"tokens"``.
+        options: a :class:`~.options.PlanOptions`; keywords given too replace its fields.
         group_ids: one id per sample; samples sharing an id (a GRPO prompt group) stay on one DP rank.
-        samples_per_step: split the batch into optimizer steps of exactly this many consecutive samples.
-        oversize: policy for a sample longer than the budget: ``"error"`` (default) or ``"alone"``.
-        fp8_alignment: ``None``, ``"fp8"``, ``"mxfp8"``, ``"nvfp4"``/``"blockwise"`` or a token multiple.
-        cost_model: step-time model used to choose counts and orders: a ``CostModel``, a profile name
-            (``"fitted"`` -- the default with a model --, ``"analytic"``) or a cost-model JSON file
-            (``docs/cost_model.md``).
-        num_microbatches: force ``M`` per rank and optimizer step, or a list with one count per step (raises if
-            the budget cannot hold it; a count above one that packs always works while every rank has enough
-            samples: micro-batches are split).
-        refine_rounds: cap on rank-refinement rounds (default ``4 * dp``).
-        equal_samples_per_rank: every DP rank gets exactly ``n / dp`` samples of each step (verl's
-            ``balance_batch`` / ``equal_size=True``; ROLL's equal shards); raises if a step's samples do not
-            divide by ``dp``.
         microbatch_group_ids: one id per sample; samples sharing an id run in ONE micro-batch (verl's
             ``force_group_size``, e.g. a reward model's chosen/rejected pair). The group counts against the cap
             as a whole (``oversize`` applies to it).
-        min_num_microbatches: at least this many micro-batches per rank and step (verl's
-            ``min_num_micro_batch``; NeMo-RL's ``min_bin_count``).
-        num_microbatches_multiple: the per-rank count of every step divides by this (verl's
-            ``num_batches_divided_by``; NeMo-RL's ``bin_count_multiple``), on top of the exact VPP rule.
-        rollout_ids, rollouts_per_step: count optimizer steps in rollouts: one id per sample, and each step
-            holds exactly ``rollouts_per_step`` rollouts (first-occurrence order), however many samples each
-            emitted (slime's ``--global-batch-size``). Exclusive with ``samples_per_step``.
-        sequence_pad_multiple: a trainer's own per-sequence padding multiple (verl: ``tp*cp*2``), counted
-            against the cap together with the layout's.
-        microbatch_pad_multiple: a trainer's own padding multiple of each GPU's share of a micro-batch (slime:
-            ``tp * data_pad_size_multiplier``), counted against the cap.
-        dynamic_cp: treat the ``dp * cp`` GPUs as one pool and choose each micro-batch's CP group (size and
-            GPUs) per slot: returns a :class:`~.dyncp.plan.DynamicCPPlan` (strategy in :mod:`.dyncp`,
-            ``docs/dynamic_cp.md``). Balances the cost model's seconds (``balance_by`` is not used); refuses
-            ``group_ids``.
-        decision_margin: the planner leaves its default choice -- the fewest micro-batches that pack; under
-            ``dynamic_cp`` the fixed-CP plan -- only for a modelled gain above this (relative; ``None``: the cost
-            model's ``uncertainty``, 3.2% for the fitted profile, 0 for ``"analytic"``). For the count it is
-            charged to the share of the step the count changes (per-micro-batch fixed costs, the pipeline
-            bubble). Ties within it go to fewer micro-batches; under ``dynamic_cp`` to fixed CP, then smaller
-            groups, then groups inside one node (``docs/cost_model.md``).
-    """
-    if as_bool(dynamic_cp, "dynamic_cp"):
-        knobs = {"equal_samples_per_rank": equal_samples_per_rank or None,
-                 "microbatch_group_ids": microbatch_group_ids, "min_num_microbatches": min_num_microbatches,
-                 "num_microbatches_multiple": num_microbatches_multiple, "rollout_ids": rollout_ids,
-                 "rollouts_per_step": rollouts_per_step, "sequence_pad_multiple": sequence_pad_multiple,
-                 "microbatch_pad_multiple": microbatch_pad_multiple}
-        given = [k for k, v in knobs.items() if v is not None]
-        if given:
-            raise DynBatchConfigError(
-                given[0], "given with dynamic_cp=True", "the trainer drop-in knobs describe DP ranks and their "
-                "micro-batches, and a dynamic-CP plan has neither (its micro-batches run on CP groups of the pool)",
-                f"drop {', '.join(given)}, or plan with dynamic_cp=False")
+        rollout_ids: one id per sample, with ``rollouts_per_step``: each optimizer step holds exactly that many
+            rollouts (first-occurrence order), however many samples each emitted (slime's
+            ``--global-batch-size``).
+        **option_kwargs: the fields of :class:`~.options.PlanOptions`, each documented there --
+            ``max_tokens_per_gpu`` (required), ``model``, ``parallel``, ``balance_by`` (``"time"``, the default;
+            ``"flops"``, ``"tokens"``), ``cost_model``, ``decision_margin``, ``oversize``, ``fp8_alignment``,
+            ``samples_per_step``, ``rollouts_per_step``, ``dynamic_cp``, ``num_microbatches``, ``refine_rounds``
+            and the drop-ins' knobs -- and ``balance_by_flops``, the switch Megatron's ``--balance-by-flops``
+            names (``True``: ``time``, which then needs a model; ``False``: ``tokens``). An unknown keyword is an
+            :class:`~megatron_dynbatch.core.errors.UnknownOptionError` naming the close matches.
 
-        return plan_dynamic_cp(lengths, model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
-                               group_ids=group_ids, samples_per_step=samples_per_step, oversize=oversize,
-                               fp8_alignment=fp8_alignment, cost_model=cost_model,
-                               num_microbatches=num_microbatches, refine_rounds=refine_rounds,
-                               decision_margin=decision_margin)
+    With ``dynamic_cp=True`` returns a :class:`~.dyncp.plan.DynamicCPPlan` (strategy in :mod:`.dyncp`,
+    ``docs/dynamic_cp.md``); it balances the cost model's seconds and refuses ``group_ids``.
+    """
+    opts = options_of(options, option_kwargs)
+    if opts.dynamic_cp:
+        given = [k for k, v in (("microbatch_group_ids", microbatch_group_ids), ("rollout_ids", rollout_ids))
+                 if v is not None]
+        if given:
+            raise dynamic_cp_knob_error(given)
+        return plan_dynamic_cp(lengths, opts, group_ids=group_ids)
     t_start = time.perf_counter()
-    prep = prepare(lengths, model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
-                   balance_by_flops=balance_by_flops, balance_by=balance_by, group_ids=group_ids,
-                   samples_per_step=samples_per_step, oversize=oversize, fp8_alignment=fp8_alignment,
-                   cost_model=cost_model, num_microbatches=num_microbatches, refine_rounds=refine_rounds,
-                   equal_samples_per_rank=equal_samples_per_rank, microbatch_group_ids=microbatch_group_ids,
-                   min_num_microbatches=min_num_microbatches, num_microbatches_multiple=num_microbatches_multiple,
-                   rollout_ids=rollout_ids, rollouts_per_step=rollouts_per_step,
-                   sequence_pad_multiple=sequence_pad_multiple, microbatch_pad_multiple=microbatch_pad_multiple,
-                   decision_margin=decision_margin)
-    par, cm, align = prep.par, prep.cm, prep.align
+    prep = prepare(lengths, opts, group_ids=group_ids, microbatch_group_ids=microbatch_group_ids,
+                   rollout_ids=rollout_ids)
+    par, cm = opts.parallel, opts.resolved_cost_model
+    settings = prep.search_settings()
     micro_batches: List[List[List[int]]] = [[] for _ in range(par.dp)]
     per_step: List[int] = []
     lb_time = 0.0
     lb_count = 0
     search = SearchBudget()  # one bin-search budget for the whole batch (see planner/fallback.py)
     for s, step in enumerate(prep.steps):
-        forced = None if prep.forced is None else prep.forced[s]
-        bins, lb_m = plan_step(step.inp, par, cm, step.sq, forced, prep.rounds, align, prep.budget, prep.rule,
-                               search, prep.margin)
+        forced = None if prep.forced_counts is None else prep.forced_counts[s]
+        bins, lb_m = plan_step(step.inp, step.sq, settings, forced=forced, search=search)
         per_step.append(len(bins[0]))
         for r, rank in enumerate(prep.step_samples(step, bins)):
             micro_batches[r].extend(rank)
@@ -188,6 +124,35 @@ def plan_global_batch(
     plan = _assemble(prep, micro_batches, per_step, lb_count, lb_time)
     plan.planning_time_s = time.perf_counter() - t_start
     return plan
+
+
+def options_of(options: Optional[PlanOptions], option_kwargs: Mapping[str, Any]) -> PlanOptions:
+    """The options of a planning call: ``options`` with ``option_kwargs`` replacing fields, or the keywords
+    alone (:meth:`PlanOptions.from_kwargs`)."""
+    if options is None:
+        return PlanOptions.from_kwargs(option_kwargs)
+    if not isinstance(options, PlanOptions):
+        raise DynBatchConfigError("options", type(options).__name__, "must be a PlanOptions",
+                                  "pass options=PlanOptions(...), or the options as keywords")
+    return PlanOptions.from_kwargs(option_kwargs, base=options) if option_kwargs else options
+
+
+def _signature() -> inspect.Signature:
+    """``plan_global_batch``'s signature with every option spelled out (``help()``, IDEs)."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("lengths", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("options", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [inspect.Parameter(name, kw, default=None) for name in BATCH_ARGUMENTS]
+    for f in dataclasses.fields(PlanOptions):
+        if f.init:
+            default = inspect.Parameter.empty if f.name == "max_tokens_per_gpu" else (
+                f.default if f.default is not dataclasses.MISSING else None)
+            params.append(inspect.Parameter(f.name, kw, default=default))
+    params.append(inspect.Parameter("balance_by_flops", kw, default=None))
+    return inspect.Signature(params, return_annotation=Plan)
+
+
+plan_global_batch.__signature__ = _signature()  # type: ignore[attr-defined]
 
 
 def executed_shapes(micro_batches: Sequence[Sequence[Sequence[int]]], lengths: Any, align: Alignment,
@@ -241,18 +206,19 @@ def score_assignment(
     buffers (Megatron RL's bins): every micro-batch, an empty one too, runs that many tokens, and its unused tail
     runs as one more causal sequence.
     """
-    par = ParallelConfig.from_any(parallel)
+    opts = PlanOptions(model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
+                       fp8_alignment=fp8_alignment, cost_model=cost_model,
+                       sequence_pad_multiple=sequence_pad_multiple, microbatch_pad_multiple=microbatch_pad_multiple)
+    par, align, cap, cm = opts.parallel, opts.alignment, opts.cap, opts.resolved_cost_model
     lens = check_lengths(lengths)
-    cap, align, _ = check_budget(max_tokens_per_gpu, par, fp8_alignment, sequence_pad_multiple,
-                                 microbatch_pad_multiple)
-    coeffs, cm = resolve_costs(model, par, cost_model)
+    coeffs = flops_coefficients_of(opts.model)
     mbs = [[[int(i) for i in mb] for mb in rank] for rank in micro_batches]
     aligned = align.seq_len(lens).astype(np.int64)
     sq = lens.astype(np.float64) ** 2
     tokens, sqs = executed_shapes(mbs, lens, align, pad_to_longest, fixed_microbatch_tokens)
     per_step = list(microbatches_per_step) if microbatches_per_step else [max((len(r) for r in mbs), default=0)]
     plan = _build_plan(mbs, per_step, tokens, sqs, sample_flops(coeffs, aligned, sq), lens, par, align, cap, cm,
-                       balance_by_flops=False, algorithm=algorithm)
+                       balance_by=BalanceBy.TOKENS, algorithm=algorithm)
     work = cm.work(aligned, sq)
     plan.lower_bound_microbatches = max(1, -(-int(aligned.sum()) // (par.dp * cap)))
     plan.lower_bound_step_time = cm.lower_bound(float(work.sum()), float(work.max()), par.dp,
@@ -262,11 +228,12 @@ def score_assignment(
 
 def _assemble(prep: Prepared, micro_batches, per_step, lb_count: int, lb_time: float) -> Plan:
     """The ``Plan`` of a planned batch: per-micro-batch padded tokens and squared lengths, then statistics."""
-    t_mult = prep.align.total_multiple
+    t_mult = prep.alignment.total_multiple
     tokens = [(-(-mb_sums(rank, prep.aligned) // t_mult) * t_mult).astype(int).tolist() for rank in micro_batches]
-    sqs = [mb_sums(rank, prep.sq) for rank in micro_batches]
-    plan = _build_plan(micro_batches, per_step, tokens, sqs, prep.flops, prep.lens, prep.par, prep.align, prep.cap,
-                       prep.cm, balance_by_flops=(prep.mode != "tokens"), algorithm="dynbatch")
+    sqs = [mb_sums(rank, prep.squared) for rank in micro_batches]
+    opts = prep.options
+    plan = _build_plan(micro_batches, per_step, tokens, sqs, prep.flops, prep.lengths, opts.parallel, opts.alignment,
+                       opts.cap, opts.resolved_cost_model, balance_by=prep.balance_by, algorithm="dynbatch")
     plan.lower_bound_microbatches = lb_count
     plan.lower_bound_step_time = lb_time
     plan.oversize_samples = prep.oversize_samples
@@ -274,7 +241,7 @@ def _assemble(prep: Prepared, micro_batches, per_step, lb_count: int, lb_time: f
 
 
 def _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par: ParallelConfig, align: Alignment, cap: int,
-                cm: CostModel, *, balance_by_flops: bool, algorithm: str) -> Plan:
+                cm: CostModel, *, balance_by: BalanceBy, algorithm: str) -> Plan:
     """A ``Plan`` with per-micro-batch times and per-rank statistics from per-micro-batch token counts and sums
     of squared lengths. Optimizer steps run one after another, so a rank's time is the sum over steps (EP groups
     in lockstep inside each step); ranks with different micro-batch counts (possible for baselines) are timed
@@ -288,7 +255,7 @@ def _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par: Parallel
         parallel=par,
         alignment=align,
         cap=cap,
-        balance_by_flops=balance_by_flops,
+        balance_by=str(balance_by),
         microbatch_tokens=tokens,
         microbatch_time=mb_time,
         rank_tokens=np.array([sum(t) for t in tokens], dtype=np.int64),

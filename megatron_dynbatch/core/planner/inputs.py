@@ -6,18 +6,14 @@ Every check raises ``DynBatchConfigError`` naming the field or flag, the value a
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Tuple
 
 import numpy as np
 
 from ..alignment import Alignment
-from ..checks import MAX_TOKENS, as_array, as_bool, as_float, as_int, scalar, whole_number
-from ..cost_model import CostModel, resolve_cost_model
+from ..checks import MAX_TOKENS, as_array, as_int, scalar, whole_number
 from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from ..parallel import ParallelConfig
-
-OVERSIZE_POLICIES = ("error", "alone")
-BALANCE_MODES = ("flops", "tokens", "time")
 
 
 def check_lengths(lengths, field: str = "lengths") -> np.ndarray:
@@ -129,35 +125,23 @@ def _short(v: Any) -> Any:
 
 
 def check_budget(max_tokens_per_gpu, par: ParallelConfig, fp8_alignment, sequence_pad_multiple=None,
-                 microbatch_pad_multiple=None):
+                 microbatch_pad_multiple=None, field: str = "max_tokens_per_gpu"):
     """``(cap, alignment, effective cap)`` for a budget and layout (padding conventions included), or a
-    ``DynBatchConfigError`` when the budget cannot hold one aligned sequence."""
-    budget = as_int(max_tokens_per_gpu, "--max-tokens-per-gpu", minimum=1, maximum=MAX_TOKENS,
-                    fix="pass the per-GPU token budget, e.g. --max-tokens-per-gpu 16384")
+    ``DynBatchConfigError`` naming ``field`` when the budget cannot hold one aligned sequence -- the one budget
+    check (:class:`~.options.PlanOptions`, the start-up check)."""
+    budget = as_int(max_tokens_per_gpu, field, minimum=1, maximum=MAX_TOKENS,
+                    fix=f"pass the per-GPU token budget, e.g. {field}=16384")
     align = Alignment.for_layout(par, fp8_alignment, sequence_pad_multiple, microbatch_pad_multiple)
     cap = budget * par.cp
     cap_eff = align.effective_cap(cap)
     if cap_eff < align.seq_multiple:
         raise DynBatchConfigError(
-            "--max-tokens-per-gpu", budget,
+            field, budget,
             f"the budget ({cap} tokens per micro-batch) is smaller than one aligned sequence (per-sequence "
             f"multiple {align.seq_multiple}, micro-batch multiple {align.total_multiple})",
-            f"use --max-tokens-per-gpu >= {align.budget_for(align.seq_multiple, par.cp)}",
+            f"use {field} >= {align.budget_for(align.seq_multiple, par.cp)}",
         )
     return cap, align, cap_eff
-
-
-def balance_mode(balance_by: Optional[str], balance_by_flops: bool, has_model: bool) -> str:
-    """``balance_by_flops=True`` balances FLOPs *as time*: each sample's linear and attention FLOPs at the
-    efficiency its kernels reach (the cost model), because that is what makes ranks finish together; with
-    equal efficiencies it is plain FLOPs. ``balance_by="flops"`` asks for raw FLOPs."""
-    if balance_by is None:
-        if not as_bool(balance_by_flops, "balance_by_flops"):
-            return "tokens"
-        return "time" if has_model else "flops"
-    if balance_by not in BALANCE_MODES:
-        raise DynBatchConfigError("balance_by", balance_by, "unknown balancing mode", f"use one of {BALANCE_MODES}")
-    return balance_by
 
 
 def check_group_ids(group_ids: Any, n: int, field: str = "group_ids") -> list:
@@ -187,33 +171,14 @@ def check_group_ids(group_ids: Any, n: int, field: str = "group_ids") -> list:
     return gids
 
 
-def check_oversize_policy(oversize: str) -> None:
-    if not isinstance(oversize, str) or oversize not in OVERSIZE_POLICIES:
-        raise DynBatchConfigError("oversize", oversize, "unknown oversize-sample policy",
-                                  f"use one of {OVERSIZE_POLICIES}")
+def flops_coefficients_of(model: Any) -> Any:
+    """The model's FLOPs coefficients (``linear * L + quadratic * L**2`` per sequence), ``None`` without a model."""
+    if model is None:
+        return None
+    from ..flops import flops_coefficients
+    from ..model_spec import ModelSpec
 
-
-def resolve_costs(model: Any, par: ParallelConfig, cost_model: Any) -> Tuple[Any, CostModel]:
-    """The model's FLOPs coefficients (``None`` without a model) and the cost model to plan and score with
-    (:func:`~megatron_dynbatch.core.cost_model.resolve_cost_model`: a ``CostModel``, a profile name or a file;
-    default: ``CostModel.from_model`` with the default profile, else a token-only model)."""
-    coeffs = None
-    if model is not None:
-        from ..flops import flops_coefficients
-        from ..model_spec import ModelSpec
-
-        coeffs = flops_coefficients(ModelSpec.from_any(model))
-    return coeffs, resolve_cost_model(cost_model, model, par)
-
-
-def check_margin(decision_margin: Any, cm: CostModel) -> float:
-    """The decision margin (docs/cost_model.md): ``None`` -> the cost model's ``uncertainty``; else a number in
-    ``[0, 1)``."""
-    if decision_margin is None:
-        return float(cm.uncertainty)
-    return as_float(decision_margin, "decision_margin", minimum=0.0, maximum=0.999,
-                    fix="pass a relative margin such as 0.03 (3%), 0 to take any modelled gain, or None for the "
-                        "cost model's own uncertainty")
+    return flops_coefficients(ModelSpec.from_any(model))
 
 
 def sample_flops(coeffs: Any, aligned: np.ndarray, sq: np.ndarray) -> np.ndarray:
@@ -241,10 +206,9 @@ def oversize_mask(lens: np.ndarray, aligned: np.ndarray, cap_eff: int, align: Al
         if oversize == "error":
             need = align.budget_for(int(aligned[over].max()), par.cp)
             raise OversizeSampleError(
-                "--max-tokens-per-gpu", max_tokens_per_gpu, where,
-                f"raise --max-tokens-per-gpu to at least {need}, truncate the sample, or run it in a micro-batch "
-                f"of its own with oversize='alone' (--dynbatch-oversize alone in a Megatron launch, --oversize "
-                f"alone for megatron-dynbatch plan)",
+                "max_tokens_per_gpu", max_tokens_per_gpu, where,
+                f"raise max_tokens_per_gpu to at least {need}, truncate the sample, or set oversize to 'alone' "
+                f"(it then runs in a micro-batch of its own)",
             )
         warnings.warn(f"oversize='alone': {where}; each runs alone in its own micro-batch over the budget",
                       OversizeSampleWarning, stacklevel=4)  # the caller of plan_global_batch

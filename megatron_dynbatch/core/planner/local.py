@@ -16,18 +16,18 @@ What local mode cannot do is balance *across* ranks: that needs the global batch
 :func:`~megatron_dynbatch.core.planner.api.plan_global_batch`, or balance before dispatch as verl's
 ``balance_batch`` does -- :mod:`megatron_dynbatch.integrations.verl`).
 
-The ``parallel`` argument describes the whole job (its ``dp`` is ignored here: a local plan has one rank);
-every other argument is :func:`plan_global_batch`'s. Pure NumPy, no communication.
+The options describe the whole job (the layout's ``dp`` is ignored here: a local plan has one rank); the
+arguments are :func:`plan_global_batch`'s. Pure NumPy, no communication.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from ..errors import DynBatchConfigError
-from ..parallel import ParallelConfig
-from .api import plan_global_batch
+from .api import options_of, plan_global_batch
+from .options import BATCH_ARGUMENTS, PlanOptions
 from .plan import Plan
 from .prepare import prepare
 from .search import first_feasible_count
@@ -35,29 +35,37 @@ from .search import first_feasible_count
 __all__ = ["local_microbatch_counts", "plan_local_batch"]
 
 
-def _one_rank(parallel: Any) -> ParallelConfig:
-    return dataclasses.replace(ParallelConfig.from_any(parallel), dp=1)
+def _local_options(options: Optional[PlanOptions], option_kwargs: Any) -> PlanOptions:
+    """The call's options with the layout cut to this one rank."""
+    opts = options_of(options, option_kwargs)
+    return opts.replace(parallel=dataclasses.replace(opts.parallel, dp=1))
 
 
-def local_microbatch_counts(lengths, *, parallel: Any = None, **planner_kwargs: Any) -> List[int]:
+def local_microbatch_counts(lengths, options: Optional[PlanOptions] = None, *, group_ids: Any = None,
+                            microbatch_group_ids: Any = None, rollout_ids: Any = None,
+                            **option_kwargs: Any) -> List[int]:
     """Per optimizer step, the fewest micro-batches this rank's samples pack into (see the module docstring).
 
     Takes :func:`plan_global_batch`'s arguments (``max_tokens_per_gpu``, ``model``, ``samples_per_step``,
     ``min_num_microbatches``, ...); ``num_microbatches`` is refused (the count is what this computes)."""
-    if planner_kwargs.get("num_microbatches") is not None:
-        raise DynBatchConfigError("num_microbatches", planner_kwargs["num_microbatches"],
+    opts = _local_options(options, option_kwargs)
+    if opts.num_microbatches is not None:
+        raise DynBatchConfigError("num_microbatches", opts.num_microbatches,
                                   "local_microbatch_counts computes the count", "leave num_microbatches out")
-    prep = prepare(lengths, parallel=_one_rank(parallel), **planner_kwargs)
-    return [first_feasible_count(step.inp, prep.par, prep.cm, step.sq, prep.rounds, prep.align, prep.budget,
-                                 prep.rule) for step in prep.steps]
+    prep = prepare(lengths, opts, group_ids=group_ids, microbatch_group_ids=microbatch_group_ids,
+                   rollout_ids=rollout_ids)
+    settings = prep.search_settings()
+    return [first_feasible_count(step.inp, step.sq, settings) for step in prep.steps]
 
 
-def plan_local_batch(lengths, *, num_microbatches: Union[int, Sequence[int]], parallel: Any = None,
-                     **planner_kwargs: Any) -> Plan:
+def plan_local_batch(lengths, options: Optional[PlanOptions] = None, *,
+                     num_microbatches: Union[int, Sequence[int]] = None, **kwargs: Any) -> Plan:
     """This rank's plan (``plan.dp == 1``) with the agreed count(s): one int for every step, or one per step
-    (the element-wise maximum of every rank's :func:`local_microbatch_counts`)."""
+    (the element-wise maximum of every rank's :func:`local_microbatch_counts`); otherwise
+    :func:`plan_global_batch`'s arguments."""
     if num_microbatches is None:
         raise DynBatchConfigError("num_microbatches", None, "local mode needs the count the ranks agreed on",
                                   "pass the maximum over DP ranks of local_microbatch_counts(...)")
-    return plan_global_batch(lengths, parallel=_one_rank(parallel), num_microbatches=num_microbatches,
-                             **planner_kwargs)
+    batch = {k: kwargs.pop(k) for k in BATCH_ARGUMENTS if k in kwargs}
+    opts = _local_options(options, {**kwargs, "num_microbatches": num_microbatches})
+    return plan_global_batch(lengths, opts, **batch)

@@ -31,7 +31,8 @@ class Plan:
     parallel: ParallelConfig
     alignment: Alignment
     cap: int
-    balance_by_flops: bool
+    #: what the plan balanced: ``"time"``, ``"flops"`` or ``"tokens"`` (:class:`~.options.BalanceBy`)
+    balance_by: str
     microbatch_tokens: List[List[int]]
     microbatch_time: List[List[float]]
     rank_tokens: np.ndarray
@@ -128,7 +129,7 @@ class Plan:
             "alignment": {"seq_multiple": self.alignment.seq_multiple,
                           "total_multiple": self.alignment.total_multiple},
             "cap": self.cap,
-            "balance_by_flops": self.balance_by_flops,
+            "balance_by": self.balance_by,
             "microbatch_tokens": self.microbatch_tokens,
             "microbatch_time": self.microbatch_time,
             "rank_tokens": self.rank_tokens.tolist(),
@@ -165,7 +166,7 @@ class Plan:
             parallel=ParallelConfig.from_any(d["parallel"]),
             alignment=Alignment(**d["alignment"]),
             cap=int(d["cap"]),
-            balance_by_flops=bool(d["balance_by_flops"]),
+            balance_by=str(d["balance_by"]),
             microbatch_tokens=d["microbatch_tokens"],
             microbatch_time=d["microbatch_time"],
             rank_tokens=np.asarray(d["rank_tokens"]),

@@ -24,6 +24,7 @@ Pure NumPy; deterministic.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -166,17 +167,35 @@ def _largest_group_bins(inp: StepInput) -> int:
     return best
 
 
-def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, forced: Optional[int],
-              rounds: int, align: Alignment, max_tokens_per_gpu: int, rule: Optional[CountRule] = None,
-              search: Optional[SearchBudget] = None, margin: float = 0.0):
+@dataclass(frozen=True)
+class SearchSettings:
+    """The per-batch constants of every optimizer step's count search (built once per planning call by
+    :meth:`~.prepare.Prepared.search_settings`)."""
+
+    parallel: ParallelConfig
+    cost_model: CostModel
+    alignment: Alignment
+    #: the per-GPU budget, for the messages of a refused step
+    max_tokens_per_gpu: int
+    count_rule: CountRule
+    #: cap on rank-refinement rounds (:mod:`.packer`)
+    refine_rounds: int
+    #: the decision margin of step 3 of the module docstring
+    margin: float = 0.0
+
+
+def plan_step(inp: StepInput, sq: np.ndarray, settings: SearchSettings, *, forced: Optional[int] = None,
+              search: Optional[SearchBudget] = None):
     """``(bins, lower-bound count)`` for one optimizer step (``bins[r][j]``: local item indices; ``sq``: each
-    item's sum of squared real lengths; ``search``: the bin-search budget shared by every step of one plan;
-    ``margin``: the decision margin of step 3 of the module docstring)."""
+    item's sum of squared real lengths; ``forced``: a count the caller imposes; ``search``: the bin-search
+    budget shared by every step of one plan)."""
+    par, cm, align = settings.parallel, settings.cost_model, settings.alignment
+    max_tokens_per_gpu, margin = settings.max_tokens_per_gpu, settings.margin
+    counts = _Counts(inp, par, cm, sq, settings.refine_rounds, align, settings.count_rule, search)
     dp = par.dp
     n = inp.aligned.size
     lb_m = lower_bound_count(inp, dp)
     m_max = _max_count(inp, dp)
-    counts = _Counts(inp, par, cm, sq, rounds, align, rule, search)
 
     if forced is not None:
         if forced > m_max:
@@ -215,12 +234,13 @@ def plan_step(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray
     return best[0], lb_m
 
 
-def first_feasible_count(inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, rounds: int,
-                         align: Alignment, max_tokens_per_gpu: int, rule: Optional[CountRule] = None) -> int:
+def first_feasible_count(inp: StepInput, sq: np.ndarray, settings: SearchSettings) -> int:
     """The first valid count at which the step packs (the local mode's per-rank count, :mod:`.local`); raises
     like :func:`plan_step` when none does."""
-    counts = _Counts(inp, par, cm, sq, rounds, align, rule)
-    return _first_count(counts, lower_bound_count(inp, par.dp), _max_count(inp, par.dp), max_tokens_per_gpu)
+    par = settings.parallel
+    counts = _Counts(inp, par, settings.cost_model, sq, settings.refine_rounds, settings.alignment,
+                     settings.count_rule)
+    return _first_count(counts, lower_bound_count(inp, par.dp), _max_count(inp, par.dp), settings.max_tokens_per_gpu)
 
 
 def _first_count(counts: _Counts, lb_m: int, m_max: int, max_tokens_per_gpu: int) -> int:
@@ -344,8 +364,8 @@ def _too_few_samples(par: ParallelConfig, n: int, m: int, m_max: int, budget: in
         problem = (f"no packing of the {n} samples over dp={par.dp} ranks into the same number of non-empty "
                    f"micro-batches per rank (at most {m_max}){vpp} within the budget was found (with group_ids, "
                    f"a group's samples also count on one rank only)")
-    return DynBatchConfigError("--max-tokens-per-gpu", budget, problem,
-                               "raise --max-tokens-per-gpu, lower dp or vpp, or pass more samples")
+    return DynBatchConfigError("max_tokens_per_gpu", budget, problem,
+                               "raise max_tokens_per_gpu, lower dp or vpp, or pass more samples")
 
 
 def _forced_count_error(counts: _Counts, forced: int, lb_m: int, m_max: int, budget: int) -> DynBatchConfigError:
@@ -360,9 +380,9 @@ def _forced_count_error(counts: _Counts, forced: int, lb_m: int, m_max: int, bud
     start = counts.rule.next(max(forced + 1, lb_m))
     better = _first_feasible(counts, start, m_max) if start <= m_max else None
     if better is not None:
-        fix = f"use num_microbatches >= {better} (or None to let the planner choose), or raise --max-tokens-per-gpu"
+        fix = f"use num_microbatches >= {better} (or None to let the planner choose), or raise max_tokens_per_gpu"
     else:
-        fix = f"raise --max-tokens-per-gpu (now {budget}); no count up to {m_max} packs"
+        fix = f"raise max_tokens_per_gpu (now {budget}); no count up to {m_max} packs"
     return DynBatchConfigError("num_microbatches", forced, why, fix)
 
 

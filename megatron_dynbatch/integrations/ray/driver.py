@@ -11,9 +11,11 @@ from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from ...core.errors import DynBatchConfigError
+from ...core.errors import DynBatchConfigError, trainer_terms
 from ...core.parallel import ParallelConfig
 from ...core.planner import Plan, plan_global_batch, score_assignment
+from ...core.planner.api import options_of
+from ...core.planner.options import PlanOptions
 from ...core.planner.inputs import check_group_ids
 from ...core.planner.vpp import is_valid_microbatch_count, next_valid_microbatch_count
 from ...megatron.iterator import _hashable
@@ -32,16 +34,8 @@ def plan_rollout(
     loss_token_counts: Optional[Sequence[int]] = None,
     group_ids: Optional[Sequence[Hashable]] = None,
     run_config: Any = None,
-    model: Any = None,
-    parallel: Union[ParallelConfig, Mapping[str, Any], None] = None,
-    max_tokens_per_gpu: Optional[int] = None,
+    options: Optional[PlanOptions] = None,
     log_probs_max_tokens_per_gpu: Optional[int] = None,
-    samples_per_step: Optional[int] = None,
-    balance_by_flops: Optional[bool] = None,
-    balance_by: Optional[str] = None,
-    oversize: Optional[str] = None,
-    fp8_alignment: Union[None, str, int] = None,
-    cost_model: Any = None,
     loss_mode: Optional[str] = None,
     group_reduce: Optional[str] = None,
     group_key: str = "group_id",
@@ -49,6 +43,7 @@ def plan_rollout(
     put: Optional[bool] = None,
     batch_id: Optional[str] = None,
     calibration: Any = None,
+    **option_kwargs: Any,
 ) -> RolloutPlan:
     """Plan one rollout batch on the driver and cut it into one :class:`RankShard` per DP rank.
 
@@ -56,10 +51,11 @@ def plan_rollout(
     group ids are read from them) or as ``sample_refs`` (one ``ObjectRef`` per sample from rollout workers, plus
     ``lengths`` and ``loss_mask_sums`` -- the driver never fetches the data).
 
-    Planning arguments come from ``run_config`` (a :class:`~megatron_dynbatch.core.run_config.RunConfig`, a preset
-    name or a mapping: model, layout, budgets, balancing, loss mode, ``samples_per_step``, ``group_size``) and/or
-    the keyword arguments, which override it (``model``, ``parallel``, ``max_tokens_per_gpu``, ...; same meaning
-    as for :func:`megatron_dynbatch.plan_global_batch`). ``log_probs_max_tokens_per_gpu`` (default: the training
+    The planner's options come from ``run_config`` (a :class:`~megatron_dynbatch.core.run_config.RunConfig`, a
+    preset name or a mapping: model, layout, budgets, balancing, loss mode, ``samples_per_step``, ``group_size``)
+    or ``options`` (a :class:`~megatron_dynbatch.core.planner.options.PlanOptions`), with option keywords
+    replacing their fields (``model``, ``parallel``, ``max_tokens_per_gpu``, ...; any
+    :func:`megatron_dynbatch.plan_global_batch` option). ``log_probs_max_tokens_per_gpu`` (default: the training
     budget) is the budget of the forward-only plan (:func:`plan_log_probs`); ``log_probs=False`` skips it.
 
     ``put``: ``True`` -- ``ray.put`` each rank's sample list once (needs ``ray.init``); ``False`` -- keep the
@@ -77,37 +73,29 @@ def plan_rollout(
                                   "give the batch exactly one way",
                                   "pass samples=[dict, ...] or sample_refs=[ObjectRef, ...] with lengths= and "
                                   "loss_mask_sums=")
-    # ------------------------------------------------------------------ planning arguments
-    kw: Dict[str, Any] = {}
+    # ------------------------------------------------------------------ planning options
     rc = None
     if run_config is not None:
         from megatron_dynbatch.core.run_config import RunConfig
 
         rc = RunConfig.from_any(run_config)
-        kw = rc.planner_kwargs()
-    overrides = {"model": model, "parallel": parallel, "max_tokens_per_gpu": max_tokens_per_gpu,
-                 "samples_per_step": samples_per_step, "balance_by": balance_by, "oversize": oversize,
-                 "fp8_alignment": fp8_alignment, "cost_model": cost_model}
-    for k, v in overrides.items():
-        if v is not None:
-            kw[k] = v
-    if balance_by_flops is not None:
-        kw["balance_by_flops"] = bool(balance_by_flops)
-        if balance_by is None:
-            kw.pop("balance_by", None)
-    if calibration is not None:
-        if cost_model is None:
-            kw["cost_model"] = calibration.current()
-    elif rc is not None and rc.online_calibration:
+        if options is not None:
+            raise DynBatchConfigError("options", "given with run_config", "both say how to plan",
+                                      "pass run_config=... or options=..., with keywords for what differs")
+        options = rc.plan_options()
+    if options is None and "max_tokens_per_gpu" not in option_kwargs:
+        raise DynBatchConfigError("max_tokens_per_gpu", None, "needed to plan the rollout batch",
+                                  "pass max_tokens_per_gpu=<per-GPU token budget> or run_config=RunConfig/preset")
+    if calibration is not None and "cost_model" not in option_kwargs:
+        option_kwargs["cost_model"] = calibration.current()
+    elif calibration is None and rc is not None and rc.online_calibration:
         raise DynBatchConfigError("run_config.online_calibration", True, "the driver keeps the calibration state "
                                   "across rollout batches, so plan_rollout cannot make it per call",
                                   "create cal = OnlineCalibration.from_run_config(run_config) once, pass "
                                   "calibration=cal here and update_calibration(cal, results, rollout) after each step")
-    if kw.get("max_tokens_per_gpu") is None:
-        raise DynBatchConfigError("max_tokens_per_gpu", None, "needed to plan the rollout batch",
-                                  "pass max_tokens_per_gpu=<per-GPU token budget> or run_config=RunConfig/preset")
+    opts = options_of(options, option_kwargs)
     lp_budget = (log_probs_max_tokens_per_gpu or (rc.log_probs_max_tokens_per_gpu if rc is not None else None)
-                 or kw["max_tokens_per_gpu"])
+                 or opts.max_tokens_per_gpu)
     loss_mode = loss_mode or (rc.loss_mode if rc is not None else "token_mean")
     group_reduce = group_reduce or (rc.group_reduce if rc is not None else "token")
     if loss_mode not in LOSS_MODES:
@@ -162,14 +150,13 @@ def plan_rollout(
                                   "group_size")
 
     # ------------------------------------------------------------------ the two plans
-    train_plan = plan_global_batch(lens, group_ids=gids, **kw)
+    train_plan = plan_global_batch(lens, opts, group_ids=gids)
     _refuse_dynamic_cp(train_plan)
     lp_plan = None
     if log_probs:
-        lp_plan = plan_log_probs(train_plan, lens, max_tokens_per_gpu=int(lp_budget), model=kw.get("model"),
-                                 balance_by=kw.get("balance_by"), balance_by_flops=kw.get("balance_by_flops", True),
-                                 oversize=kw.get("oversize", "error"), fp8_alignment=kw.get("fp8_alignment"),
-                                 cost_model=kw.get("cost_model"))
+        with trainer_terms({"max_tokens_per_gpu": "log_probs_max_tokens_per_gpu"}):
+            lp_options = opts.for_forward_only(lp_budget)
+        lp_plan = plan_log_probs(train_plan, lens, lp_options)
 
     # ------------------------------------------------------------------ the shards
     if put is None:
@@ -209,21 +196,13 @@ def _refuse_dynamic_cp(plan: Plan) -> None:
                                   "dynamic_forward_backward on every rank (docs/dynamic_cp.md)")
 
 
-def plan_log_probs(
-    train_plan: Plan,
-    lengths: Sequence[int],
-    *,
-    max_tokens_per_gpu: int,
-    model: Any = None,
-    balance_by: Optional[str] = None,
-    balance_by_flops: bool = True,
-    oversize: str = "error",
-    fp8_alignment: Union[None, str, int] = None,
-    cost_model: Any = None,
-) -> Plan:
+def plan_log_probs(train_plan: Plan, lengths: Sequence[int], options: Optional[PlanOptions] = None,
+                   **option_kwargs: Any) -> Plan:
     """A forward-only plan (log-probs, reference model) with its own budget that keeps ``train_plan``'s
     assignment of samples to DP ranks, so one shard serves both passes and the log-probs computed on a rank are
-    already where that rank trains on them.
+    already where that rank trains on them. ``options`` / ``option_kwargs``: the forward pass's planner options
+    (its budget ``max_tokens_per_gpu``; ``PlanOptions.for_forward_only`` of the training options), as for
+    :func:`megatron_dynbatch.plan_global_batch`.
 
     Each rank's samples are re-packed for the forward budget by the planner (``dp=1``, same TP / PP / CP / VPP);
     every rank then runs the same number of micro-batches: the largest count a rank's own plan chose, capped by
@@ -238,17 +217,18 @@ def plan_log_probs(
     lens = np.asarray(lengths, dtype=np.int64)
     par = train_plan.parallel
     train_plan.validate(num_samples=int(lens.size))
-    sub_par = dataclasses.replace(par, dp=1)
-    common: Dict[str, Any] = dict(model=model, parallel=sub_par, max_tokens_per_gpu=int(max_tokens_per_gpu),
-                                  balance_by_flops=balance_by_flops, balance_by=balance_by, oversize=oversize,
-                                  fp8_alignment=fp8_alignment, cost_model=cost_model)
+    if "parallel" not in option_kwargs and options is None:
+        option_kwargs["parallel"] = par
+    opts = options_of(options, option_kwargs)
+    common = opts.replace(parallel=dataclasses.replace(opts.parallel, dp=1), samples_per_step=None)
+    max_tokens_per_gpu, oversize = opts.max_tokens_per_gpu, opts.oversize
     ranks = [sorted(train_plan.rank_samples(r)) for r in range(par.dp)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        subs = [plan_global_batch(lens[idx], **common) for idx in ranks]
+        subs = [plan_global_batch(lens[idx], common) for idx in ranks]
         m = _common_count([p.num_microbatches for p in subs], min(len(idx) for idx in ranks), par)
         try:
-            subs = [p if p.num_microbatches == m else plan_global_batch(lens[idx], num_microbatches=m, **common)
+            subs = [p if p.num_microbatches == m else plan_global_batch(lens[idx], common, num_microbatches=m)
                     for p, idx in zip(subs, ranks)]
             micro_batches = [[[idx[k] for k in mb] for mb in p.micro_batches[0]] for p, idx in zip(subs, ranks)]
             oversize_samples = sorted(idx[k] for p, idx in zip(subs, ranks) for k in p.oversize_samples)
@@ -270,10 +250,10 @@ def plan_log_probs(
                 "use a log-prob budget >= the training budget (--log-probs-max-tokens-per-gpu)")
         micro_batches = [list(map(list, rank)) for rank in train_plan.micro_batches]
         oversize_samples = list(train_plan.oversize_samples)
-    plan = score_assignment(micro_batches, lens, model=model, parallel=par, max_tokens_per_gpu=int(max_tokens_per_gpu),
-                            fp8_alignment=fp8_alignment, cost_model=cost_model, microbatches_per_step=[m],
+    plan = score_assignment(micro_batches, lens, model=opts.model, parallel=par, max_tokens_per_gpu=max_tokens_per_gpu,
+                            fp8_alignment=opts.fp8_alignment, cost_model=opts.cost_model, microbatches_per_step=[m],
                             algorithm="dynbatch-log-probs" if not fallback else "dynbatch-log-probs/train-microbatches")
-    plan.balance_by_flops = bool(balance_by_flops) if balance_by is None else balance_by != "tokens"
+    plan.balance_by = str(opts.balance_by)
     plan.oversize_samples = oversize_samples
     plan.planning_time_s = time.perf_counter() - t0
     plan.validate(num_samples=int(lens.size))

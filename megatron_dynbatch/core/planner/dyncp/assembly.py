@@ -22,12 +22,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ...alignment import Alignment, fp8_multiple
-from ...cost_model import CostModel
+from ...cost_model import CostModel, resolve_cost_model
 from ...errors import DynBatchConfigError
 from ...parallel import ParallelConfig
 from ...topology import fixed_cp_spans_nodes, group_spans_nodes
 from .plan import DynamicCPPlan, SlotList
-from ..inputs import check_budget, check_lengths, resolve_costs, sample_flops
+from ..inputs import check_lengths, flops_coefficients_of, sample_flops
+from ..options import PlanOptions
 from ..plan import Plan
 from ..timing import rank_times_of
 from .pool import group_alignment
@@ -53,11 +54,12 @@ def build_dynamic_cp_plan(
     sample indices)`` -- scored like the planner's (synchronised simulation, CP communication). For running a
     schedule of your own (or another system's) through the iterator; call ``plan.validate(len(lengths))`` to
     check it. ``microbatches_per_step``: slots of each optimizer step (default: one step)."""
-    par = ParallelConfig.from_any(parallel)
+    opts = PlanOptions(model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu, cost_model=cost_model,
+                       fp8_alignment=fp8_alignment)
+    par, align = opts.parallel, opts.alignment
     lens = check_lengths(lengths)
-    _, align, _ = check_budget(max_tokens_per_gpu, par, fp8_alignment)
-    coeffs, cm = resolve_costs(model, par, cost_model)
-    cm = cp_comm_cost_model(cm, model, par)
+    coeffs = flops_coefficients_of(opts.model)
+    cm = cp_comm_cost_model(opts.resolved_cost_model, opts.model, par)
     tile = fp8_multiple(fp8_alignment)
     per_step = list(microbatches_per_step) if microbatches_per_step is not None else [len(slots)]
     if sum(per_step) != len(slots):
@@ -72,7 +74,7 @@ def build_dynamic_cp_plan(
         ep_width = par.cp * cm.ep_group if cm.ep_group > 1 else 1
         steps.append((chunk, simulate_pool(times, blocks, cm, ep_width=ep_width), None))
         first += count
-    return assemble(lens, steps, par, align, int(max_tokens_per_gpu), tile, cm, coeffs, algorithm="external")
+    return assemble(lens, steps, par, align, opts.max_tokens_per_gpu, tile, cm, coeffs, algorithm="external")
 
 
 def assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig, align: Alignment, budget: int,
@@ -106,7 +108,7 @@ def assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig, 
     extra.setdefault("lower_bound_step_time", 0.0)
     return DynamicCPPlan(
         micro_batches=micro_batches, microbatches_per_step=[len(s[0]) for s in steps], parallel=par, alignment=align,
-        cap=budget, balance_by_flops=True, microbatch_tokens=mb_tokens, microbatch_time=mb_time,
+        cap=budget, balance_by="time", microbatch_tokens=mb_tokens, microbatch_time=mb_time,
         rank_tokens=np.array([sum(t) for t in mb_tokens], dtype=np.int64), rank_flops=rank_flops,
         rank_time=rank_time, padding_tokens=int(sum(sum(t) for t in mb_tokens) - lens.sum()),
         real_tokens=int(lens.sum()), groups=groups, max_tokens_per_gpu=budget, fp8_tile=tile, **extra)
@@ -163,8 +165,7 @@ def score_with_cp_comm(plan: Plan, *, model: Any = None, cost_model: Optional[Co
     if isinstance(plan, DynamicCPPlan):
         return plan
     par = plan.parallel
-    _, cm = resolve_costs(model, par, cost_model)
-    cm = cp_comm_cost_model(cm, model, par)
+    cm = cp_comm_cost_model(resolve_cost_model(cost_model, model, par), model, par)
     spans = fixed_cp_spans_nodes(par)
     sq_all = None if lengths is None else check_lengths(lengths).astype(np.float64) ** 2
     times = []

@@ -38,7 +38,8 @@ from .deal import deal_singles
 from .schedule import Schedule
 from .step import Bins, StepData
 from ..packer import StepInput, best_fit_bin_count
-from ..search import plan_step
+from ..counts import CountRule
+from ..search import SearchSettings, plan_step
 from ..vpp import next_valid_microbatch_count
 
 #: widening thresholds of the tree candidates, as multiples of the mean per-GPU load (None: memory only) ...
@@ -70,8 +71,10 @@ def fixed_cp(step: StepData) -> List[Schedule]:
     inp = StepInput(aligned=own.aligned, weight=step.cm.work(own.aligned, step.sq),
                     oversize=np.zeros(step.n, dtype=bool), units=None, cap=own.cap)
     try:
-        bins, _ = plan_step(inp, par, step.cm, step.sq, step.forced, step.rounds, own.align, step.budget,
-                            margin=step.margin)
+        settings = SearchSettings(parallel=par, cost_model=step.cm, alignment=own.align,
+                                  max_tokens_per_gpu=step.budget, count_rule=CountRule(par),
+                                  refine_rounds=step.rounds, margin=step.margin)
+        bins, _ = plan_step(inp, step.sq, settings, forced=step.forced)
     except DynBatchConfigError:
         return []
     if any(len(r) != len(bins[0]) for r in bins):  # pragma: no cover - the fixed planner's counts are equal

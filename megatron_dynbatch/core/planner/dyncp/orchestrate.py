@@ -53,13 +53,11 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ...alignment import fp8_multiple
-from ...checks import as_int
-from ...cost_model import CostModel
 from ...errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from ...parallel import ParallelConfig
 from .assembly import StepSlots, assemble, cp_comm_cost_model
@@ -67,53 +65,37 @@ from .candidates import FIXED_CP, candidates
 from .plan import DynamicCPPlan
 from .schedule import Schedule
 from .step import StepData
-from ..inputs import check_budget, check_lengths, check_margin, check_oversize_policy, resolve_costs
+from ..inputs import check_lengths, flops_coefficients_of
+from ..options import PlanOptions
 from .pool import PoolTree, group_alignment, pool_tree
 from ..steps import indices_by_step, step_of_sample
 from ..vpp import check_forced_count
 
 
-def plan_dynamic_cp(
-    lengths: Union[Sequence[int], np.ndarray],
-    *,
-    model: Any = None,
-    parallel: Union[ParallelConfig, Mapping[str, Any], None] = None,
-    max_tokens_per_gpu: int,
-    group_ids: Optional[Sequence[Any]] = None,
-    samples_per_step: Optional[int] = None,
-    oversize: str = "error",
-    fp8_alignment: Union[None, str, int] = None,
-    cost_model: Optional[CostModel] = None,
-    num_microbatches: Optional[int] = None,
-    refine_rounds: Optional[int] = None,
-    decision_margin: Optional[float] = None,
-) -> DynamicCPPlan:
+def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: PlanOptions, *,
+                    group_ids: Optional[Sequence[Any]] = None) -> DynamicCPPlan:
     """The dynamic-CP plan of a global batch (module docstring); called by ``plan_global_batch(...,
-    dynamic_cp=True)``, which documents the arguments. Balancing is always by the cost model's seconds."""
+    dynamic_cp=True)`` with its validated options. Balancing is always by the cost model's seconds."""
     t_start = time.perf_counter()
-    par = ParallelConfig.from_any(parallel)
+    par = options.parallel
     lens = check_lengths(lengths)
-    _, align, _ = check_budget(max_tokens_per_gpu, par, fp8_alignment)
-    budget = int(max_tokens_per_gpu)
-    check_oversize_policy(oversize)
+    align = options.alignment
+    budget = options.max_tokens_per_gpu
+    oversize = options.oversize
     if group_ids is not None:
         raise DynBatchConfigError(
             "group_ids", "given", "dynamic CP spreads a sample over CP groups that span several DP ranks, so "
             "'a group stays on one DP rank' has no meaning there", "drop group_ids, or plan with dynamic_cp=False")
-    if par.pp == 2 and par.vpp > 1:
-        raise DynBatchConfigError(
-            "parallel.vpp", par.vpp, "dynamic CP with pp=2 and interleaving needs one micro-batch length per "
-            "rank (megatron-core 0.16's pipeline shape exchange, NVIDIA/Megatron-LM #5100), which CP groups of "
-            "different sizes do not give", "use vpp=1, pp != 2, or dynamic_cp=False")
-    coeffs, cm = resolve_costs(model, par, cost_model)
-    cm = cp_comm_cost_model(cm, model, par)
-    margin = check_margin(decision_margin, cm)
-    tile = fp8_multiple(fp8_alignment)
+    coeffs = flops_coefficients_of(options.model)
+    cm = cp_comm_cost_model(options.resolved_cost_model, options.model, par)
+    margin = options.decision_margin if options.decision_margin is not None else float(cm.uncertainty)
+    tile = fp8_multiple(options.fp8_alignment)
     tree = pool_tree(par.dp, par.cp)
+    num_microbatches = options.num_microbatches
     if num_microbatches is not None:
         num_microbatches = check_forced_count(num_microbatches, par)
-    rounds = 4 * tree.size if refine_rounds is None else as_int(refine_rounds, "refine_rounds", minimum=0,
-                                                               fix="pass None for the default (4 * dp * cp)")
+    samples_per_step = options.samples_per_step
+    rounds = 4 * tree.size if options.refine_rounds is None else options.refine_rounds
     over = _oversize(lens, tree, par, budget, tile, oversize)
 
     steps: List[StepSlots] = []
@@ -149,7 +131,7 @@ def _plan_step(step: StepData) -> Tuple[Schedule, Optional[Schedule]]:
                 "num_microbatches", step.forced, f"no dynamic-CP schedule of these {step.n} samples over a pool "
                 f"of {step.tree.size} GPUs has exactly {step.forced} slots within the budget (at least {lb} are "
                 f"needed: tokens over pool x budget; and at most {step.n}, one sample per slot)",
-                "pass None to let the planner choose, or a larger count / --max-tokens-per-gpu")
+                "pass None to let the planner choose, or a larger count / max_tokens_per_gpu")
         raise DynBatchConfigError(
             "len(lengths)", step.n, f"no dynamic-CP schedule of these {step.n} samples over a pool of "
             f"{step.tree.size} GPUs has a micro-batch count Megatron's interleaved schedule accepts",
@@ -185,9 +167,9 @@ def _oversize(lens: np.ndarray, tree: PoolTree, par: ParallelConfig, budget: int
                  f"(dp x cp) a GPU may hold {budget} tokens (max_tokens_per_gpu); {int(over.sum())} sample(s) are over")
         if policy == "error":
             need = align.budget_for(int(aligned[over].max()), root)
-            raise OversizeSampleError("--max-tokens-per-gpu", budget, where,
-                                      f"raise --max-tokens-per-gpu to at least {need}, truncate the sample, or run it "
-                                      f"alone on the whole pool over the budget with oversize='alone'")
+            raise OversizeSampleError("max_tokens_per_gpu", budget, where,
+                                      f"raise max_tokens_per_gpu to at least {need}, truncate the sample, or set "
+                                      f"oversize to 'alone' (it then runs alone on the whole pool over the budget)")
         warnings.warn(f"oversize='alone': {where}; each runs alone on the whole pool over the budget",
                       OversizeSampleWarning, stacklevel=4)
     return over

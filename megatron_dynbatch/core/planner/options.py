@@ -1,0 +1,324 @@
+"""``PlanOptions``: every choice a planning call takes, in one typed object validated at construction.
+
+One path
+--------
+Every entry point builds one ``PlanOptions`` and hands it to the planner whole: the Python API
+(:func:`~megatron_dynbatch.plan_global_batch` builds it from its keywords), run presets
+(:meth:`RunConfig.plan_options <megatron_dynbatch.core.run_config.RunConfig.plan_options>`), Megatron-LM flags
+(:func:`megatron_dynbatch.megatron.args.plan_options_from_args`), the ``plan`` command, Megatron-Core's packing
+seat, the trainer drop-ins, the data iterator and the Ray driver. Nobody copies option names into a list of its
+own: adding an option is one field here (with its docstring and, where a launch can set it, its spellings in
+``metadata``) plus its use in the planner. ``tests/test_plan_options.py`` sends every field through every entry
+point and checks it arrives.
+
+What is not an option: the batch itself -- ``lengths`` and the per-sample ids (``group_ids``,
+``microbatch_group_ids``, ``rollout_ids``) go to the planning call next to the options.
+
+Spellings
+---------
+A field's ``metadata`` names it where a user types it: ``megatron`` (the Megatron-LM launch flag), ``cli`` (the
+``megatron-dynbatch plan`` flag); a run preset's key is the field's own name (:class:`RunConfig
+<megatron_dynbatch.core.run_config.RunConfig>` has a field of that name for every option with a launch flag,
+which ``tests/test_plan_options.py`` checks). Errors raised here
+name the Python keyword; an entry point re-raises them in its users' words with
+:func:`~megatron_dynbatch.core.errors.trainer_terms` and :meth:`PlanOptions.spellings` (a launch error says
+``--max-tokens-per-gpu``, a Python error ``max_tokens_per_gpu``).
+
+One vocabulary
+--------------
+:class:`BalanceBy` is what balancing equalises, with one meaning everywhere (API, presets, flags, docs):
+``time`` -- the cost model's seconds (each sample's linear and attention FLOPs at their kernels' efficiency, the
+default); ``flops`` -- raw FLOPs (every FLOP weighs the same); ``tokens`` -- padded tokens. Unset, it is ``time`` with a model and ``tokens`` without. The Megatron flag
+``--balance-by-flops`` (the name the peers use) selects ``time``; the Python keyword ``balance_by_flops`` is the
+same switch (``True``: ``time``, and a model is required; ``False``: ``tokens``), mapped once by
+:meth:`BalanceBy.resolve`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..alignment import Alignment
+from ..checks import as_bool, as_float, as_int, close_matches
+from ..cost_model import CostModel, resolve_cost_model
+from ..errors import DynBatchConfigError, UnknownOptionError
+from ..model_spec import ModelSpec
+from ..parallel import ParallelConfig
+from .inputs import check_budget
+
+__all__ = ["BalanceBy", "OVERSIZE_POLICIES", "PlanOptions", "BATCH_ARGUMENTS"]
+
+#: what happens to a sample longer than the budget: refuse the batch, or run it alone over the budget
+OVERSIZE_POLICIES = ("error", "alone")
+#: per-sample arguments of a planning call that are batch data, not options
+BATCH_ARGUMENTS = ("group_ids", "microbatch_group_ids", "rollout_ids")
+
+
+class BalanceBy(str, enum.Enum):
+    """What the planner equalises across DP ranks and micro-batches (module docstring)."""
+
+    TIME = "time"
+    FLOPS = "flops"
+    TOKENS = "tokens"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Any, field_name: str = "balance_by") -> "BalanceBy":
+        """A member from itself or its name (any case), or a ``DynBatchConfigError`` with the close match."""
+        if isinstance(value, cls):
+            return value
+        key = value.strip().lower() if isinstance(value, str) else None
+        for member in cls:
+            if key == member.value:
+                return member
+        choices = [m.value for m in cls]
+        close = close_matches(str(value), choices, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise DynBatchConfigError(field_name, value, "unknown balancing mode",
+                                  f"{hint}use one of {tuple(choices)} (time: the cost model's seconds, the default; "
+                                  f"flops: raw FLOPs; tokens: padded tokens)")
+
+    @classmethod
+    def resolve(cls, balance_by: Any = None, balance_by_flops: Optional[bool] = None) -> Optional["BalanceBy"]:
+        """The one mapping of the switch Megatron's ``--balance-by-flops`` names (and the Python keyword
+        ``balance_by_flops``): an explicit ``balance_by`` wins; else ``True`` -> ``time``, ``False`` ->
+        ``tokens``; neither -> ``None`` (the options' default)."""
+        if balance_by is not None:
+            return cls.parse(balance_by)
+        if balance_by_flops is None:
+            return None
+        return cls.TIME if as_bool(balance_by_flops, "balance_by_flops") else cls.TOKENS
+
+
+def _option(default: Any = None, *, megatron: Optional[str] = None, cli: Optional[str] = None,
+            default_factory: Any = None) -> Any:
+    """A field with its spellings at the entry points (module docstring)."""
+    meta = {"megatron": megatron, "cli": cli}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan (module docstring). Build it with keywords, :meth:`from_kwargs` (unknown names refused with
+    a close match) or :meth:`replace`; every field is checked here, cross-field rules included, so a planning
+    call only meets problems of the batch itself."""
+
+    #: per-GPU token budget: a micro-batch holds at most ``max_tokens_per_gpu * cp`` tokens, padding included
+    max_tokens_per_gpu: int = _option(None, megatron="--max-tokens-per-gpu", cli="--max-tokens-per-gpu")
+    #: the model's shape (``ModelSpec``, a dict of Megatron field names or a preset name); FLOPs and the default
+    #: cost model come from it. A Megatron launch reads it from Megatron's own model flags.
+    model: Optional[ModelSpec] = _option(None, megatron="(Megatron's model flags)", cli="--model")
+    #: the parallel layout (``ParallelConfig`` or a mapping of ``dp, tp, pp, cp, ep, vpp, ...``; missing = 1)
+    parallel: ParallelConfig = _option(megatron="(Megatron's layout flags)", cli="(--dp, --tp, --pp, --cp, ...)",
+                                       default_factory=ParallelConfig)
+    #: what balancing equalises: ``time``, ``flops`` or ``tokens`` (:class:`BalanceBy`); ``None``: ``time`` with a
+    #: model, ``tokens`` without
+    balance_by: Optional[BalanceBy] = _option(None, megatron="--dynbatch-balance-by", cli="--balance-by")
+    #: the step-time model: a ``CostModel``, a profile name (``"fitted"``, the default with a model;
+    #: ``"analytic"``) or a cost-model JSON file (``docs/cost_model.md``)
+    cost_model: Union[None, str, CostModel] = _option(None, megatron="--dynbatch-cost-model", cli="--cost-model")
+    #: leave the default choice (fewest micro-batches; fixed CP under ``dynamic_cp``) only for a modelled gain
+    #: above this (relative); ``None``: the cost model's ``uncertainty``
+    decision_margin: Optional[float] = _option(None, megatron="--dynbatch-decision-margin", cli="--decision-margin")
+    #: a sample longer than the budget: ``"error"`` (refuse the batch) or ``"alone"`` (its own micro-batch)
+    oversize: str = _option("error", megatron="--dynbatch-oversize", cli="--oversize")
+    #: token multiple FP8 GEMMs need: ``None``, ``"fp8"``, ``"mxfp8"``, ``"nvfp4"``/``"blockwise"`` or an int
+    fp8_alignment: Union[None, str, int] = _option(None, megatron="--dynbatch-fp8-alignment", cli="--fp8")
+    #: split the batch into optimizer steps of exactly this many consecutive samples
+    samples_per_step: Optional[int] = _option(None, megatron="--dynbatch-samples-per-step", cli="--samples-per-step")
+    #: count optimizer steps in rollouts instead (with per-sample ``rollout_ids``; slime's global batch size)
+    rollouts_per_step: Optional[int] = _option(None)
+    #: one dp x cp pool with a CP group chosen per micro-batch (``docs/dynamic_cp.md``)
+    dynamic_cp: bool = _option(False, megatron="--dynbatch-dynamic-cp", cli="--dynamic-cp")
+    #: force the per-rank count of every optimizer step: one int, or one per step
+    num_microbatches: Union[None, int, Tuple[int, ...]] = _option(None, cli="--num-microbatches")
+    #: cap on rank-refinement rounds (default ``4 * dp``; ``4 * dp * cp`` under dynamic CP)
+    refine_rounds: Optional[int] = _option(None)
+    # -- the trainer drop-ins' knobs (docs/planner.md#knobs-for-the-trainers-drop-ins), off by default --------
+    #: every DP rank gets exactly ``n / dp`` samples of each step (verl's ``equal_size``, ROLL's equal shards)
+    equal_samples_per_rank: bool = _option(False)
+    #: at least this many micro-batches per rank and step (verl's ``min_num_micro_batch``)
+    min_num_microbatches: Optional[int] = _option(None)
+    #: every step's per-rank count divides by this (verl's ``num_batches_divided_by``), on top of the VPP rule
+    num_microbatches_multiple: Optional[int] = _option(None)
+    #: a trainer's own per-sequence padding multiple, counted against the budget (verl: ``tp*cp*2``)
+    sequence_pad_multiple: Optional[int] = _option(None)
+    #: a trainer's own padding multiple of each GPU's share of a micro-batch (slime: ``tp * pad multiplier``)
+    microbatch_pad_multiple: Optional[int] = _option(None)
+
+    #: derived at construction (not options): the padding rules, and the cost model resolved for the layout
+    alignment: Alignment = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
+    resolved_cost_model: CostModel = field(init=False, repr=False, compare=False,
+                                           default=None)  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------------------------------- validation
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 -- frozen dataclass
+        par = ParallelConfig.from_any(self.parallel)
+        set_("parallel", par)
+        for name in ("sequence_pad_multiple", "microbatch_pad_multiple", "min_num_microbatches",
+                     "num_microbatches_multiple", "samples_per_step", "rollouts_per_step", "refine_rounds"):
+            value = getattr(self, name)
+            if value is not None:
+                low = 0 if name == "refine_rounds" else 1
+                set_(name, as_int(value, name, minimum=low, fix=_INT_FIX[name]))
+        set_("alignment", self._check_budget(par))
+        if self.oversize not in OVERSIZE_POLICIES:  # also a non-str: never equal to a policy name
+            raise DynBatchConfigError("oversize", self.oversize, "unknown oversize-sample policy",
+                                      f"use one of {OVERSIZE_POLICIES}")
+        set_("dynamic_cp", as_bool(self.dynamic_cp, "dynamic_cp"))
+        set_("equal_samples_per_rank", as_bool(self.equal_samples_per_rank, "equal_samples_per_rank"))
+        set_("num_microbatches", _check_counts(self.num_microbatches))
+        if self.model is not None:
+            set_("model", ModelSpec.from_any(self.model))
+        set_("balance_by", BalanceBy.parse(self.balance_by) if self.balance_by is not None else
+             BalanceBy.TIME if self.model is not None else BalanceBy.TOKENS)
+        if self.model is None and self.balance_by is BalanceBy.FLOPS:
+            raise DynBatchConfigError("model", None, "balancing by FLOPs needs the model's shape",
+                                      "pass model=ModelSpec/dict/preset name, or balance_by='tokens'")
+        set_("resolved_cost_model", resolve_cost_model(self.cost_model, self.model, par))
+        if self.decision_margin is not None:
+            set_("decision_margin", as_float(
+                self.decision_margin, "decision_margin", minimum=0.0, maximum=0.999,
+                fix="pass a relative margin such as 0.03 (3%), 0 to take any modelled gain, or None for the cost "
+                    "model's own uncertainty"))
+        if self.samples_per_step is not None and self.rollouts_per_step is not None:
+            raise DynBatchConfigError("samples_per_step", self.samples_per_step, "given with rollouts_per_step",
+                                      "pass samples_per_step, or rollout_ids with rollouts_per_step")
+        if self.dynamic_cp:
+            self._check_dynamic_cp(par)
+
+    def _check_budget(self, par: ParallelConfig) -> Alignment:
+        """The budget as an int that holds at least one aligned sequence; returns the padding rules."""
+        if self.max_tokens_per_gpu is None:
+            raise DynBatchConfigError("max_tokens_per_gpu", None, "is required (the per-GPU token budget)",
+                                      "pass max_tokens_per_gpu=<tokens>, e.g. 16384")
+        _, align, _ = check_budget(self.max_tokens_per_gpu, par, self.fp8_alignment, self.sequence_pad_multiple,
+                                   self.microbatch_pad_multiple)
+        object.__setattr__(self, "max_tokens_per_gpu", as_int(self.max_tokens_per_gpu, "max_tokens_per_gpu"))
+        return align
+
+    def _check_dynamic_cp(self, par: ParallelConfig) -> None:
+        knobs = {"equal_samples_per_rank": self.equal_samples_per_rank or None,
+                 "min_num_microbatches": self.min_num_microbatches,
+                 "num_microbatches_multiple": self.num_microbatches_multiple,
+                 "rollouts_per_step": self.rollouts_per_step, "sequence_pad_multiple": self.sequence_pad_multiple,
+                 "microbatch_pad_multiple": self.microbatch_pad_multiple}
+        given = [k for k, v in knobs.items() if v is not None]
+        if given:
+            raise dynamic_cp_knob_error(given)
+        if par.pp == 2 and par.vpp > 1:
+            raise DynBatchConfigError(
+                "parallel.vpp", par.vpp, "dynamic CP with pp=2 and interleaving needs one micro-batch length per "
+                "rank (megatron-core 0.16's pipeline shape exchange, NVIDIA/Megatron-LM #5100), which CP groups of "
+                "different sizes do not give", "use vpp=1, pp != 2, or dynamic_cp=False")
+        if isinstance(self.num_microbatches, tuple):
+            raise DynBatchConfigError("num_microbatches", list(self.num_microbatches), "dynamic CP forces one "
+                                      "count for every optimizer step", "pass one integer, or dynamic_cp=False")
+
+    # ------------------------------------------------------------------------------------------ building
+    @classmethod
+    def names(cls) -> Tuple[str, ...]:
+        """The option names (the keywords :func:`plan_global_batch` takes besides the batch)."""
+        return tuple(f.name for f in fields(cls) if f.init)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any], *, base: Optional["PlanOptions"] = None) -> "PlanOptions":
+        """Options from keywords (on top of ``base``): the fields, plus ``balance_by_flops`` -- the legacy switch,
+        mapped by :meth:`BalanceBy.resolve`. An unknown name is an :class:`UnknownOptionError` (a
+        ``DynBatchConfigError`` and a ``TypeError``) with the close matches."""
+        kw = dict(kwargs)
+        known = cls.names()
+        unknown = [k for k in kw if k not in known and k != "balance_by_flops"]
+        if unknown:
+            raise unknown_option_error(unknown[0], kw[unknown[0]], known + ("balance_by_flops",))
+        if "balance_by_flops" in kw:
+            flops = kw.pop("balance_by_flops")
+            explicit = kw.get("balance_by")
+            kw["balance_by"] = BalanceBy.resolve(explicit, flops)
+            if explicit is None and flops and kw.get("model", base.model if base else None) is None:
+                raise DynBatchConfigError("model", None, "balancing by FLOPs needs the model's shape",
+                                          "pass model=ModelSpec/dict/preset name, or balance_by_flops=False")
+        if base is None:
+            return cls(**kw)
+        return base.replace(**kw)
+
+    def replace(self, **changes: Any) -> "PlanOptions":
+        """A copy with some options changed (validated again; ``balance_by_flops`` accepted as in
+        :meth:`from_kwargs`)."""
+        if "balance_by_flops" in changes or any(k not in self.names() for k in changes):
+            return PlanOptions.from_kwargs(changes, base=self)
+        return dataclasses.replace(self, **changes)
+
+    def to_kwargs(self) -> Dict[str, Any]:
+        """The options as keywords (``PlanOptions(**o.to_kwargs()) == o``)."""
+        return {name: getattr(self, name) for name in self.names()}
+
+    def for_forward_only(self, max_tokens_per_gpu: int) -> "PlanOptions":
+        """The options of a forward-only pass (log-probs, reference model) of the same run: its own budget, and no
+        optimizer-step split (there is no optimizer step)."""
+        return self.replace(max_tokens_per_gpu=max_tokens_per_gpu, samples_per_step=None, rollouts_per_step=None)
+
+    # ----------------------------------------------------------------------------------------- derived
+    @property
+    def cap(self) -> int:
+        """Tokens one micro-batch may hold (``max_tokens_per_gpu * cp``, before tail-padding rounding)."""
+        return self.max_tokens_per_gpu * self.parallel.cp
+
+    @property
+    def margin(self) -> float:
+        """The decision margin in effect: ``decision_margin``, else the cost model's ``uncertainty``."""
+        if self.decision_margin is None:
+            return float(self.resolved_cost_model.uncertainty)
+        return float(self.decision_margin)
+
+    @classmethod
+    def spellings(cls, entry: str) -> Dict[str, str]:
+        """``field -> flag`` at an entry point (``"megatron"``, ``"cli"``) for the fields it sets by a flag of
+        their own: the words :func:`~megatron_dynbatch.core.errors.trainer_terms` re-raises errors in."""
+        return {f.name: f.metadata[entry] for f in fields(cls)
+                if f.init and str(f.metadata.get(entry) or "").startswith("--")}
+
+
+_INT_FIX = {
+    "sequence_pad_multiple": "pass the trainer's per-sequence padding multiple (a whole number >= 1) or None",
+    "microbatch_pad_multiple": "pass the trainer's micro-batch padding multiple (a whole number >= 1) or None",
+    "min_num_microbatches": "pass a whole number >= 1, or None",
+    "num_microbatches_multiple": "pass a whole number >= 1, or None",
+    "samples_per_step": "pass a whole number of samples per optimizer step, or None for one step",
+    "rollouts_per_step": "pass a whole number of rollouts per optimizer step",
+    "refine_rounds": "pass None for the default (4 * dp)",
+}
+
+
+def _check_counts(value: Any) -> Union[None, int, Tuple[int, ...]]:
+    """``num_microbatches``: ``None``, one whole number >= 1, or a 1-D sequence of them (kept as a tuple)."""
+    if value is None:
+        return None
+    fix = "pass one whole number >= 1, or a list with one count per optimizer step"
+    if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim == 1):
+        return tuple(as_int(v, "num_microbatches", minimum=1, fix=fix) for v in value)
+    return as_int(value, "num_microbatches", minimum=1, fix=fix)
+
+
+def dynamic_cp_knob_error(given: Sequence[str]) -> DynBatchConfigError:
+    """Trainer drop-in knobs given with ``dynamic_cp=True`` (the options' and the batch ids' shared refusal)."""
+    return DynBatchConfigError(
+        given[0], "given with dynamic_cp=True", "the trainer drop-in knobs describe DP ranks and their "
+        "micro-batches, and a dynamic-CP plan has neither (its micro-batches run on CP groups of the pool)",
+        f"drop {', '.join(given)}, or plan with dynamic_cp=False")
+
+
+def unknown_option_error(name: str, value: Any, known: Sequence[str]) -> UnknownOptionError:
+    close = close_matches(name, known)
+    fix = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {', '.join(known)}"
+    return UnknownOptionError(name, value, "is not a planning option", fix)
