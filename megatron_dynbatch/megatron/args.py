@@ -267,8 +267,9 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
 
     par = parallel_from_args(args, world_size=world_size)
     for forward_only in (False, True):  # both passes' options: the planner's own checks, in the launch's words
-        # (the model's shape is Megatron's to check; the cost model is resolved against it when planning)
-        plan_options_from_args(args, forward_only=forward_only, world_size=world_size, model=None, cost_model=None)
+        # (the model's shape is Megatron's to check; the cost model and balancing need it: checked when planning)
+        plan_options_from_args(args, forward_only=forward_only, world_size=world_size, model=None, cost_model=None,
+                               balance_by=None)
     _check_max_seq_length(args, par, resolved)
 
     if getattr(args, "dynbatch_dynamic_cp", False):

@@ -1,0 +1,369 @@
+"""PlanOptions: one options object, validated at construction, that reaches the planner whole from every entry
+point (core/planner/options.py).
+
+The reach test is table-driven: ``VALUES`` holds a non-default value of every option and must name every
+field, so a new option fails here until it has one; each entry point's spelling of the options is read from
+the field's own metadata (the launch flag, the ``plan`` flag) or is one of the entry point's documented
+exceptions below. The planner's ``prepare`` (and ``plan_dynamic_cp``) is replaced by a recorder, so the test
+sees exactly the options object the planner would have planned with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+
+import numpy as np
+import pytest
+
+from megatron_dynbatch import (BalanceBy, DynBatchConfigError, ModelSpec, ParallelConfig, PlanOptions, RunConfig,
+                               UnknownOptionError, plan_global_batch)
+from megatron_dynbatch.core.planner import api
+
+BASE = {"max_tokens_per_gpu": 2048, "model": "qwen3-0.6b", "parallel": {"dp": 2}}
+
+#: a non-default value of every option
+VALUES = {
+    "max_tokens_per_gpu": 4096,
+    "model": "qwen3-4b",
+    "parallel": {"dp": 2, "tp": 2},
+    "balance_by": "flops",
+    "cost_model": "analytic",
+    "decision_margin": 0.07,
+    "oversize": "alone",
+    "fp8_alignment": "mxfp8",
+    "samples_per_step": 4,
+    "rollouts_per_step": 2,
+    "dynamic_cp": True,
+    "num_microbatches": 3,
+    "refine_rounds": 5,
+    "equal_samples_per_rank": True,
+    "min_num_microbatches": 2,
+    "num_microbatches_multiple": 2,
+    "sequence_pad_multiple": 8,
+    "microbatch_pad_multiple": 16,
+}
+
+#: the plan command's tokens for each value (fields whose metadata names a ``plan`` flag)
+CLI_TOKENS = {
+    "max_tokens_per_gpu": ["--max-tokens-per-gpu", "4096"],
+    "model": ["--model", "qwen3-4b"],
+    "parallel": ["--dp", "2", "--tp", "2"],
+    "balance_by": ["--balance-by", "flops"],
+    "cost_model": ["--cost-model", "analytic"],
+    "decision_margin": ["--decision-margin", "0.07"],
+    "oversize": ["--oversize", "alone"],
+    "fp8_alignment": ["--fp8", "mxfp8"],
+    "samples_per_step": ["--samples-per-step", "4"],
+    "dynamic_cp": ["--dynamic-cp"],
+    "num_microbatches": ["--num-microbatches", "3"],
+}
+#: options a Megatron launch does not set, and why (every other option has a launch flag)
+NOT_LAUNCH_OPTIONS = {
+    "rollouts_per_step": "counts rollouts of a trainer's batch (slime); a launch steps by samples",
+    "num_microbatches": "Megatron's own count is what dynamic batching replaces",
+    "refine_rounds": "a search bound for experiments",
+    "equal_samples_per_rank": "a trainer drop-in's knob",
+    "min_num_microbatches": "a trainer drop-in's knob",
+    "num_microbatches_multiple": "a trainer drop-in's knob",
+    "sequence_pad_multiple": "a trainer drop-in's knob (its own padding)",
+    "microbatch_pad_multiple": "a trainer drop-in's knob (its own padding)",
+}
+#: options the plan command does not set, and why
+NOT_CLI_OPTIONS = {name: why for name, why in NOT_LAUNCH_OPTIONS.items() if name != "num_microbatches"}
+
+
+def expected(name):
+    """What the options hold for ``VALUES[name]``."""
+    value = VALUES[name]
+    if name == "model":
+        return ModelSpec.from_any(value)
+    if name == "parallel":
+        return ParallelConfig.from_any(value)
+    if name == "balance_by":
+        return BalanceBy(value)
+    return value
+
+
+class Recorded(Exception):
+    """Raised by the recorder once the planner has its options (nothing is planned)."""
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    seen = []
+
+    def record(lengths, options, **batch):
+        seen.append(options)
+        raise Recorded()
+
+    from megatron_dynbatch.core.planner import local
+
+    monkeypatch.setattr(api, "prepare", record)
+    monkeypatch.setattr(api, "plan_dynamic_cp", record)
+    monkeypatch.setattr(local, "prepare", record)
+    return seen
+
+
+def received(recorder, call):
+    with pytest.raises(Recorded):
+        call()
+    assert len(recorder) == 1 and isinstance(recorder[0], PlanOptions)
+    return recorder.pop()
+
+
+def test_every_option_has_a_test_value_and_a_documented_spelling():
+    names = set(PlanOptions.names())
+    assert set(VALUES) == names, "add the new option to VALUES (and CLI_TOKENS / the exceptions)"
+    assert set(PlanOptions.spellings("megatron")) == names - set(NOT_LAUNCH_OPTIONS) - {"model", "parallel"}
+    assert set(CLI_TOKENS) == {f.name for f in dataclasses.fields(PlanOptions) if f.init and f.metadata["cli"]}
+    assert set(CLI_TOKENS) == names - set(NOT_CLI_OPTIONS)
+    lines = inspect.getsource(PlanOptions).splitlines()
+    for name in names:  # every option is documented where it is defined: a "#:" comment right above the field
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"    {name}:"))
+        assert lines[at - 1].strip().startswith("#:"), name
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_python_api_and_the_options_object(name, recorder):
+    got = received(recorder, lambda: plan_global_batch([100] * 8, **{**BASE, name: VALUES[name]}))
+    assert getattr(got, name) == expected(name)
+    opts = PlanOptions(**{**BASE, name: VALUES[name]})
+    assert received(recorder, lambda: plan_global_batch([100] * 8, opts)) == opts
+    assert received(recorder, lambda: plan_global_batch([100] * 8, PlanOptions(**BASE), **{name: VALUES[name]})) == opts
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_local_mode(name, recorder):
+    from megatron_dynbatch.core.planner.local import local_microbatch_counts, plan_local_batch
+
+    if name != "num_microbatches":
+        got = received(recorder, lambda: local_microbatch_counts([100] * 8, **{**BASE, name: VALUES[name]}))
+        assert getattr(got, name) == (expected(name) if name != "parallel" else
+                                      dataclasses.replace(expected(name), dp=1))
+    if name != "num_microbatches":
+        got = received(recorder, lambda: plan_local_batch([100] * 8, num_microbatches=2, **{**BASE, name: VALUES[name]}))
+        if name != "parallel":
+            assert getattr(got, name) == expected(name)
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_iterator(name, recorder):
+    torch = pytest.importorskip("torch")
+    from megatron_dynbatch.megatron.iterator import DynamicBatchIterator
+
+    samples = [{"tokens": torch.arange(30 + i)} for i in range(8)]
+    got = received(recorder, lambda: DynamicBatchIterator(samples, **{**BASE, name: VALUES[name]}))
+    assert getattr(got, name) == expected(name)
+    opts = PlanOptions(**{**BASE, name: VALUES[name]})
+    assert received(recorder, lambda: DynamicBatchIterator(samples, options=opts)) == opts
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_ray_driver(name, recorder):
+    pytest.importorskip("torch")
+    from megatron_dynbatch.integrations.ray import plan_rollout
+
+    samples = [{"tokens": list(range(30 + i))} for i in range(8)]
+    got = received(recorder, lambda: plan_rollout(samples, put=False, **{**BASE, name: VALUES[name]}))
+    assert getattr(got, name) == expected(name)
+
+
+def launch_args(flags, **megatron):
+    """Megatron-style parsed args: the layout and model flags Megatron owns, plus ours."""
+    from megatron_dynbatch.megatron.args import add_dynamic_batch_args
+
+    ns = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(flags)
+    spec = ModelSpec.from_any(megatron.pop("model", "qwen3-0.6b"))
+    for key, value in spec.to_dict().items():
+        setattr(ns, key, value)
+    ns.num_experts = spec.num_experts
+    ns.group_query_attention = True
+    ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size = 1, 1, 1
+    ns.world_size = 2
+    for key, value in megatron.items():
+        setattr(ns, key, value)
+    return ns
+
+
+LAUNCH_TOKENS = {  # a launch's flags for each value
+    "max_tokens_per_gpu": ["--max-tokens-per-gpu", "4096"],
+    "balance_by": ["--dynbatch-balance-by", "flops"],
+    "cost_model": ["--dynbatch-cost-model", "analytic"],
+    "decision_margin": ["--dynbatch-decision-margin", "0.07"],
+    "oversize": ["--dynbatch-oversize", "alone"],
+    "fp8_alignment": ["--dynbatch-fp8-alignment", "mxfp8"],
+    "samples_per_step": ["--dynbatch-samples-per-step", "4"],
+    "dynamic_cp": ["--dynbatch-dynamic-cp", "--balance-by-flops"],  # a launch balancing tokens refuses it
+}
+
+
+def test_launch_tokens_use_each_fields_own_flag():
+    assert {name: tokens[0] for name, tokens in LAUNCH_TOKENS.items()} == PlanOptions.spellings("megatron")
+
+
+@pytest.mark.parametrize("name", sorted(set(VALUES) - set(NOT_LAUNCH_OPTIONS)))
+def test_megatron_launch_flags_and_the_hook(name, recorder):
+    pytest.importorskip("torch")
+    from megatron_dynbatch.integrations.megatron_lm import DynamicForwardBackward
+    from megatron_dynbatch.megatron.args import plan_options_from_args, validate_dynamic_batch_args
+
+    megatron = {}
+    if name == "model":
+        megatron["model"] = VALUES["model"]
+    if name == "parallel":
+        megatron.update(tensor_model_parallel_size=2, world_size=4)
+    flags = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048"] + LAUNCH_TOKENS.get(name, [])
+    args = validate_dynamic_batch_args(launch_args(flags, **megatron))
+    opts = plan_options_from_args(args)
+    if name == "samples_per_step":  # the hook runs one optimizer step per Megatron iteration: dropped there
+        assert opts.samples_per_step == 4 and plan_options_from_args(args, forward_only=True).samples_per_step is None
+        return
+    assert getattr(opts, name) == expected(name)
+    def run_step(model, samples, options, **kw):  # the Megatron-LM hook plans with exactly these options
+        recorder.append(options)
+        raise Recorded()
+
+    hook = DynamicForwardBackward(object(), args, run_step=run_step)
+    with pytest.raises(Recorded):
+        hook(data_iterator=iter([[{"tokens": [1, 2, 3]}] * 4]), model=None, num_microbatches=1)
+    assert getattr(recorder.pop(), name) == expected(name)
+
+
+@pytest.mark.parametrize("name", sorted(set(VALUES) - set(NOT_LAUNCH_OPTIONS)))
+def test_run_presets_and_their_megatron_flags(name):
+    pytest.importorskip("torch")
+    from megatron_dynbatch.megatron.args import plan_options_from_args, validate_dynamic_batch_args
+
+    data = {"name": "t", "model": "qwen3-0.6b", "parallel": {"world_size": 2}, "max_tokens_per_gpu": 2048}
+    if name == "parallel":
+        data["parallel"] = {"world_size": 4, "tp": 2}
+    elif name == "balance_by":
+        data["balance_by"] = "flops"
+    else:
+        data[name] = VALUES[name]
+    rc = RunConfig.from_dict(data)
+    assert getattr(rc.plan_options(), name) == expected(name)
+    argv = rc.to_megatron_args()
+    megatron = {"model": data["model"]}
+    if name == "parallel":
+        megatron.update(tensor_model_parallel_size=2, world_size=4)
+    known = [a for a in argv if a.startswith("--use") or a.startswith("--max-tokens") or a.startswith("--dynbatch")
+             or a.startswith("--balance") or a.startswith("--log-probs")]
+    flags = [a for i, a in enumerate(argv) if a in known or (i and argv[i - 1] in known and not a.startswith("--"))]
+    args = validate_dynamic_batch_args(launch_args(flags, **megatron))
+    assert getattr(plan_options_from_args(args), name) == expected(name)
+
+
+@pytest.mark.parametrize("name", sorted(CLI_TOKENS))
+def test_plan_command(name, recorder, tmp_path):
+    from megatron_dynbatch.cli import main
+
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(str(50 + i) for i in range(16)))
+    base = {"max_tokens_per_gpu": ["--max-tokens-per-gpu", "2048"], "model": ["--model", "qwen3-0.6b"],
+            "parallel": ["--dp", "2"]}
+    tokens = [t for key, toks in {**base, name: CLI_TOKENS[name]}.items() for t in toks]
+    with pytest.raises(Recorded):
+        main(["plan", "--lengths", str(lengths), *tokens])
+    got = recorder.pop()
+    assert getattr(got, name) == expected(name)
+
+
+def test_upstream_packing_seat_reads_the_launch_flags():
+    from megatron_dynbatch.integrations.megatron_packing import scheduler_plan_options
+
+    flags = ["--dynbatch-cost-model", "analytic", "--dynbatch-decision-margin", "0.07", "--dynbatch-oversize",
+             "alone", "--dynbatch-fp8-alignment", "mxfp8", "--dynbatch-balance-by", "flops"]
+    args = launch_args(flags)
+    args.padded_vocab_size = args.padded_vocab_size or 151936
+    opts = scheduler_plan_options(max_seqlen_per_dp_cp_rank=4096, dp=2, cp=1, args=args)
+    assert (opts.cost_model, opts.decision_margin, opts.oversize, opts.fp8_alignment, opts.balance_by) == (
+        "analytic", 0.07, "alone", "mxfp8", BalanceBy.FLOPS)
+    assert opts.max_tokens_per_gpu == 4096 and opts.parallel.dp == 2
+
+
+# ------------------------------------------------------------------------------ issue 28.4: the margin
+def test_decision_margin_reaches_the_planner_through_the_iterator_end_to_end():
+    torch = pytest.importorskip("torch")
+    from megatron_dynbatch.megatron.iterator import DynamicBatchIterator
+
+    samples = [{"tokens": torch.arange(10 + 3 * i)} for i in range(8)]
+    it = DynamicBatchIterator(samples, max_tokens_per_gpu=64, decision_margin=0.05)  # refused before
+    it.plan.validate(num_samples=8)
+    assert it.plan.num_samples == 8
+
+
+# ------------------------------------------------------------------------------ construction and hostile input
+def test_unknown_keyword_is_a_clear_error_and_a_type_error():
+    with pytest.raises(UnknownOptionError) as info:
+        plan_global_batch([10, 20], max_token_per_gpu=64)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, DynBatchConfigError)
+    assert info.value.field == "max_token_per_gpu" and "did you mean 'max_tokens_per_gpu'" in info.value.fix
+    with pytest.raises(TypeError):
+        PlanOptions(max_tokens_per_gpu=64, decison_margin=0.1)  # the dataclass itself: a plain TypeError
+
+
+def test_python_errors_name_the_keyword_not_a_flag():
+    with pytest.raises(DynBatchConfigError) as info:
+        plan_global_batch([10, 20], max_tokens_per_gpu=4096.5)
+    assert info.value.field == "max_tokens_per_gpu" and "--max-tokens-per-gpu" not in str(info.value)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens_per_gpu", 0), ("max_tokens_per_gpu", -5), ("max_tokens_per_gpu", 2.5), ("max_tokens_per_gpu", "big"),
+    ("max_tokens_per_gpu", True), ("max_tokens_per_gpu", 10 ** 30), ("max_tokens_per_gpu", float("nan")),
+    ("balance_by", "raw"), ("balance_by", 3), ("oversize", "skip"), ("oversize", None), ("decision_margin", 1.5),
+    ("decision_margin", float("inf")), ("decision_margin", "0.1"), ("samples_per_step", 0), ("refine_rounds", -1),
+    ("num_microbatches", [1, 0]), ("num_microbatches", "3"), ("dynamic_cp", "yes"), ("equal_samples_per_rank", 1),
+    ("fp8_alignment", "fp9"), ("cost_model", "fitted-v2"), ("parallel", {"dp": 0}), ("model", "no-such-model"),
+    ("min_num_microbatches", 0), ("sequence_pad_multiple", 2 ** 40),
+])
+def test_bad_options_are_refused_at_construction_naming_the_field(field, value):
+    with pytest.raises(DynBatchConfigError) as info:
+        PlanOptions(**{**BASE, field: value})
+    assert info.value.field.split(".")[0].split("[")[0] in (field, "parallel", "model") and "Fix:" in str(info.value)
+
+
+def test_numpy_scalars_and_tensors_are_plain_values():
+    opts = PlanOptions(max_tokens_per_gpu=np.int64(4096), samples_per_step=np.int32(8), decision_margin=np.float32(0.25),
+                       num_microbatches=np.array([2, 3]), parallel={"dp": np.int64(2)})
+    assert type(opts.max_tokens_per_gpu) is int and type(opts.samples_per_step) is int
+    assert opts.num_microbatches == (2, 3) and opts.parallel.dp == 2 and isinstance(opts.decision_margin, float)
+    hash(opts)  # frozen and hashable: a plan's options can key a cache
+
+
+def test_cross_field_rules_live_in_the_options():
+    with pytest.raises(DynBatchConfigError, match="rollouts_per_step"):
+        PlanOptions(max_tokens_per_gpu=64, samples_per_step=4, rollouts_per_step=2)
+    with pytest.raises(DynBatchConfigError, match="dynamic_cp"):
+        PlanOptions(max_tokens_per_gpu=64, dynamic_cp=True, equal_samples_per_rank=True)
+    with pytest.raises(DynBatchConfigError, match="parallel.vpp"):
+        PlanOptions(max_tokens_per_gpu=64, dynamic_cp=True, parallel={"pp": 2, "vpp": 2})
+    with pytest.raises(DynBatchConfigError, match="model"):
+        PlanOptions(max_tokens_per_gpu=64, balance_by="flops")
+
+
+def test_one_vocabulary_for_balancing():
+    assert PlanOptions(max_tokens_per_gpu=64).balance_by is BalanceBy.TOKENS  # no model: tokens
+    assert PlanOptions(max_tokens_per_gpu=64, model="qwen3-0.6b").balance_by is BalanceBy.TIME
+    assert PlanOptions.from_kwargs({"max_tokens_per_gpu": 64, "balance_by_flops": False}).balance_by is BalanceBy.TOKENS
+    with pytest.raises(DynBatchConfigError, match="balance_by_flops=False"):  # the flag's switch needs a model
+        PlanOptions.from_kwargs({"max_tokens_per_gpu": 64, "balance_by_flops": True})
+    assert RunConfig.from_yaml("qwen3-8b-grpo").plan_options().balance_by is BalanceBy.TIME
+    assert str(BalanceBy.FLOPS) == "flops" and BalanceBy.parse("Tokens") is BalanceBy.TOKENS
+
+
+def test_replace_and_forward_only():
+    opts = PlanOptions(**BASE, samples_per_step=8)
+    assert opts.replace(oversize="alone").oversize == "alone" and opts.oversize == "error"
+    fwd = opts.for_forward_only(8192)
+    assert fwd.max_tokens_per_gpu == 8192 and fwd.samples_per_step is None and fwd.model == opts.model
+    assert PlanOptions(**opts.to_kwargs()) == opts
+
+
+def test_signature_lists_every_option():
+    params = inspect.signature(plan_global_batch).parameters
+    assert set(PlanOptions.names()) | {"balance_by_flops", "group_ids", "microbatch_group_ids", "rollout_ids"} \
+        <= set(params)
