@@ -1,5 +1,5 @@
 """The package layout is the architecture: the planning core and the benchmark never import torch / megatron /
-ray, the documented public names import, and the old flat module paths still resolve (with a warning)."""
+ray, the documented public names import, no import circle, no private name used outside its package."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pkgutil
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -102,21 +101,6 @@ def test_top_level_exports_resolve():
         assert getattr(megatron_dynbatch, name) is not None, name
     with pytest.raises(AttributeError):
         megatron_dynbatch.no_such_name  # noqa: B018
-
-
-def test_old_module_paths_resolve_to_the_new_modules():
-    from megatron_dynbatch import _legacy
-
-    for old, new in _legacy.MOVED.items():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            mod = importlib.import_module(f"megatron_dynbatch.{old}")
-        assert mod is importlib.import_module(f"megatron_dynbatch.{new}")
-    with warnings.catch_warnings(record=True):  # the move's DeprecationWarning is expected here, not news
-        warnings.simplefilter("always")
-        from megatron_dynbatch.planner.vpp import is_valid_microbatch_count  # a sub-module of a moved package
-    from megatron_dynbatch.core.planner.vpp import is_valid_microbatch_count as current
-    assert is_valid_microbatch_count is current
 
 
 def test_warning_filters_name_third_party_warnings_only():
