@@ -29,7 +29,6 @@ from .core.planner import (BalanceBy, DynamicCPPlan, Plan, PlanOptions, build_dy
                            local_microbatch_counts, plan_global_batch, plan_local_batch, score_assignment)
 from .core.run_config import RunConfig
 from .core.startup import check_max_seq_len_fits
-from ._legacy import install_legacy_module_aliases
 
 __version__ = "0.1.0"
 
@@ -95,5 +94,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list:
     return sorted(set(globals()) | set(_LAZY))
 
-
-install_legacy_module_aliases()

@@ -42,8 +42,7 @@ CHECK_TOLERANCE = 1e-5
 PROG = "megatron-dynbatch demo"
 
 __all__ = ["main", "synthetic_rl_batch", "reference_coefficients", "unpacked_reference", "reference_log_probs",
-           "log_prob_max_diff",
-           "sample_targets"]
+           "log_prob_max_diff", "sample_targets", "quiet_megatron_warnings"]
 
 
 # --------------------------------------------------------------------------------------- data
@@ -169,15 +168,16 @@ def log_prob_max_diff(per_sample: Sequence[Any], reference: Sequence[Any],
 
 
 # ------------------------------------------------------------------------------------ the worker
-def _quiet() -> None:
-    """Silence megatron-core's CPU-only import warnings (no Transformer Engine / Apex): expected here."""
+def quiet_megatron_warnings() -> None:
+    """Silence megatron-core's CPU-only import warnings (no Transformer Engine / Apex): expected here. Called
+    first in every CPU rank, the demo's and the multi-rank tests' alike."""
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 
 def _demo_worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
-    _quiet()
+    quiet_megatron_warnings()
     import torch
 
     from .core.model_spec import ModelSpec
@@ -383,7 +383,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
-    _quiet()
+    quiet_megatron_warnings()
     from .requirements import import_problem
 
     problem = import_problem("torch", "megatron.core")

@@ -10,8 +10,8 @@ Run it like Megatron-LM's ``pretrain_gpt.py`` (with a Megatron-LM checkout on ``
         --dynbatch-train-data samples.jsonl          # or --dynbatch-mock-data
 
 This file is only the entry point. The hook, the flags and the batch sources live in
-:mod:`megatron_dynbatch.integrations.megatron_lm` (see its docstring for how the hook works); to add dynamic batching to a
-launch script of your own, these are the lines::
+:mod:`megatron_dynbatch.integrations.megatron_lm` (``hook.py``'s docstring says how the hook works); to add dynamic
+batching to a launch script of your own, these are the lines::
 
     from megatron_dynbatch.integrations.megatron_lm import add_dynamic_batch_args, global_batch_datasets_provider, install
 

@@ -146,6 +146,24 @@ def test_group_ids_from_samples_keep_groups_on_one_rank():
         assert it.normalizer(0).num_units == 4
 
 
+def test_group_ids_read_from_samples_by_value_whatever_their_type():
+    """A sample's group id may be a tensor (one element or several), a NumPy scalar or a Python value: the
+    iterator and the Ray driver read it by value through one helper (core.checks.hashable_group_id), so
+    ``tensor(3)``, ``np.int64(3)`` and ``3`` are one group."""
+    from megatron_dynbatch.core.checks import hashable_group_id
+
+    for value, want in ((torch.tensor(3), 3), (torch.tensor([3]), 3), (torch.tensor([1, 2]), (1, 2)),
+                        (np.int64(3), 3), (np.str_("a"), "a"), (3, 3), ("a", "a"), ((1, 2), (1, 2))):
+        got = hashable_group_id(value)
+        assert got == want and type(got) is type(want), (value, got)
+    samples = _samples(n=12, seed=5, groups=3)
+    as_tensors = [{**s, "group_id": torch.tensor(s["group_id"])} for s in samples]
+    for r in range(2):
+        a = DynamicBatchIterator(samples, dp_rank=r, loss_mode="group_mean", **PLAN)
+        b = DynamicBatchIterator(as_tensors, dp_rank=r, loss_mode="group_mean", **PLAN)
+        assert a.sample_indices() == b.sample_indices() and b.normalizer(0).num_units == 4
+
+
 def test_errors():
     samples = _samples(n=6)
     plan = plan_global_batch([len(s["tokens"]) for s in samples], parallel={"dp": 2}, max_tokens_per_gpu=64,

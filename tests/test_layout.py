@@ -1,5 +1,5 @@
 """The package layout is the architecture: the planning core and the benchmark never import torch / megatron /
-ray, the documented public names import, and the old flat module paths still resolve (with a warning)."""
+ray, the documented public names import, no import circle, no private name used outside its package."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pkgutil
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -104,21 +103,6 @@ def test_top_level_exports_resolve():
         megatron_dynbatch.no_such_name  # noqa: B018
 
 
-def test_old_module_paths_resolve_to_the_new_modules():
-    from megatron_dynbatch import _legacy
-
-    for old, new in _legacy.MOVED.items():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            mod = importlib.import_module(f"megatron_dynbatch.{old}")
-        assert mod is importlib.import_module(f"megatron_dynbatch.{new}")
-    with warnings.catch_warnings(record=True):  # the move's DeprecationWarning is expected here, not news
-        warnings.simplefilter("always")
-        from megatron_dynbatch.planner.vpp import is_valid_microbatch_count  # a sub-module of a moved package
-    from megatron_dynbatch.core.planner.vpp import is_valid_microbatch_count as current
-    assert is_valid_microbatch_count is current
-
-
 def test_warning_filters_name_third_party_warnings_only():
     """pyproject's pytest ``filterwarnings`` silence named third-party notices, never a whole category and never
     this package's own warnings (which must stay visible in the suite's summary)."""
@@ -176,3 +160,46 @@ def test_the_package_has_no_import_cycle():
 
     cycles = sorted(n for n in graph if n in reach(n))
     assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def _owner_package(module: str) -> str:
+    """The package a module name belongs to: itself when it is a package of this repository, else its parent."""
+    path = ROOT.joinpath(*module.split("."))
+    return module if (path / "__init__.py").is_file() else module.rsplit(".", 1)[0]
+
+
+def test_no_private_name_is_imported_from_another_package():
+    """A ``_private`` name is used only inside the package that defines it: no module of the package, and no
+    script, benchmark or example, imports one (``from ..x import _y``) or reads one off an imported module of
+    another package (``x._y``). A helper two packages share is public, in the lower of the two."""
+    files = [*sorted(PKG.rglob("*.py")), *(p for d in ("scripts", "benchmarks", "examples")
+                                            for p in sorted((ROOT / d).rglob("*.py")))]
+    bad = []
+    for p in files:
+        rel = p.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if p.name == "__init__.py" else rel.parts)
+        here = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        modules = {}  # local name -> module of this repository it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = here.split(".")
+                module = (".".join(base[:len(base) - node.level + 1] + (node.module.split(".") if node.module else []))
+                          if node.level else node.module or "")
+                if not module.startswith("megatron_dynbatch"):
+                    continue
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__") and _owner_package(module) != here:
+                        bad.append(f"{rel}:{node.lineno} imports {a.name} from {module}")
+                    modules[a.asname or a.name] = f"{module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                modules.update({a.asname: a.name for a in node.names
+                                if a.asname and a.name.startswith("megatron_dynbatch")})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
+                    and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and (ROOT.joinpath(*modules[node.value.id].split(".")).with_suffix(".py").is_file()
+                         or ROOT.joinpath(*modules[node.value.id].split("."), "__init__.py").is_file()) \
+                    and _owner_package(modules[node.value.id]) != here:
+                bad.append(f"{rel}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not bad, bad

@@ -139,10 +139,10 @@ def _core_attention_sbhd_cp_check(cp_rank: int, cp: int) -> dict:
 
 
 def _worker(rank: int, world_size: int, layout: str) -> dict:
-    from megatron_dynbatch.demo import (_quiet, log_prob_max_diff, reference_coefficients, reference_log_probs,
-                                        synthetic_rl_batch, unpacked_reference)
+    from megatron_dynbatch.demo import (log_prob_max_diff, quiet_megatron_warnings, reference_coefficients,
+                                        reference_log_probs, synthetic_rl_batch, unpacked_reference)
 
-    _quiet()
+    quiet_megatron_warnings()
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -27,10 +27,10 @@ def plan_json(plan) -> str:
 
 
 def _dp_worker(rank: int, world_size: int) -> dict:
-    from megatron_dynbatch.demo import (_quiet, log_prob_max_diff, reference_coefficients, reference_log_probs,
-                                        synthetic_rl_batch, unpacked_reference)
+    from megatron_dynbatch.demo import (log_prob_max_diff, quiet_megatron_warnings, reference_coefficients,
+                                        reference_log_probs, synthetic_rl_batch, unpacked_reference)
 
-    _quiet()
+    quiet_megatron_warnings()
 
     from megatron_dynbatch.core.model_spec import ModelSpec
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs

@@ -112,10 +112,10 @@ def _cp_path_diffs(ref, samples, spec, coef_fn) -> dict:
 
 # ------------------------------------------------------------------------------------------ worker
 def _layout_worker(rank: int, world_size: int, layout: str) -> dict:
-    from megatron_dynbatch.demo import (_quiet, log_prob_max_diff, reference_coefficients, reference_log_probs,
-                                        synthetic_rl_batch, unpacked_reference)
+    from megatron_dynbatch.demo import (log_prob_max_diff, quiet_megatron_warnings, reference_coefficients,
+                                        reference_log_probs, synthetic_rl_batch, unpacked_reference)
 
-    _quiet()
+    quiet_megatron_warnings()
     from megatron.core import parallel_state
 
     from megatron_dynbatch.core.model_spec import ModelSpec

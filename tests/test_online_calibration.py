@@ -37,9 +37,9 @@ def _plan_key(plan) -> str:
 
 
 def _worker(rank: int, world_size: int, layout: str) -> dict:
-    from megatron_dynbatch.demo import _quiet, synthetic_rl_batch
+    from megatron_dynbatch.demo import quiet_megatron_warnings, synthetic_rl_batch
 
-    _quiet()
+    quiet_megatron_warnings()
     from megatron.core import parallel_state
 
     from megatron_dynbatch.core.model_spec import ModelSpec

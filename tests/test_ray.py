@@ -250,9 +250,9 @@ class _TrainActor(DynBatchActorMixin):
 
     def setup(self, rank: int, world_size: int, port: int) -> dict:
         torch.set_num_threads(1)
-        from megatron_dynbatch.demo import _quiet
+        from megatron_dynbatch.demo import quiet_megatron_warnings
 
-        _quiet()
+        quiet_megatron_warnings()
         from megatron.core import parallel_state
 
         from megatron_dynbatch.testing import megatron_cpu

@@ -1,5 +1,5 @@
 """Launch scripts (scripts/*.sh, scripts/sbatch/*.sbatch), the Megatron-LM integration
-(megatron_dynbatch/integrations/megatron_lm.py) and its entry point (scripts/pretrain_gpt_dynbatch.py): syntax, DRY_RUN
+(megatron_dynbatch/integrations/megatron_lm/) and its entry point (scripts/pretrain_gpt_dynbatch.py): syntax, DRY_RUN
 output, agreement with the run presets, Slurm rendezvous, the pure-Python parts of the hook, and a real
 2-process torchrun run of the sbatch body on CPU."""
 

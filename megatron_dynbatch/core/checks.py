@@ -47,6 +47,18 @@ def scalar(value: Any) -> Any:
     return value
 
 
+def hashable_group_id(value: Any) -> Any:
+    """One sample's group id (the value under a sample dict's ``group_key``) as a hashable key: a tensor
+    (duck-typed by ``.numel()``, ``.item()`` and ``.tolist()``, any device) of one element as its Python scalar,
+    of several as a tuple; a NumPy scalar as its Python scalar; anything else unchanged (the group-id check then
+    names what is wrong). Used where samples are read, by the data iterator and the Ray driver alike."""
+    if all(callable(getattr(value, a, None)) for a in ("numel", "item", "tolist")):
+        return value.item() if value.numel() == 1 else tuple(value.tolist())
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
 def whole_number(value: Any) -> Optional[int]:
     """``value`` as a Python int when it is an exact whole number of any numeric type (see the module docstring),
     else ``None`` (booleans, fractions, NaN, infinities, strings, containers)."""

@@ -320,10 +320,6 @@ class ModelSpec:
     def num_moe_layers(self) -> int:
         return sum(self.moe_layer_pattern())
 
-    @property
-    def num_dense_layers(self) -> int:
-        return self.num_layers - self.num_moe_layers
-
     def to_dict(self) -> Dict[str, Any]:
         """All fields (derived defaults resolved) as plain Python values; ``moe_layer_freq`` as int or list."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optio
 import numpy as np
 
 from ..core.alignment import Alignment
-from ..core.checks import is_int
+from ..core.checks import hashable_group_id, is_int
 from ..core.errors import DynBatchConfigError
 from .loss import LOSS_MODES, LossNormalizer, loss_mask_stats, make_loss_func
 from ..core.parallel import ParallelConfig
@@ -109,7 +109,7 @@ class DynamicBatchIterator:
         _check_loss_mode(loss_mode)
         lengths = np.asarray([len(s["tokens"]) for s in samples], dtype=np.int64)
         if group_ids is None and all(group_key in s for s in samples):
-            group_ids = [_hashable(s[group_key]) for s in samples]
+            group_ids = [hashable_group_id(s[group_key]) for s in samples]
         gids = check_group_ids(group_ids, len(samples)) if group_ids is not None else None
 
         if plan is None:
@@ -609,14 +609,6 @@ def _check_sample_dicts(samples: Any, what: str) -> None:
 def _check_loss_mode(loss_mode: str) -> None:
     if loss_mode not in LOSS_MODES:
         raise DynBatchConfigError("loss_mode", loss_mode, "unknown loss normalisation", f"use one of {LOSS_MODES}")
-
-
-def _hashable(v: Any) -> Hashable:
-    if _is_tensor(v):
-        return v.item() if v.numel() == 1 else tuple(v.tolist())
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
 
 
 def _is_tensor(x: Any) -> bool:

@@ -11,8 +11,6 @@ Without interleaving (``vpp == 1``) any ``M >= 1`` is accepted.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ..checks import as_int
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
@@ -37,14 +35,6 @@ def next_valid_microbatch_count(m: int, parallel: ParallelConfig) -> int:
     while not is_valid_microbatch_count(m, parallel):
         m += 1
     return m
-
-
-def previous_valid_microbatch_count(m: int, parallel: ParallelConfig) -> Optional[int]:
-    """Largest valid count <= ``m``, or ``None`` if there is none."""
-    m = int(m)
-    while m >= 1 and not is_valid_microbatch_count(m, parallel):
-        m -= 1
-    return m if m >= 1 else None
 
 
 def check_forced_count(m: int, parallel: ParallelConfig) -> int:

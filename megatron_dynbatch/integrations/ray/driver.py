@@ -11,6 +11,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Seque
 
 import numpy as np
 
+from ...core.checks import hashable_group_id
 from ...core.errors import DynBatchConfigError, trainer_terms
 from ...core.parallel import ParallelConfig
 from ...core.planner import Plan, plan_global_batch, score_assignment
@@ -18,7 +19,6 @@ from ...core.planner.api import options_of
 from ...core.planner.options import PlanOptions
 from ...core.planner.inputs import check_group_ids
 from ...core.planner.vpp import is_valid_microbatch_count, next_valid_microbatch_count
-from ...megatron.iterator import _hashable
 from ...megatron.loss import LOSS_MODES, loss_mask_stats
 from .shards import RankShard, RolloutPlan, ShardResult, _ray_initialized
 
@@ -117,7 +117,7 @@ def plan_rollout(
                                       "leave lengths out when passing samples")
         sums, counts = loss_mask_stats(samples)
         if group_ids is None and all(group_key in s for s in samples):
-            group_ids = [_hashable(s[group_key]) for s in samples]
+            group_ids = [hashable_group_id(s[group_key]) for s in samples]
     else:
         sample_refs = list(sample_refs)  # type: ignore[arg-type]
         n = len(sample_refs)

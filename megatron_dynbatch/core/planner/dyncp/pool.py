@@ -53,10 +53,6 @@ class PoolNode:
     def stop(self) -> int:
         return self.start + self.size
 
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
 
 class PoolTree:
     """The CP-group tree of a ``dp x cp`` pool (module docstring). Nodes are numbered top-down, left to right."""
@@ -122,10 +118,6 @@ class PoolTree:
         while self.nodes[out[-1]].parent >= 0:
             out.append(self.nodes[out[-1]].parent)
         return out[::-1]
-
-    def leaves_under(self, index: int) -> range:
-        n = self.nodes[index]
-        return range(n.start, n.stop)
 
 
 @functools.lru_cache(maxsize=64)
