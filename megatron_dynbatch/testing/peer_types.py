@@ -7,11 +7,14 @@ NeMo-RL are not installable here). Written from their public interfaces -- only 
   ROLL's DataProto agree on these -- and ``concat`` as ROLL's (read Aug 2026: its ``meta_info`` merge);
 * :func:`grpo_batch`: a right-padded ``[b, s]`` batch (``input_ids``, ``attention_mask``) with a ``uid`` per
   prompt group, like the rollouts both trainers hand to their batching;
-* :func:`slime_args`: a namespace with the fields slime's ``build_dp_schedule`` reads.
+* :func:`slime_args`: a namespace with the fields slime's ``build_dp_schedule`` reads;
+* :class:`NemoRLSequencePacker`: NeMo-RL's abstract ``SequencePacker`` (``nemo_rl/data/packing/algorithms.py``),
+  the base class its ``get_packer`` returns instances of and its tests check with ``isinstance``.
 """
 
 from __future__ import annotations
 
+import abc
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Set
 
@@ -134,3 +137,20 @@ def slime_args(**overrides: Any) -> SimpleNamespace:
     base.update(overrides)
     return SimpleNamespace(**base)
 
+
+class NemoRLSequencePacker(abc.ABC):
+    """NeMo-RL's abstract ``SequencePacker`` as its callers see it: built with ``(bin_capacity, collect_metrics,
+    min_bin_count, bin_count_multiple)``, ``pack`` runs the abstract ``_pack_implementation`` (every concrete
+    packer defines it), so the class itself cannot be instantiated."""
+
+    def __init__(self, bin_capacity: int, collect_metrics: bool = False, min_bin_count: Optional[int] = None,
+                 bin_count_multiple: Optional[int] = None) -> None:
+        self.bin_capacity, self.collect_metrics = bin_capacity, collect_metrics
+        self.min_bin_count, self.bin_count_multiple = min_bin_count, bin_count_multiple
+
+    @abc.abstractmethod
+    def _pack_implementation(self, sequence_lengths: Sequence[int]) -> list:
+        """The bins of one packing."""
+
+    def pack(self, sequence_lengths: Sequence[int]) -> list:
+        return self._pack_implementation(sequence_lengths)
