@@ -7,13 +7,17 @@ a balanced share."""
 from __future__ import annotations
 
 import enum
+import re
+import sys
+import types
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dynbatch.integrations.nemo_rl import PackingAlgorithm, get_packer
+from megatron_dynbatch import DynBatchConfigError
+from megatron_dynbatch.integrations.nemo_rl import DynBatchSequencePacker, PackingAlgorithm, get_packer
 
 
 def deal(bins, shards):
@@ -54,7 +58,7 @@ def test_errors_are_value_errors():
         get_packer("concatenative", 10, bin_count_multiple=0)
     with pytest.raises(ValueError, match="sequence 1 has length 11"):
         get_packer("concatenative", 10).pack([3, 11])
-    with pytest.raises(ValueError, match="cannot fill 4 bins"):
+    with pytest.raises(ValueError, match="Cannot create 4 bins with only 3 sequences"):
         get_packer("concatenative", 10, min_bin_count=4, bin_count_multiple=2).pack([3, 3, 3])
     with pytest.raises(ValueError, match="max_seq_len"):
         get_packer("concatenative", 4096, max_seq_len=5000)
@@ -102,7 +106,7 @@ def test_packer_contract_on_random_lengths(lengths, capacity, multiple, min_bins
     try:
         bins = packer.pack(lengths)
     except ValueError as err:  # every rank needs as many sequences as bins
-        assert "without leaving one empty" in str(err), str(err)
+        assert f"bins with only {len(lengths)} sequences" in str(err), str(err)
         return
     if not lengths:
         assert bins == []
@@ -153,7 +157,7 @@ def test_lengths_as_nemo_rl_holds_them_and_errors_in_nemo_rl_s_words():
         packer.pack([100, 2.5])
     with pytest.raises(ValueError, match="bin_capacity=100: sequence 1 has length 150"):
         get_packer("first_fit_decreasing", 100).pack(torch.tensor([50, 150, 70]))
-    with pytest.raises(ValueError, match="cannot fill 3 bins") as exc:
+    with pytest.raises(ValueError, match="Cannot create 3 bins with only 2 sequences") as exc:
         get_packer("concatenative", 100, min_bin_count=3).pack([50, 50])
     assert exc.value.field == "sequence_lengths"
 
@@ -177,8 +181,8 @@ def test_same_structure_as_nemo_rl_s_own_packer(lengths, capacity, multiple, min
     try:
         bins = get_packer("modified_first_fit_decreasing", capacity, min_bin_count=min_bins,
                           bin_count_multiple=multiple).pack(lengths)
-    except ValueError:
-        assert theirs is None
+    except ValueError as err:
+        assert theirs is None and re.search(rf"Cannot create \d+ bins with only {len(lengths)} sequences", str(err))
         return
     if not lengths:
         assert bins == [] == theirs
@@ -197,3 +201,83 @@ def test_the_step_structure_is_the_caller_s():
     packer = get_packer("modified_first_fit_decreasing", 1000, min_bin_count=2, bin_count_multiple=2)
     for chunk in chunks:
         assert sorted(i for b in packer.pack(chunk) for i in b) == list(range(len(chunk)))
+
+
+# ------------------------------------------------------------------ issue 28 item 2: NeMo-RL's class and words
+NEMO_RL_ALGORITHMS = "nemo_rl.data.packing.algorithms"
+
+
+def _stand_in_nemo_rl(monkeypatch):
+    """A stand-in of NeMo-RL's packing module (its abstract ``SequencePacker``) where NeMo-RL would be."""
+    from megatron_dynbatch.testing.peer_types import NemoRLSequencePacker
+
+    module = types.ModuleType(NEMO_RL_ALGORITHMS)
+    module.SequencePacker = NemoRLSequencePacker
+    monkeypatch.setitem(sys.modules, NEMO_RL_ALGORITHMS, module)
+    return NemoRLSequencePacker
+
+
+@pytest.mark.parametrize("algorithm", list(PackingAlgorithm))
+def test_the_packer_is_nemo_rl_s_sequence_packer_where_nemo_rl_is(monkeypatch, algorithm):
+    """NeMo-RL's own ``test_get_packer`` checks ``isinstance(get_packer(...), SequencePacker)`` with ITS abstract
+    class; the drop-in used to return a class of its own only. With NeMo-RL (here its stand-in) loaded, the
+    packer is both ours and NeMo-RL's, runs our planning (``pack`` and NeMo-RL's ``_pack_implementation``) and
+    keeps NeMo-RL's attributes."""
+    base = _stand_in_nemo_rl(monkeypatch)
+    packer = get_packer(algorithm, 100, min_bin_count=2, bin_count_multiple=2)
+    assert isinstance(packer, base) and isinstance(packer, DynBatchSequencePacker)
+    lengths = [10, 20, 30, 40, 50, 60, 70, 80, 90]
+    bins = packer.pack(lengths)
+    check_bins(bins, lengths, 100, 2, 2)
+    assert packer._pack_implementation(lengths) == bins and type(get_packer(algorithm, 50)) is type(packer)
+    assert (packer.bin_capacity, packer.min_bin_count, packer.bin_count_multiple) == (100, 2, 2)
+
+
+def test_without_nemo_rl_the_packer_is_ours(monkeypatch):
+    monkeypatch.setitem(sys.modules, NEMO_RL_ALGORITHMS, None)  # "import nemo_rl..." raises ImportError
+    assert type(get_packer("concatenative", 100)) is DynBatchSequencePacker
+
+
+@pytest.mark.parametrize("lengths, kw, bins", [([50, 50], {"min_bin_count": 3}, 3),
+                                               ([50, 50], {"bin_count_multiple": 4}, 4),
+                                               ([50, 50, 50], {"min_bin_count": 3, "bin_count_multiple": 2}, 4),
+                                               ([100] * 5, {"bin_count_multiple": 2}, 6)])
+def test_too_few_sequences_in_nemo_rl_s_words_beside_our_fix(lengths, kw, bins):
+    """NeMo-RL's ``test_insufficient_sequences_for_constraints`` matches ``Cannot create N bins with only M
+    sequences``: the drop-in's ValueError carries those words (N as NeMo-RL counts it here: the model of NeMo-RL's
+    packer agrees) and still names the field and a fix. The last case: every sequence fills a bin, so five bins
+    over two ranks need six."""
+    from megatron_dynbatch.testing.peer_models import nemo_rl_pack
+
+    words = f"Cannot create {bins} bins with only {len(lengths)} sequences"
+    with pytest.raises(ValueError, match=words):
+        nemo_rl_pack(lengths, 100, kw.get("min_bin_count"), kw.get("bin_count_multiple"))
+    with pytest.raises(DynBatchConfigError, match=words) as exc:
+        get_packer(PackingAlgorithm.CONCATENATIVE, 100, **kw).pack(lengths)
+    assert exc.value.field == "sequence_lengths" and "provide more sequences" in exc.value.fix
+
+
+def _nemo_rl_own():
+    return pytest.importorskip(
+        NEMO_RL_ALGORITHMS, exc_type=ImportError,
+        reason="NeMo-RL is not importable: put its source (NVIDIA-NeMo/RL; the packing module needs only the "
+               "standard library) on PYTHONPATH to check the drop-in against NeMo-RL's own classes")
+
+
+def test_against_nemo_rl_s_own_sequence_packer_and_words():
+    """Issue 28 item 2 against NeMo-RL's own module: ``get_packer`` returns an instance of NeMo-RL's
+    ``SequencePacker`` for every member of NeMo-RL's enum, and where NeMo-RL's own packer refuses too few
+    sequences, so does the drop-in, in the same words."""
+    theirs = _nemo_rl_own()
+    for algorithm in theirs.PackingAlgorithm:
+        assert isinstance(get_packer(algorithm, 100), theirs.SequencePacker)
+    rng = np.random.default_rng(28)
+    for _ in range(200):
+        lengths = rng.integers(1, 101, int(rng.integers(1, 12))).tolist()
+        kw = {"min_bin_count": int(rng.choice([0, 2, 5, 9])), "bin_count_multiple": int(rng.choice([1, 2, 4]))}
+        try:
+            theirs.get_packer(theirs.PackingAlgorithm.MODIFIED_FIRST_FIT_DECREASING, 100, **kw).pack(lengths)
+        except ValueError as err:
+            assert "Cannot create" in str(err)
+            with pytest.raises(ValueError, match=rf"Cannot create \d+ bins with only {len(lengths)} sequences"):
+                get_packer(theirs.PackingAlgorithm.MODIFIED_FIRST_FIT_DECREASING, 100, **kw).pack(lengths)

@@ -7,6 +7,8 @@ budget, a start-up check of the configured width. The micro-batches are consumed
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -44,7 +46,8 @@ def check(batch, lengths, dp, cap, rnd):
     assert meta["global_micro_batch_indices"] == ranges and meta["global_micro_batch_lengths"] == lens
     assert ranges[0][0] == 0 and ranges[-1][1] == n
     assert all(a < b for a, b in ranges) and all(ranges[k][1] == ranges[k + 1][0] for k in range(len(ranges) - 1))
-    assert all(s % rnd == 0 and s >= rnd and (b - a) * s <= cap for (a, b), s in zip(ranges, lens))
+    # at least one round -- or 0 for a micro-batch of empty samples only (below), as ROLL's own cut may have
+    assert all(s % rnd == 0 and s >= 0 and (b - a) * s <= cap for (a, b), s in zip(ranges, lens))
     ids = batch.non_tensor_batch["sample_id"].tolist()
     assert sorted(ids) == list(range(len(lengths)))
     for r, mbs in enumerate(consume(batch, dp)):
@@ -174,15 +177,140 @@ def test_start_up_check_warns_where_roll_plans_and_the_count_follows_roll_s_pipe
     assert batch.meta_info["num_micro_batchs"] == 3  # no virtual pipeline: no rounding
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_the_caller_s_meta_info_is_not_written(dp):
-    """ROLL's ``slice()`` shares ``meta_info`` with the caller's batch (so do the stand-ins): the result carries a
-    new one, the caller's is untouched."""
+def _metrics_batch(dp):
     data = grpo_batch([10, 20, 30, 40], width=40)
-    data.meta_info["temperature"] = 0.7
-    batch, _ = dynamic_batching_shard(data, dp, 64, 16)
-    assert data.meta_info == {"temperature": 0.7}
-    assert batch.meta_info["temperature"] == 0.7 and "num_micro_batchs" in batch.meta_info
+    data.meta_info.update(temperature=0.7, metrics={"reward@sum": 2.5, "lengths": [3, 4]})
+    return data
+
+
+def test_meta_info_with_dp_1_is_the_caller_s_own_dict_as_in_roll():
+    """Issue 28 item 3. ROLL slices the caller's batch (the slice shares ``meta_info``) and its ``concat`` of one
+    shard returns that shard: its keys land in the caller's own dict, which the result shares. The drop-in used
+    to give the result a new dict and leave the caller's alone."""
+    data = _metrics_batch(1)
+    caller = data.meta_info
+    batch, _ = dynamic_batching_shard(data, 1, 64, 16)
+    assert batch.meta_info is caller and caller["num_micro_batchs"] == len(caller["micro_batch_indices"])
+    assert caller["metrics"] == {"reward@sum": 2.5, "lengths": [3, 4]} and caller["temperature"] == 0.7
+    assert caller["micro_batch_indices"] is caller["global_micro_batch_indices"]  # one list, as ROLL writes it
+    assert caller["micro_batch_lengths"] is caller["global_micro_batch_lengths"]
+
+
+def test_meta_info_with_dp_over_1_is_roll_s_concat_merge():
+    """Issue 28 item 3. With ``dp > 1`` ROLL joins the shards with ``DataProto.concat``: a new dict with the
+    caller's keys, and ``metrics`` gathered over the ``dp`` shards (a scalar into ``dp`` copies, a list ``dp``
+    copies end to end); the caller's dict is left alone. The drop-in used to copy ``metrics`` as it was."""
+    data = _metrics_batch(2)
+    batch, _ = dynamic_batching_shard(data, 2, 64, 16)
+    assert data.meta_info == {"temperature": 0.7, "metrics": {"reward@sum": 2.5, "lengths": [3, 4]}}
+    meta = batch.meta_info
+    assert meta is not data.meta_info and meta["temperature"] == 0.7
+    assert meta["metrics"] == {"reward@sum": [2.5, 2.5], "lengths": [3, 4, 3, 4]}
+    assert meta["micro_batch_indices"] is meta["global_micro_batch_indices"]
+    check(batch, [10, 20, 30, 40], 2, 64, 16)
+    data = grpo_batch([10, 20, 30, 40], width=40)
+    data.meta_info["metrics"] = [1.0]  # not a dict: the list of the shards' values
+    batch, _ = dynamic_batching_shard(data, 2, 64, 16)
+    assert batch.meta_info["metrics"] == [[1.0], [1.0]] and data.meta_info == {"metrics": [1.0]}
+
+
+def test_a_batch_type_without_concat_is_refused_for_dp_over_1():
+    class NoConcat(DataProto):
+        concat = None
+
+    base = grpo_batch([10, 20, 30, 40], width=40)
+    data = NoConcat(base.batch, base.non_tensor_batch)
+    with pytest.raises(AssertionError, match="origin_batch='NoConcat'.*DataProto.concat"):
+        dynamic_batching_shard(data, 2, 64, 16)
+    batch, _ = dynamic_batching_shard(data, 1, 64, 16)  # one shard: no join, as in ROLL
+    assert batch.meta_info is data.meta_info
+
+
+# ------------------------------------------------------------------ issue 28 item 1: rows of empty samples
+def _roll_count(lengths, dp, cap, rnd, pp=1, vpp=None):
+    from megatron_dynbatch.testing.peer_models import roll_dynamic_batching_shard
+
+    return len(roll_dynamic_batching_shard(lengths, dp, cap, rnd, pp, vpp).ranges)
+
+
+def test_all_empty_rows_keep_roll_s_count_issue_example():
+    """``[0, 0, 0, 0, 0, 8]``, width 8, one rank, budget 8, round 4: ROLL cuts ``[[0, 2], [2, 5], [5, 6]]`` with
+    lengths ``[4, 0, 8]`` (M=3; its second micro-batch holds only empty rows, length 0). The drop-in gave every
+    micro-batch at least one round and made 4 -- one optimizer step more at ``ga_steps=3``."""
+    lengths = [0, 0, 0, 0, 0, 8]
+    batch, _ = dynamic_batching_shard(grpo_batch(lengths, width=8), 1, 8, 4)
+    meta = batch.meta_info
+    assert meta["num_micro_batchs"] == _roll_count(lengths, 1, 8, 4) == 3
+    assert meta["micro_batch_lengths"].count(0) == 1  # ROLL's count needs one length-0 micro-batch, as ROLL's
+    check(batch, lengths, 1, 8, 4)
+    assert len(_mini_batches(meta, 3)) == 1
+
+
+def test_many_empty_samples_keep_roll_s_count():
+    """512 samples, 51 of them empty, round 128, budget 2048, one rank: ROLL's count (the issue's batch made 241
+    micro-batches against ROLL's 240; this one 318 against 317)."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 2049, 512)
+    lengths[rng.choice(512, 51, replace=False)] = 0
+    batch, _ = dynamic_batching_shard(grpo_batch(lengths.tolist(), width=2048), 1, 2048, 128)
+    assert batch.meta_info["num_micro_batchs"] == _roll_count(lengths.tolist(), 1, 2048, 128) == 317
+    check(batch, lengths.tolist(), 1, 2048, 128)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 2, 4]), st.integers(1, 40), st.sampled_from([64, 256, 768]), st.sampled_from([8, 32]),
+       st.sampled_from([(1, None), (2, 1), (4, 2)]), st.floats(0.0, 1.0), st.sampled_from([None, 2, 8]),
+       st.integers(0, 2 ** 31 - 1))
+def test_roll_s_count_whatever_the_rows_hold(dp, per_rank, cap, rnd, pipe, empty_share, ga_steps, seed):
+    """Random batches with a random share of empty samples (all-zero masks) against the model of ROLL's own
+    ``dynamic_batching_shard``: ROLL's micro-batch count (with ``ga_steps``, as many optimizer steps), every
+    micro-batch within the budget, a length-0 micro-batch only of empty samples and only where ROLL's own cut
+    has one."""
+    from megatron_dynbatch.testing.peer_models import roll_dynamic_batching_shard
+
+    pp, vpp = pipe
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, cap + 1, dp * per_rank)
+    lengths[rng.random(lengths.size) < empty_share] = 0
+    lengths = lengths.tolist()
+    try:
+        theirs = roll_dynamic_batching_shard(lengths, dp, cap, rnd, pp, vpp)
+    except AssertionError:
+        theirs = None
+    try:
+        batch, _ = dynamic_batching_shard(grpo_batch(lengths, width=cap), dp, cap, rnd, pp, vpp, ga_steps=ga_steps)
+    except DynBatchConfigError as err:
+        assert isinstance(err, AssertionError) and theirs is None, str(err)
+        return
+    check(batch, lengths, dp, cap, rnd)
+    meta = batch.meta_info
+    if theirs is None:  # ROLL cannot split enough micro-batches for its pipeline rounding
+        assert pp > 1 and vpp
+        return
+    m, ours = len(theirs.ranges), meta["num_micro_batchs"]
+    assert ours == m if ga_steps is None else -(-ours // ga_steps) == -(-m // ga_steps)
+    if 0 in meta["micro_batch_lengths"]:
+        assert 0 in theirs.lengths and meta["micro_batch_lengths"].count(0) == 1
+
+
+def test_all_zero_masks_warn_as_roll_does(caplog):
+    """ROLL logs a warning on every call with an all-zero mask: so does the drop-in, naming the stage and the
+    count; a batch without one logs nothing."""
+    logger = "megatron_dynbatch.integrations.roll"
+    with caplog.at_level("WARNING", logger=logger):
+        dynamic_batching_shard(grpo_batch([0, 5, 0, 7], width=8), 2, 64, 4, log_prefix="actor_train/train_step")
+        dynamic_batching_shard(grpo_batch([0, 5, 0, 7], width=8), 2, 64, 4, log_prefix="actor_train/train_step")
+    records = [r for r in caplog.records if r.name == logger]
+    assert len(records) == 2 and all(r.levelname == "WARNING" for r in records)
+    assert "actor_train/train_step" in records[0].getMessage() and "2 of 4 samples" in records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=logger):
+        dynamic_batching_shard(grpo_batch([0, 0, 0, 0, 0, 8], width=8), 1, 8, 4)
+    assert any("length 0" in r.getMessage() for r in caplog.records if r.name == logger)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=logger):
+        dynamic_batching_shard(grpo_batch([3, 5, 2, 7], width=8), 2, 64, 4)
+    assert not [r for r in caplog.records if r.name == logger]
 
 
 def test_budgets_and_errors_as_roll_passes_and_catches_them():
@@ -206,3 +334,90 @@ def test_budgets_and_errors_as_roll_passes_and_catches_them():
     nan.batch["attention_mask"][0, 0] = float("nan")
     with pytest.raises(DynBatchConfigError, match=r"attention_mask.sum\(-1\)\[0\]=nan"):
         dynamic_batching_shard(nan, 1, 512, 64)
+
+
+# ------------------------------------------------------------------ against ROLL's own code, where it imports
+LAYOUT_KEYS = ("global_micro_batch_indices", "global_micro_batch_lengths", "micro_batch_indices",
+               "micro_batch_lengths", "num_micro_batchs")
+
+
+def _roll_own():
+    """ROLL's own ``roll.utils.dynamic_batching`` and ``DataProto``, or a skip that says how to get them."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("ROLL_LOG_DIR", tempfile.mkdtemp())  # ROLL's logger opens a log file there at import
+    mod = pytest.importorskip(
+        "roll.utils.dynamic_batching", exc_type=ImportError,
+        reason="ROLL is not importable: put its source (alibaba/ROLL) and its dependencies (ray, tensordict, "
+               "codetiming, omegaconf, ...) on PYTHONPATH to check the drop-in against ROLL's own function")
+    from roll.distributed.scheduler.protocol import DataProto as RollDataProto
+
+    def batch(lengths, width, meta=None):
+        mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).int()
+        ids = torch.arange(len(lengths))[:, None].expand(len(lengths), width).clone()
+        return RollDataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask},
+                                       meta_info=copy.deepcopy(meta) if meta else None)
+
+    return mod.dynamic_batching_shard, batch
+
+
+def _cases():
+    rng = np.random.default_rng(28)
+    yield [0, 0, 0, 0, 0, 8], 1, 8, 8, 4, 1, None
+    big = rng.integers(1, 2049, 512)
+    big[rng.choice(512, 51, replace=False)] = 0
+    yield big.tolist(), 1, 2048, 2048, 128, 1, None
+    for _ in range(24):
+        dp = int(rng.choice([1, 2, 4]))
+        cap, rnd = int(rng.choice([64, 256, 768])), int(rng.choice([8, 32]))
+        pp, vpp = [(1, None), (2, 1), (4, 2)][int(rng.integers(3))]
+        lengths = rng.integers(1, cap + 1, dp * int(rng.integers(1, 40)))
+        lengths[rng.random(lengths.size) < rng.random()] = 0
+        yield lengths.tolist(), dp, cap, cap, rnd, pp, vpp
+
+
+def test_count_as_roll_s_own_function_and_the_model_is_roll_s():
+    """Issue 28 item 1 against ROLL's own ``dynamic_batching_shard`` (its DataProto): the drop-in's micro-batch
+    count is ROLL's on the issue's batches and on random ones with empty samples, and the model the other tests
+    use (:func:`~megatron_dynbatch.testing.peer_models.roll_dynamic_batching_shard`) gives ROLL's very layout."""
+    from megatron_dynbatch.testing.peer_models import roll_dynamic_batching_shard
+
+    theirs_fn, roll_batch = _roll_own()
+    for lengths, dp, width, cap, rnd, pp, vpp in _cases():
+        try:
+            theirs, _ = theirs_fn(roll_batch(lengths, width), dp, cap, rnd, pp, vpp)
+        except AssertionError:
+            continue
+        model = roll_dynamic_batching_shard(lengths, dp, cap, rnd, pp, vpp)
+        assert model.ranges == theirs.meta_info["global_micro_batch_indices"]
+        assert model.lengths == theirs.meta_info["global_micro_batch_lengths"]
+        ours, _ = dynamic_batching_shard(roll_batch(lengths, width), dp, cap, rnd, pp, vpp)
+        assert ours.meta_info["num_micro_batchs"] == theirs.meta_info["num_micro_batchs"], (lengths, dp, cap, rnd)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_meta_info_as_roll_s_own_function_leaves_it(dp):
+    """Issue 28 item 3 against ROLL's own function and DataProto: what the caller's dict holds afterwards, whether
+    the result shares it, the result's keys and (layout aside) values -- ``metrics`` gathered by ROLL's concat
+    for ``dp > 1`` -- and the shared list objects, all as ROLL leaves them."""
+    theirs_fn, roll_batch = _roll_own()
+    meta = {"temperature": 0.7, "metrics": {"reward@sum": 2.5, "lengths": [3, 4]}, "global_step": 3}
+    lengths = [10, 20, 30, 40, 0, 50, 60, 70]
+    runs = []
+    for fn in (theirs_fn, dynamic_batching_shard):
+        data = roll_batch(lengths, 72, meta)
+        caller = data.meta_info
+        out, _ = fn(data, dp, 144, 8, 1, None, "actor_train/train_step")
+        runs.append((caller, out.meta_info))
+    (their_caller, their_meta), (our_caller, our_meta) = runs
+
+    def without_layout(d):
+        return {k: v for k, v in d.items() if k not in LAYOUT_KEYS}
+
+    assert sorted(our_caller) == sorted(their_caller) and without_layout(our_caller) == without_layout(their_caller)
+    assert (our_meta is our_caller) == (their_meta is their_caller) == (dp == 1)
+    assert sorted(our_meta) == sorted(their_meta) and without_layout(our_meta) == without_layout(their_meta)
+    for a, b in [("micro_batch_indices", "global_micro_batch_indices"), ("micro_batch_lengths",
+                                                                         "global_micro_batch_lengths")]:
+        assert (our_meta[a] is our_meta[b]) == (their_meta[a] is their_meta[b])

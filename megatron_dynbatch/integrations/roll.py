@@ -20,14 +20,26 @@ model; default tokens), ``cost_model``.
 Start-up check: the padded width of the batch (ROLL's ``sequence_length``, the configured maximum), rounded to
 ``sequence_length_round``, should fit ``max_tokens_per_microbatch``; when it does not, an ``OversizeSampleWarning``
 says a long sample would fail later (ROLL plans such batches, and so does this drop-in while every sample
-fits). Errors are :class:`~megatron_dynbatch.core.errors.DropinAssertionError` (ROLL asserts) naming ROLL's
-arguments. The caller's ``meta_info`` is never written: the returned batch carries a new one. Needs only the
-DataProto methods ROLL's own function uses (``batch["attention_mask"]``, ``slice()``, ``reorder()``,
-``meta_info``); torch is imported lazily.
+fits). Samples whose ``attention_mask`` is all zero are planned as empty ones, with a warning on this module's
+logger each call, as ROLL logs one (the module docstring of :mod:`~megatron_dynbatch.core.dropin.roll` says how
+they keep ROLL's count). Errors are :class:`~megatron_dynbatch.core.errors.DropinAssertionError` (ROLL asserts)
+naming ROLL's arguments.
+
+``meta_info`` as ROLL's callers see it: ROLL slices the caller's batch (a slice shares the caller's
+``meta_info``), cuts it into the ``dp`` shards and joins them with ``DataProto.concat``, then writes its keys
+into the joined batch's ``meta_info``. So does this drop-in, with the batch's own ``concat``: with ``dp_size=1``
+the join is the one shard, so the keys land in the caller's own dict and the result shares it; with ``dp_size >
+1`` the result has a new dict, ``concat``'s merge of the shards' (ROLL's: the caller's keys, and its
+``metrics`` gathered over the ``dp`` shards -- a scalar metric becomes a list of ``dp`` copies, a list metric
+``dp`` copies end to end), and the caller's dict is left alone. ``micro_batch_indices`` /
+``micro_batch_lengths`` are the same list objects as the ``global_`` ones, as in ROLL. Needs the DataProto
+methods ROLL's own function uses (``batch["attention_mask"]``, ``slice()``, ``reorder()``, ``meta_info``, and
+``concat`` for ``dp_size > 1``); torch is imported lazily.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Optional, Tuple
 
@@ -40,6 +52,8 @@ from ..core.errors import DynBatchConfigError, OversizeSampleWarning
 from ..core.planner.inputs import attention_mask_lengths
 
 __all__ = ["dynamic_batching_shard"]
+
+log = logging.getLogger(__name__)
 
 
 @speaks(ROLL_WORDS, assertion=True)
@@ -64,17 +78,25 @@ def dynamic_batching_shard(origin_batch: Any, dp_size: int, max_tokens_per_micro
                       f"because its samples are shorter, but a sample that long would fail. Raise "
                       f"max_tokens_per_microbatch_in_train to at least {padded_width}, or lower the sequence length",
                       OversizeSampleWarning, stacklevel=3)
+    _warn_empty(seq_lens, log_prefix)
     shard = roll_shard(seq_lens, dp_size, max_tokens_per_microbatch, rnd, pipeline_model_parallel_size,
                        virtual_pipeline_model_parallel_size, microbatch_group_size_per_vp_stage, ga_steps=ga_steps,
                        model=model, cost_model=cost_model)
+    if 0 in shard.micro_batch_lengths:
+        log.warning("dynamic_batching_shard (%s): ROLL's micro-batch count needs a micro-batch of length 0 for the "
+                    "empty samples here, as ROLL's own cut has; ROLL's micro-batch iterator narrows it to 0 columns "
+                    "and fails on fields of seq_len - 1 columns", log_prefix or "no log_prefix")
     batch = origin_batch.slice()
     batch.reorder(torch.tensor(shard.order))
+    batch = _join_shards(batch, len(shard.order) // shard.shard_size, shard.shard_size)
     indices = [list(r) for r in shard.micro_batch_indices]
     lengths = list(shard.micro_batch_lengths)
-    batch.meta_info = {  # a new dict: ROLL's slice() shares the caller's meta_info
-        **origin_batch.meta_info, "global_micro_batch_indices": indices, "global_micro_batch_lengths": lengths,
-        "micro_batch_indices": [list(r) for r in indices], "micro_batch_lengths": list(lengths),
-        "num_micro_batchs": len(indices)}
+    meta = batch.meta_info  # ROLL's keys, written where ROLL writes them (see the module docstring)
+    meta["global_micro_batch_indices"] = indices
+    meta["global_micro_batch_lengths"] = lengths
+    meta["micro_batch_indices"] = indices
+    meta["micro_batch_lengths"] = lengths
+    meta["num_micro_batchs"] = len(indices)
 
     padded_tokens = sum((b - a) * s for (a, b), s in zip(indices, lengths)) * len(shard.order) // shard.shard_size
     origin_tokens = batch_size * width
@@ -103,3 +125,27 @@ def _lengths(origin_batch: Any) -> Tuple[np.ndarray, int]:
         raise DynBatchConfigError("origin_batch", "0 samples", "an empty batch has nothing to shard (ROLL's own "
                                   "function fails on it too)", "skip dynamic batching for an empty batch")
     return lens, width
+
+
+def _join_shards(batch: Any, dp: int, shard_size: int) -> Any:
+    """The reordered batch cut into its ``dp`` shards and joined again as ROLL joins its shards: one shard is
+    returned as it is (sharing the caller's ``meta_info``), several go through the batch's ``concat``."""
+    shards = [batch.slice(r * shard_size, (r + 1) * shard_size) for r in range(dp)]
+    if dp == 1:
+        return shards[0]
+    concat = getattr(type(batch), "concat", None)
+    if not callable(concat):
+        raise DynBatchConfigError("origin_batch", type(batch).__name__, "ROLL joins the dp shards with "
+                                  "DataProto.concat, which this batch type lacks (its meta_info merge is part of "
+                                  "what ROLL's callers see)", "pass ROLL's DataProto (or a type with its concat)")
+    return concat(shards)
+
+
+def _warn_empty(seq_lens: np.ndarray, log_prefix: Optional[str]) -> None:
+    """ROLL logs a warning on every call whose batch has a sample with an all-zero ``attention_mask`` (before it
+    plans): so does this, saying how many there are."""
+    empty = int(np.count_nonzero(seq_lens == 0))
+    if empty:
+        log.warning("dynamic_batching_shard (%s): %d of %d samples have an all-zero attention_mask; they are "
+                    "planned as empty samples. Check the rollout stage that produced them",
+                    log_prefix or "no log_prefix", empty, seq_lens.size)

@@ -94,7 +94,9 @@ def verl_rearrange_micro_batches(lengths: Sequence[int], max_token_len: int, wid
 def nemo_rl_pack(lengths: Sequence[int], bin_capacity: int, min_bin_count: Optional[int] = None,
                  bin_count_multiple: Optional[int] = None) -> List[List[int]]:
     """NeMo-RL's ``modified_first_fit_decreasing`` packer with its bin-count adjustment: no bins for no
-    sequences, ``ValueError`` for a sequence over the capacity or too few sequences for the bins."""
+    sequences, ``ValueError`` for a sequence over the capacity or too few sequences for the bins -- the latter in
+    NeMo-RL's words, ``Cannot create N bins with only M sequences`` (``N``: first fit's count raised to
+    ``min_bin_count`` and then to a multiple of ``bin_count_multiple``)."""
     if len(lengths) == 0:
         return []
     if max(lengths) > bin_capacity:
@@ -102,8 +104,10 @@ def nemo_rl_pack(lengths: Sequence[int], bin_capacity: int, min_bin_count: Optio
     bins = modified_first_fit_decreasing(list(lengths), bin_capacity)
     try:
         return adjust_bin_count(bins, min_bin_count or 0, bin_count_multiple or 1)
-    except BaselineInfeasible as exc:
-        raise ValueError(str(exc)) from None
+    except BaselineInfeasible:
+        target = max(len(bins), min_bin_count or 0)
+        target = -(-target // (bin_count_multiple or 1)) * (bin_count_multiple or 1)
+        raise ValueError(f"Cannot create {target} bins with only {len(lengths)} sequences") from None
 
 
 @dataclass

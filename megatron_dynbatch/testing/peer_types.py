@@ -4,16 +4,19 @@ NeMo-RL are not installable here). Written from their public interfaces -- only 
 * :class:`DataProto`: ``batch`` (a mapping of tensors with a leading batch dimension, standing in for a
   ``TensorDict``), ``non_tensor_batch`` (NumPy object arrays), ``meta_info``; ``from_dict``,
   ``from_single_dict``, ``slice`` (sharing ``meta_info``), ``reorder`` (in place), ``len`` -- verl's and
-  ROLL's DataProto agree on these;
+  ROLL's DataProto agree on these -- and ``concat`` as ROLL's (read Aug 2026: its ``meta_info`` merge);
 * :func:`grpo_batch`: a right-padded ``[b, s]`` batch (``input_ids``, ``attention_mask``) with a ``uid`` per
   prompt group, like the rollouts both trainers hand to their batching;
-* :func:`slime_args`: a namespace with the fields slime's ``build_dp_schedule`` reads.
+* :func:`slime_args`: a namespace with the fields slime's ``build_dp_schedule`` reads;
+* :class:`NemoRLSequencePacker`: NeMo-RL's abstract ``SequencePacker`` (``nemo_rl/data/packing/algorithms.py``),
+  the base class its ``get_packer`` returns instances of and its tests check with ``isinstance``.
 """
 
 from __future__ import annotations
 
+import abc
 from types import SimpleNamespace
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import numpy as np
 
@@ -51,9 +54,49 @@ class DataProto:
         """Rows ``start:end``; like verl's and ROLL's, the slice SHARES ``meta_info`` with this batch (a write
         into the slice's ``meta_info`` is a write into the caller's)."""
         sl = slice(start, end)
-        out = DataProto({k: v[sl] for k, v in self.batch.items()}, {k: v[sl] for k, v in self.non_tensor_batch.items()})
+        out = type(self)({k: v[sl] for k, v in self.batch.items()},
+                         {k: v[sl] for k, v in self.non_tensor_batch.items()})
         out.meta_info = self.meta_info
         return out
+
+    @staticmethod
+    def concat(data: List["DataProto"], *, global_keys: Optional[Set[str]] = None) -> "DataProto":
+        """ROLL's ``DataProto.concat`` as its callers see it: one part comes back as it is (the same object, so
+        the same ``meta_info``); several are joined end to end (non-tensor fields as object arrays) under a NEW
+        ``meta_info``: the first part's keys, and each key of ``global_keys`` (default ``{"metrics"}``) that a
+        part holds gathered over the parts -- a dict per sub-key (scalars into a list of the parts' values,
+        lists and arrays end to end, as lists), any other value as the list of the parts' values."""
+        import torch
+
+        if len(data) == 1:
+            return data[0]
+        meta = dict(data[0].meta_info)
+        for key in {"metrics"} if global_keys is None else global_keys:
+            values = [d.meta_info.get(key) for d in data]
+            present = [v for v in values if v is not None]
+            if not present:
+                continue
+            if isinstance(present[0], dict):
+                gathered: Dict[str, Any] = {}
+                for v in present:
+                    for sub, x in v.items():
+                        gathered.setdefault(sub, []).append(x)
+                for sub, xs in gathered.items():
+                    try:
+                        gathered[sub] = (np.array(xs) if np.isscalar(xs[0]) else np.concatenate(xs, axis=0)).tolist()
+                    except (ValueError, TypeError):
+                        pass  # kept as the list of the parts' values
+                meta[key] = gathered
+            else:
+                meta[key] = values
+        keys = data[0].batch.keys()
+        tensors = {k: torch.cat([d.batch[k] for d in data]) for k in keys}
+        non_tensors = {}
+        for k in data[0].non_tensor_batch:
+            joined = [x for d in data for x in d.non_tensor_batch[k]]
+            non_tensors[k] = np.empty(len(joined), dtype=object)
+            non_tensors[k][:] = joined
+        return DataProto(tensors, non_tensors, meta)
 
     def reorder(self, indices: Any) -> None:
         idx = np.asarray(indices.tolist() if hasattr(indices, "tolist") else indices, dtype=np.int64)
@@ -93,3 +136,21 @@ def slime_args(**overrides: Any) -> SimpleNamespace:
                 rollout_max_response_len=None, seq_length=None)
     base.update(overrides)
     return SimpleNamespace(**base)
+
+
+class NemoRLSequencePacker(abc.ABC):
+    """NeMo-RL's abstract ``SequencePacker`` as its callers see it: built with ``(bin_capacity, collect_metrics,
+    min_bin_count, bin_count_multiple)``, ``pack`` runs the abstract ``_pack_implementation`` (every concrete
+    packer defines it), so the class itself cannot be instantiated."""
+
+    def __init__(self, bin_capacity: int, collect_metrics: bool = False, min_bin_count: Optional[int] = None,
+                 bin_count_multiple: Optional[int] = None) -> None:
+        self.bin_capacity, self.collect_metrics = bin_capacity, collect_metrics
+        self.min_bin_count, self.bin_count_multiple = min_bin_count, bin_count_multiple
+
+    @abc.abstractmethod
+    def _pack_implementation(self, sequence_lengths: Sequence[int]) -> list:
+        """The bins of one packing."""
+
+    def pack(self, sequence_lengths: Sequence[int]) -> list:
+        return self._pack_implementation(sequence_lengths)

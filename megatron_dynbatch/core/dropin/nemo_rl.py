@@ -23,7 +23,8 @@ arguments (``bin_capacity``, ``min_bin_count``, ``bin_count_multiple``, ``sequen
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, List, Optional, Sequence, Union
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -85,10 +86,24 @@ class DynBatchSequencePacker:
     def pack(self, sequence_lengths: Sequence[int]) -> List[List[int]]:
         """Bins of indices into ``sequence_lengths`` (a list, array or tensor; interleaved by rank, see the module
         docstring). Errors are ``ValueError`` (``DynBatchConfigError``) in NeMo-RL's words, as NeMo-RL raises."""
+        bins, lens = self._plan(sequence_lengths)
+        if self.collect_metrics and lens is not None:
+            stats = packing_stats(lens, bins, self.bin_capacity)
+            self._history.append(stats)
+            self.metrics = stats
+        return bins
+
+    @speaks(NEMO_RL_WORDS)
+    def _pack_implementation(self, sequence_lengths: Sequence[int]) -> List[List[int]]:
+        """NeMo-RL's abstract packing step (its ``SequencePacker`` subclasses implement it): the bins of
+        :meth:`pack`, the bin-count rules already met, without touching the metrics."""
+        return self._plan(sequence_lengths)[0]
+
+    def _plan(self, sequence_lengths: Sequence[int]) -> Tuple[List[List[int]], Optional[np.ndarray]]:
         seqs = as_array(sequence_lengths)
         if isinstance(seqs, (list, tuple, range)) and len(seqs) == 0 or \
                 isinstance(seqs, np.ndarray) and seqs.ndim == 1 and seqs.size == 0:
-            return []  # NeMo-RL: no sequences, no bins (anything else, 0-d arrays included, goes to check_lengths)
+            return [], None  # NeMo-RL: no sequences, no bins (anything else, 0-d arrays too, goes to check_lengths)
         lens = check_lengths(seqs, field="sequence_lengths")
         if int(lens.max()) > self.bin_capacity:
             i = int(np.argmax(lens))
@@ -98,25 +113,23 @@ class DynBatchSequencePacker:
                                       f"sequence {i} has length {int(lens[i])}, more than the bin capacity",
                                       "raise train_mb_tokens / logprob_mb_tokens, or truncate the sequence")
         dp = self.parallel.dp
-        minimum = None if not self.min_bin_count else -(-self.min_bin_count // dp)
+        per_rank = max(-(-(self.min_bin_count or 0) // dp), 1)
         # The capacity is the whole bin (NeMo-RL's train_mb_tokens); the planner's budget is per GPU after CP.
         kw = dict(parallel=self.parallel, max_tokens_per_gpu=max(1, self.bin_capacity // self.parallel.cp),
-                  min_num_microbatches=minimum)
+                  min_num_microbatches=per_rank if self.min_bin_count else None)
         kw.update(balance_kwargs(self.model, self.cost_model))
-        if lens.size < max(dp, self.min_bin_count or 0):
-            raise DynBatchConfigError("sequence_lengths", f"{lens.size} sequences",
-                                      f"cannot fill {max(dp, self.min_bin_count or 0)} bins with one sequence each "
-                                      "(no bin may be empty)",
-                                      "reduce min_bin_count / bin_count_multiple or provide more sequences")
-        with trainer_terms(NEMO_RL_WORDS, values={"bin_capacity": self.bin_capacity}):
-            plan = plan_global_batch(lens, **kw)
+        if lens.size < dp * per_rank:
+            raise _too_few(dp * per_rank, lens.size)
+        try:
+            with trainer_terms(NEMO_RL_WORDS, values={"bin_capacity": self.bin_capacity}):
+                plan = plan_global_batch(lens, **kw)
+        except DynBatchConfigError as err:  # the capacity needs more bins per rank than the sequences can fill
+            need = _PER_RANK_NEED.search(err.problem)
+            if need is None:
+                raise
+            raise _too_few(dp * int(need.group(1)), lens.size) from None
         m = plan.num_microbatches
-        bins = [list(plan.micro_batches[r][j]) for j in range(m) for r in range(dp)]
-        if self.collect_metrics:
-            stats = packing_stats(lens, bins, self.bin_capacity)
-            self._history.append(stats)
-            self.metrics = stats
-        return bins
+        return [list(plan.micro_batches[r][j]) for j in range(m) for r in range(dp)], lens
 
     # ------------------------------------------------------------------ NeMo-RL's metrics interface
     def reset_metrics(self) -> None:
@@ -139,6 +152,18 @@ class DynBatchSequencePacker:
             return
         for k, v in self.get_aggregated_metrics().items():
             print(f"{k}: {v:.4f}")
+
+
+#: the planner's refusal when every rank needs more non-empty micro-batches than its sequences can fill
+_PER_RANK_NEED = re.compile(r"need at least (\d+) non-empty micro-batches per rank")
+
+
+def _too_few(bins: int, sequences: int) -> DynBatchConfigError:
+    """Too few sequences for the bins, in NeMo-RL's own words (its callers and tests match them), with our fix."""
+    return DynBatchConfigError("sequence_lengths", f"{sequences} sequences",
+                               f"Cannot create {bins} bins with only {sequences} sequences (every bin needs at least "
+                               "one: no bin may be empty)",
+                               "reduce min_bin_count / bin_count_multiple (the DP size) or provide more sequences")
 
 
 def packing_stats(lengths: np.ndarray, bins: List[List[int]], capacity: int) -> Dict[str, float]:
@@ -169,14 +194,14 @@ def algorithm_name(algorithm: Any) -> Optional[str]:
 
 
 def get_packer(algorithm: Union[PackingAlgorithm, str], bin_capacity: int, collect_metrics: bool = False,
-               min_bin_count: Optional[int] = None, bin_count_multiple: Optional[int] = None,
-               **kwargs: Any) -> DynBatchSequencePacker:
+               min_bin_count: Optional[int] = None, bin_count_multiple: Optional[int] = None, *,
+               packer_class: type = DynBatchSequencePacker, **kwargs: Any) -> DynBatchSequencePacker:
     """NeMo-RL's factory: any of its algorithm names (an enum member, NeMo-RL's or ours, or a string; see
-    :func:`algorithm_name`) gives :class:`DynBatchSequencePacker`; anything else raises ``ValueError`` listing
-    the known names."""
+    :func:`algorithm_name`) gives a ``packer_class`` (:class:`DynBatchSequencePacker` or a subclass: the NeMo-RL
+    drop-in passes one that is also NeMo-RL's own ``SequencePacker``); anything else raises ``ValueError``
+    listing the known names."""
     name = algorithm_name(algorithm)
     if name is None:
         names = ", ".join(a.name for a in PackingAlgorithm)
         raise DynBatchConfigError("algorithm", algorithm, "unknown packing algorithm", f"use one of {names}")
-    return DynBatchSequencePacker(bin_capacity, collect_metrics, min_bin_count, bin_count_multiple, algorithm=name,
-                                  **kwargs)
+    return packer_class(bin_capacity, collect_metrics, min_bin_count, bin_count_multiple, algorithm=name, **kwargs)

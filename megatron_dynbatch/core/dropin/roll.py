@@ -16,9 +16,14 @@ optimizer step. The count is therefore the one ROLL computes -- its greedy cut (
 raised to a multiple of ``pp`` when the pipeline is interleaved, which ROLL (like megatron-core 0.16.1) decides
 by ``pp > 1`` and a virtual size that is set, **even to 1** -- moved to Megatron's exact interleaving rule when
 ``microbatch_group_size_per_vp_stage`` is passed. With ``ga_steps`` the caller allows any valid count that keeps
-ROLL's number of optimizer steps (``ceil(M / ga_steps)``). One exception: rows whose samples are all empty
-(ROLL warns about them) get a length of one round here, where ROLL lets later micro-batches have length 0, so
-such a batch can need more micro-batches than ROLL's.
+ROLL's number of optimizer steps (``ceil(M / ga_steps)``). The count is ROLL's whatever the rows hold, rows
+whose samples are all empty (an all-zero ``attention_mask``) included: ROLL's cut gives its first micro-batch at
+least one round, but a later one that holds only empty rows gets length 0 and any number of them. Every
+micro-batch here is at least one round long while ROLL's count allows it; where it does not (only where ROLL's
+own cut has such a length-0 micro-batch), the first ``k`` rows, all empty, form one micro-batch of length 0 --
+``k`` the empty rows, or fewer where the rest must keep a row per micro-batch -- and the rest is cut as usual into
+ROLL's count less one. ``b x 0 = 0`` tokens keeps the budget; ROLL's own micro-batch iterator then narrows that
+micro-batch's columns to 0 (and fails on fields one column narrower, as it does on ROLL's own length-0 ones).
 
 What changes: ROLL closes a micro-batch greedily when the next row would not fit, and splits the largest ones
 to reach a multiple of ``pp``. Here the rows are cut, for the same count, by dynamic programming to minimise
@@ -31,7 +36,7 @@ same padded work, so the cap and the count are what balance means here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -106,14 +111,14 @@ def roll_shard(lengths, dp: int, max_tokens_per_microbatch: int, sequence_length
     order = np.lexsort((np.arange(lens.size), lens))  # ascending length, ties by index
     rows = order.reshape(-1, dp)
     rounded = -(-lens[rows].max(axis=1) // rnd) * rnd  # ROLL's padded row length (0 for an all-empty row)
-    s = np.maximum(rounded, rnd)
-    if int(s[-1]) > cap:
+    longest = max(int(rounded[-1]), rnd)
+    if longest > cap:
         i = int(rows[-1][np.argmax(lens[rows[-1]])])
         raise OversizeSampleError("max_tokens_per_microbatch", cap,
-                                  f"sample {i} has {int(lens[i])} tokens, {int(s[-1])} after rounding to "
+                                  f"sample {i} has {int(lens[i])} tokens, {longest} after rounding to "
                                   f"{rnd}, more than a micro-batch may hold",
-                                  f"raise max_tokens_per_microbatch_in_train to at least {int(s[-1])}, or truncate")
-    bounds = _cut(s, cap, rule, cm, roll_greedy_count(rounded, rnd, cap), ga)
+                                  f"raise max_tokens_per_microbatch_in_train to at least {longest}, or truncate")
+    bounds, s = _cut(rounded, rnd, cap, rule, cm, ga)
     shard = [[] for _ in range(dp)]
     for i, row in enumerate(rows.tolist()):
         for r, sample in enumerate(row if i % 2 == 0 else row[::-1]):
@@ -136,22 +141,37 @@ def roll_greedy_count(rounded: np.ndarray, rnd: int, cap: int) -> int:
     return count
 
 
-def _cut(s: np.ndarray, cap: int, rule: CountRule, cm: CostModel, roll_count: int,
-         ga_steps: Optional[int]) -> List[int]:
+def _cut(rounded: np.ndarray, rnd: int, cap: int, rule: CountRule, cm: CostModel, ga_steps: Optional[int]
+         ) -> Tuple[List[int], np.ndarray]:
     """Row boundaries ``0 = b_0 < ... < b_M = R`` of the cheapest cut with an allowed count (see the module
-    docstring): ROLL's count, or with ``ga_steps`` any valid count with as many optimizer steps."""
-    rows = s.size
-    width = np.maximum(cap // s, 1)                # rows a micro-batch ending at row j-1 may hold
-    greedy = _greedy(s, cap)
-    m0 = rule.next(max(roll_count, len(greedy) - 1))
-    if m0 > rows:
+    docstring: ROLL's count, or with ``ga_steps`` any valid count with as many optimizer steps), and each row's
+    padded length in that cut (a micro-batch's length is its last row's)."""
+    rows = rounded.size
+    target = rule.next(roll_greedy_count(rounded, rnd, cap))
+    if target > rows:
         raise DynBatchConfigError("pipeline_model_parallel_size", rule.parallel.pp,
-                                  f"the interleaved pipeline needs {m0} micro-batches but a shard has {rows} samples",
-                                  "pass more samples per DP rank, or lower pp / vpp")
-    hi = m0 if ga_steps is None else min(rows, -(-m0 // ga_steps) * ga_steps, max(m0, DP_BUDGET // rows))
-    cands = [m for m in range(m0, hi + 1) if rule.is_valid(m)]
-    if m0 * rows > DP_BUDGET:
-        return _split(greedy, s, m0)
+                                  f"the interleaved pipeline needs {target} micro-batches but a shard has {rows} "
+                                  "samples", "pass more samples per DP rank, or lower pp / vpp")
+    hi = target if ga_steps is None else min(rows, -(-target // ga_steps) * ga_steps, max(target, DP_BUDGET // rows))
+    s = np.maximum(rounded, rnd)
+    lo = max(target, rule.next(len(_greedy(s, cap)) - 1))
+    if lo <= hi:  # every micro-batch at least one round long
+        return _cheapest(s, cap, [m for m in range(lo, hi + 1) if rule.is_valid(m)], cm), s
+    # ROLL's count needs a length-0 micro-batch of empty rows (its own cut has one): the first k rows
+    k = min(int(np.count_nonzero(rounded == 0)), rows - target + 1)
+    s[:k] = 0
+    rest = _cheapest(s[k:], cap, [target - 1], cm)
+    return [0] + [k + b for b in rest], s
+
+
+def _cheapest(s: np.ndarray, cap: int, cands: List[int], cm: CostModel) -> List[int]:
+    """The cut of rows with padded lengths ``s`` (ascending, each at most ``cap``) with the least modelled time
+    among the counts ``cands`` (each at least the greedy count and at most the rows): dynamic programming, or the
+    greedy cut plus splits where that would cost too much."""
+    rows = s.size
+    if min(cands) * rows > DP_BUDGET:
+        return _split(_greedy(s, cap), s, min(cands))
+    width = np.maximum(cap // s, 1)                # rows a micro-batch ending at row j-1 may hold
     best = None
     for m, bounds in _dp(s, width, cands, cm).items():
         b = np.asarray(bounds)
