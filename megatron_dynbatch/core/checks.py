@@ -141,10 +141,16 @@ def close_matches(key: str, known: Sequence[str], *, n: int = 3, cutoff: float =
     about as close as the best one (within 0.1) -- the one "did you mean" rule of every error that names an
     unknown key, choice, flag or preset."""
     scored = sorted(((difflib.SequenceMatcher(None, str(key), str(k)).ratio(), str(k)) for k in known),
-                    key=lambda rk: -rk[0])
+                    reverse=True)  # ties: difflib's order
     if not scored or scored[0][0] < cutoff:
         return []
     return [k for r, k in scored[:n] if r >= cutoff and r >= scored[0][0] - 0.1]
+
+
+def did_you_mean(key: Any, known: Sequence[str], *, n: int = 3, cutoff: float = 0.6) -> str:
+    """``"did you mean 'a' or 'b'?"`` for the :func:`close_matches` of ``key``, or ``""`` when none is close."""
+    close = close_matches(str(key), known, n=n, cutoff=cutoff)
+    return f"did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def as_bool(value: Any, field: str) -> bool:

@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from .checks import did_you_mean
 from .checks import is_int as _is_int
 from .errors import DynBatchConfigError
 from .presets import CONFIGS_ENV, available_presets, load_model_mapping, preset_dirs, resolve_model_preset
@@ -350,12 +350,12 @@ class ModelSpec:
         for key, value in d.items():
             canonical = _ALIASES.get(key, key)
             if canonical not in known:
-                close = difflib.get_close_matches(str(key), known + list(_ALIASES), n=3, cutoff=0.6)
+                hint = did_you_mean(key, known + list(_ALIASES))
                 if key in _HF_KEYS:
                     fix = ("this looks like a Hugging Face config.json; load it with ModelSpec.from_hf_config(path)"
                            " or rename the keys to Megatron's (num_layers, ffn_hidden_size, num_query_groups, ...)")
-                elif close:
-                    fix = f"did you mean {' or '.join(repr(c) for c in close)}?"
+                elif hint:
+                    fix = hint
                 else:
                     fix = f"use only ModelSpec fields: {', '.join(known)}"
                 raise DynBatchConfigError(str(key), value, "unknown model field", fix)

@@ -11,12 +11,12 @@ repository's ``configs/`` next to the package (a source checkout or an editable 
 
 from __future__ import annotations
 
-import difflib
 import functools
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
+from .checks import did_you_mean
 from .errors import DynBatchConfigError
 
 #: Environment variable with extra preset directories (``os.pathsep``-separated). Each directory may hold the
@@ -57,8 +57,8 @@ def resolve(path_or_name: Union[str, os.PathLike], dirs: Sequence[Path], *, fiel
         for cand in (d / f"{key}.yaml", d / f"{key}.yml"):
             if cand.is_file():
                 return cand
-    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
-    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    hint = did_you_mean(key, names, cutoff=0.5)
+    hint = hint + " " if hint else ""
     raise DynBatchConfigError(field, text, f"unknown {kind}",
                               f"{extra_hint}{hint}available {kind}s: {', '.join(names) or '(none found)'}{extra_fix}")
 

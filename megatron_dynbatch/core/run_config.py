@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from .checks import close_matches
+from .checks import did_you_mean
 from .checks import is_bool as _is_bool
 from .checks import is_int as _is_int
 from .errors import DynBatchConfigError, trainer_terms
@@ -232,8 +232,8 @@ class RunConfig:
         for name, allowed in (("loss_mode", LOSS_MODES), ("group_reduce", GROUP_REDUCE)):
             value = getattr(self, name)
             if value not in allowed:
-                close = close_matches(str(value), allowed, n=1, cutoff=0.5)
-                hint = f"did you mean {close[0]!r}? " if close else ""
+                hint = did_you_mean(value, allowed, n=1, cutoff=0.5)
+                hint = hint + " " if hint else ""
                 raise DynBatchConfigError(name, value, "is not a known choice", f"{hint}use one of {list(allowed)}")
 
     def _check_steps(self, par: ParallelConfig) -> None:
@@ -481,8 +481,7 @@ class RunConfig:
                 if key in {f.name for f in fields(ParallelConfig)} or key in _PARALLEL_EXTRA:
                     fix = f"layout keys go under 'parallel:' (parallel: {{{key}: {value!r}}})"
                 else:
-                    close = close_matches(str(key), known)
-                    fix = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {', '.join(known)}"
+                    fix = did_you_mean(key, known) or f"use only {', '.join(known)}"
                 raise DynBatchConfigError(str(key), value, "unknown run field", fix)
             kwargs[key] = value
         if name is not None and "name" not in kwargs:

@@ -44,7 +44,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..alignment import Alignment
-from ..checks import as_bool, as_float, as_int, close_matches
+from ..checks import as_bool, as_float, as_int, did_you_mean
 from ..cost_model import CostModel, resolve_cost_model
 from ..errors import DynBatchConfigError, UnknownOptionError
 from ..model_spec import ModelSpec
@@ -79,8 +79,8 @@ class BalanceBy(str, enum.Enum):
             if key == member.value:
                 return member
         choices = [m.value for m in cls]
-        close = close_matches(str(value), choices, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        hint = did_you_mean(value, choices, n=1, cutoff=0.5)
+        hint = hint + " " if hint else ""
         raise DynBatchConfigError(field_name, value, "unknown balancing mode",
                                   f"{hint}use one of {tuple(choices)} (time: the cost model's seconds, the default; "
                                   f"flops: raw FLOPs; tokens: padded tokens)")
@@ -319,6 +319,5 @@ def dynamic_cp_knob_error(given: Sequence[str]) -> DynBatchConfigError:
 
 
 def unknown_option_error(name: str, value: Any, known: Sequence[str]) -> UnknownOptionError:
-    close = close_matches(name, known)
-    fix = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {', '.join(known)}"
+    fix = did_you_mean(name, known) or f"use only {', '.join(known)}"
     return UnknownOptionError(name, value, "is not a planning option", fix)
