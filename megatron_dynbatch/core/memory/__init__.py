@@ -24,6 +24,7 @@ Modules, one job each:
 * :mod:`.fit` -- fitting a profile to measured peaks of model slices (torch-free; the measuring is in
   :mod:`megatron_dynbatch.measure.memory`);
 * :mod:`.trainers` -- the budget in each trainer's own settings (Megatron-LM / slime, verl, ROLL, NeMo-RL);
+* :mod:`.megatron_flags` -- the settings a Megatron-LM launch implies (its argv or parsed args);
 * :mod:`.estimate` -- the first API (``estimate_memory``, ``estimate_max_tokens_per_gpu``), a thin front.
 
 Torch-free: nothing here imports torch, megatron or ray.
@@ -33,6 +34,7 @@ from .analytic import analytic_bytes, layer_activation_bytes
 from .budget import MAX_GPU_MEMORY_GB, BudgetChoice, choose_budget
 from .estimate import MemoryEstimate, estimate_max_tokens_per_gpu, estimate_memory
 from .fit import MemoryFit, MemoryRecord, check_memory_records, fit_memory_records, memory_grid
+from .megatron_flags import settings_from_megatron
 from .params import parameter_counts, stage_static
 from .peak import MemoryBreakdown, StageMemory, peak_memory
 from .profile import MemoryProfile, load_memory_profile, model_key, resolve_memory_profile
@@ -44,5 +46,6 @@ __all__ = [
     "MemoryRecord", "MemoryEstimate", "peak_memory", "choose_budget", "fit_memory_records", "check_memory_records",
     "memory_grid", "load_memory_profile", "resolve_memory_profile", "model_key", "parameter_counts", "stage_static",
     "analytic_bytes", "layer_activation_bytes", "estimate_memory", "estimate_max_tokens_per_gpu",
-    "trainer_settings", "TRAINER_DEFAULTS", "GiB", "OPTIMIZERS", "RECOMPUTE", "MAX_GPU_MEMORY_GB",
+    "trainer_settings", "TRAINER_DEFAULTS", "settings_from_megatron", "GiB", "OPTIMIZERS", "RECOMPUTE",
+    "MAX_GPU_MEMORY_GB",
 ]

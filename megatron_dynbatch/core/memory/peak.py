@@ -9,8 +9,8 @@ TP / SP division as the profile's bytes say) peaks at::
 * ``per_token_s``, training, no / selective recompute: ``units_s x layer + max(backward_extra, logits)``; full
   recompute: ``units_s x layer_input + max(layer_peak, logits)`` -- ``logits`` (head + loss, plus every further
   fp32 copy of the settings, plus the MTP layers) on the last stage only, 0 elsewhere. A forward-only log-prob
-  pass keeps nothing for backward: ``(pp - s) x layer_input + max(layer_peak, logits)`` (inputs received and not
-  yet sent on, one layer's working set, the head);
+  pass keeps nothing for backward (Megatron's forward-only schedule holds no micro-batch's tensors):
+  ``layer_input + max(layer_peak, logits)`` (the stage's input, one layer's working set, the head);
 * ``units_s`` -- decoder layers whose activations are alive at once: 1F1B's stage ``s`` holds ``pp - s``
   micro-batches of ``L / pp`` layers (the first stage ``pp`` of them -- about all ``L`` layers' worth whatever
   ``pp`` is); interleaved (``vpp > 1``, ``N`` = Megatron's micro-batch group size per VP stage) it holds
@@ -164,6 +164,9 @@ def stage_terms(model: ModelLike, parallel: Any, *, pass_: str = "train", settin
     p = ParallelConfig.from_any(parallel)
     st = MemorySettings.from_any(settings)
     pass_ = check_pass(pass_)
+    if p.pp * p.vpp > m.num_layers:
+        raise DynBatchConfigError("parallel.pp", p.pp, f"pp x vpp = {p.pp * p.vpp} model chunks for "
+                                  f"{m.num_layers} layers: a stage without layers", "use pp x vpp <= the layers")
     prof = resolve_memory_profile(profile, m, p, st)
     static = stage_static(m, p, st, pass_)
     copies = st.fp32_copies(pass_)
@@ -175,7 +178,7 @@ def stage_terms(model: ModelLike, parallel: Any, *, pass_: str = "train", settin
         units = _units(p, m.num_layers, s)
         last = logits if s == p.pp - 1 else 0.0
         if pass_ == "log_prob":
-            kept, extra = (p.pp - s) * prof.layer_input_bytes, prof.layer_peak_bytes
+            kept, extra = prof.layer_input_bytes, prof.layer_peak_bytes
         elif st.recompute == "full":
             kept, extra = units * prof.layer_input_bytes, prof.layer_peak_bytes
         else:

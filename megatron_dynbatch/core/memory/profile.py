@@ -19,8 +19,9 @@ token of one micro-batch on one GPU unless said:
 :meth:`MemoryProfile.analytic` computes them from the shape (:mod:`.analytic`; ``workspace_bytes`` 0 -- the
 reserve covers workspaces). A *fitted* profile (``megatron-dynbatch calibrate``, :mod:`.fit`) replaces the
 measured ones -- ``layer_bytes``, ``backward_extra_bytes``, ``head_bytes``, ``workspace_bytes`` and
-``layer_peak_bytes = layer + backward_extra`` -- and records what it was fitted on (``fitted_on``: model, tensor
-parallelism, slice layers, device, dtype, date, fit error). It lives in the ``memory`` section of the
+``layer_peak_bytes = layer + backward_extra``; ``head_forward_bytes`` stays analytic but never above the measured
+training head -- and records what it was fitted on (``fitted_on``: model, tensor parallelism, slice layers,
+device, dtype, date, fit error). It lives in the ``memory`` section of the
 cost-model file (:func:`load_memory_profile`, :func:`resolve_memory_profile`).
 
 A profile states what it is for (``model_key``, ``tp``, ``sequence_parallel``; for analytic ones also the
@@ -117,8 +118,10 @@ class MemoryProfile:
         par = ParallelConfig.from_any(parallel)
         base = cls.analytic(model, ParallelConfig(**{**par.to_dict(), "sequence_parallel": False}))
         a, c = float(coefficients["layer"]), float(coefficients["backward_extra"])
-        return replace(base, layer_bytes=a, backward_extra_bytes=c, layer_peak_bytes=a + c,
-                       head_bytes=float(coefficients["head"]), workspace_bytes=float(coefficients["workspace"]),
+        head = float(coefficients["head"])
+        return replace(base, layer_bytes=a, backward_extra_bytes=c, layer_peak_bytes=a + c, head_bytes=head,
+                       head_forward_bytes=min(base.head_forward_bytes, head),
+                       workspace_bytes=float(coefficients["workspace"]),
                        source="fitted", expert_tensor_parallel_size=None, moe_imbalance=None,
                        fitted_on=dict(fitted_on))
 

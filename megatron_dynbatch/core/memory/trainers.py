@@ -80,7 +80,7 @@ def trainer_settings(train_tokens: Any, log_prob_tokens: Any, parallel: Any = No
     out = [
         TrainerLine("megatron-lm", {"--max-tokens-per-gpu": bt, "--log-probs-max-tokens-per-gpu": bl},
                     f"--max-tokens-per-gpu {bt} --log-probs-max-tokens-per-gpu {bl}",
-                    f"per GPU; a micro-batch holds x cp {cp}; padding counted (also slime with the drop-in)"),
+                    f"per GPU, padding counted; a micro-batch holds this x cp {cp}; also slime with the drop-in"),
         TrainerLine("slime", {"--max-tokens-per-gpu": st, "--log-probs-max-tokens-per-gpu": sl},
                     f"--max-tokens-per-gpu {st} --log-probs-max-tokens-per-gpu {sl}",
                     f"slime's own batching: rounded down to tp x {SLIME_PAD} = {pad}, the multiple it pads each CP "
@@ -92,8 +92,8 @@ def trainer_settings(train_tokens: Any, log_prob_tokens: Any, parallel: Any = No
                     f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={bt} "
                     f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={bl} "
                     f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={bl}",
-                    f"per GPU (verl multiplies by cp); holds with the drop-in, which counts verl's padding of each "
-                    f"sequence to {align}; verl's own batching can exceed it"),
+                    f"per GPU, verl multiplies by cp; holds with the drop-in, which counts verl's padding of each "
+                    f"sequence to a multiple of {align}; verl's own batching can go over it"),
         TrainerLine("roll", {"actor_train.max_tokens_per_microbatch_in_train": bt * cp,
                              "actor_train.max_tokens_per_microbatch_in_infer": bl * cp,
                              "reference.max_tokens_per_microbatch_in_infer": bl * cp},
@@ -105,7 +105,7 @@ def trainer_settings(train_tokens: Any, log_prob_tokens: Any, parallel: Any = No
                                 "policy.sequence_packing.logprob_mb_tokens": bl * cp},
                     f"policy.sequence_packing.train_mb_tokens={bt * cp} "
                     f"policy.sequence_packing.logprob_mb_tokens={bl * cp}",
-                    f"per micro-batch (one bin), split over cp {cp}; the same under policy.dynamic_batching"),
+                    f"per micro-batch, one bin, split over cp {cp}; the same names under policy.dynamic_batching"),
     ]
     return out
 
