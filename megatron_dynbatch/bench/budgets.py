@@ -151,7 +151,7 @@ def format_budgets(rows: Sequence[BudgetRow], meta: Dict[str, Any]) -> str:
         vs = f"{np.mean(v):7.3f}" if v else f"{'-':>7}"
         lines.append(f"{name:<26} {label:<15} {r0.tokens_per_gpu:>10} {r0.predicted_peak_gb:>8.1f} "
                      f"{'yes' if r0.fits else 'no':>4} {mb:>7.3g} {step} {vs}  {note}")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def cmd_budgets(args: Any) -> int:

@@ -92,8 +92,9 @@ def trainer_settings(train_tokens: Any, log_prob_tokens: Any, parallel: Any = No
                     f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={bt} "
                     f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={bl} "
                     f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={bl}",
-                    f"per GPU, verl multiplies by cp; holds with the drop-in, which counts verl's padding of each "
-                    f"sequence to a multiple of {align}; verl's own batching can go over it"),
+                    "per GPU, verl multiplies by cp; holds with the drop-in" + (
+                        f", which counts verl's padding of each sequence to a multiple of {align}" if align > 1
+                        else "") + "; verl's own batching can go over it"),
         TrainerLine("roll", {"actor_train.max_tokens_per_microbatch_in_train": bt * cp,
                              "actor_train.max_tokens_per_microbatch_in_infer": bl * cp,
                              "reference.max_tokens_per_microbatch_in_infer": bl * cp},
