@@ -245,6 +245,10 @@ def test_settings_are_validated_at_construction():
         MemorySettings(reserve_gb=2.0, logits_fp32_copies=2)
     with pytest.raises(DynBatchConfigError, match="pass_"):
         peak_memory("qwen3-8b", None, 10, pass_="eval")
+    for tokens in (-1, 2 ** 41, 1.5, True, "8k", None, float("nan")):
+        with pytest.raises(DynBatchConfigError, match="tokens_per_gpu"):
+            peak_memory("qwen3-8b", None, tokens)
+    assert peak_memory("qwen3-8b", None, np.int32(4096)) == peak_memory("qwen3-8b", None, 4096.0)
 
 
 # ------------------------------------------------------------------------------------------- trainers' words
