@@ -42,6 +42,10 @@ def add_calibrate_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentP
     c.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default bf16 on a GPU, fp32 on a CPU)")
     c.add_argument("--spec", default="auto", help="layer spec: auto (TE where installed), local or te")
     c.add_argument("--lm-head", action="store_true", help="time the embedding, LM head and loss too")
+    c.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="also measure peak memory (1- and 2-layer slices, one with the LM head) for the file's memory "
+                        "section, which `budget --cost-model` reads (default: on a GPU; a CPU has no allocator "
+                        "statistics)")
     g = c.add_argument_group("grid")
     g.add_argument("--group-sizes", default=None, metavar="G1,G2", help="CP group sizes (default: the layout's)")
     g.add_argument("--grid-tokens", default=None, metavar="T1,T2", help="per-GPU token counts (default: the budget "
@@ -132,7 +136,8 @@ def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace
         lm_head=args.lm_head, dynamic_cp=target["dynamic_cp"], group_sizes=_ints(args.group_sizes, "--group-sizes"),
         tokens=_ints(args.grid_tokens, "--grid-tokens"), seqs=_ints(args.grid_seqs, "--grid-seqs"),
         warmup=_int(args.warmup, "--warmup"), repeats=_int(args.repeats, "--repeats", 1),
-        max_seconds=_seconds(args.max_seconds), base=args.base)
+        max_seconds=_seconds(args.max_seconds), base=args.base,
+        memory="auto" if args.memory is None else args.memory)
     lengths = _sample(args, setup)
     threads = _int(args.cpu_threads, "--cpu-threads", 1)
     if args.dry_run:
@@ -149,11 +154,15 @@ def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace
     if args.from_records:
         from .measure.calibrate import refit_from_file
 
+        from .measure.calibrate import refit_memory_from_data
+
         cm, report, data = refit_from_file(setup, args.from_records)
         out["environment"] = data.get("environment", {})
+        memory_fit, memory_note = refit_memory_from_data(setup, data), ""
     else:
         result = _time(setup, threads, quiet=args.json)
         cm, report = result.cost_model, result.report
+        memory_fit, memory_note = result.memory_fit, result.memory_note
         out.update(environment=result.environment, spec=result.spec_note, timed=len(result.records),
                    stopped_early=result.stopped_early, wall_s=result.wall_s)
         if args.records:
@@ -167,14 +176,30 @@ def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace
     from .core.cost_model import save_cost_model
 
     change = step_time_change(lengths, old=args.base, new=cm, options=_plan_options(target, setup))
-    save_cost_model(cm, args.output, report)
+    save_cost_model(cm, args.output, report,
+                    memory=memory_fit.profile.to_dict() if memory_fit is not None else None)
+    if memory_fit is not None:
+        out["memory_fit"] = memory_fit.to_dict()
     out.update(fit=report.to_dict(), cost_model=cm.to_dict(), sample={"samples": int(len(lengths)),
                "tokens": int(sum(lengths)), **change.to_dict()}, output=args.output)
     if args.json:
         print(json.dumps(out, indent=1, default=str))
     else:
         _print_result(report, change, lengths, setup, args)
+        _print_memory(memory_fit, memory_note, args)
     return 0
+
+
+def _print_memory(fit: Any, note: str, args: argparse.Namespace) -> None:
+    if fit is None:
+        if note:
+            print(note)
+        return
+    c = fit.coefficients
+    print(f"memory fit ({fit.num_records} peaks, error {fit.rel_rms_error:.1%} rms, {fit.max_rel_error:.1%} max): "
+          f"{c['layer'] / 1024:.1f} KiB per token per layer kept, {c['backward_extra'] / 1024:.1f} KiB per token in "
+          f"backward, {c['head'] / 1024:.1f} KiB per token for the LM head and loss, workspace "
+          f"{c['workspace'] / 2 ** 20:.1f} MiB; `megatron-dynbatch budget --cost-model {args.output} ...` uses it")
 
 
 def _time(setup: Any, threads: Optional[int], *, quiet: bool) -> Any:

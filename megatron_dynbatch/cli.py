@@ -8,6 +8,7 @@ Subcommands
 ``flops``  FLOPs of a model at given sequence lengths and the linear/quadratic coefficients the planner uses;
 ``runs``   list the run presets, print one as YAML, or print the Megatron flags it implies;
 ``calibrate`` time the user's model on their device and write a calibrated cost-model file (``_cli_calibrate.py``);
+``budget``  the largest token budgets that fit the GPU, in each trainer's settings (``_cli_budget.py``);
 ``demo``   a tiny GPT trained with real megatron-core on CPU ranks (``megatron_dynbatch.demo``, imported only
            when asked for).
 
@@ -107,6 +108,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.dropins:
         return _cmd_bench_dropins(args)
+    if args.budgets:  # the auto budget against hand-set ones (bench/budgets.py)
+        from .bench.budgets import cmd_budgets
+
+        return cmd_budgets(args)
     if args.list:
         for w in WORKLOADS.values():
             print(f"{w.name:<26} {'' if w.default else '(not in default run) '}{w.description}")
@@ -408,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = SuggestingArgumentParser(
         prog=PROG, description="FLOPs-balanced dynamic micro-batching for Megatron-Core: benchmark, plan, FLOPs.",
         epilog="Start with 'megatron-dynbatch bench'; docs/quickstart.md walks through the rest.")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,plan,flops,runs,calibrate,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,plan,flops,runs,calibrate,budget,demo}")
 
     b = sub.add_parser("bench", help="run the built-in benchmark (defaults: every default workload, all algorithms)",
                        description="Plan every built-in workload with dynbatch and the baselines, score all with "
@@ -437,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dropins", action="store_true",
                    help="compare each RL trainer's own batching (slime, verl, NeMo-RL, ROLL, Megatron RL) with its "
                         "drop-in (megatron_dynbatch.integrations) instead: modelled step time and cap violations")
+    b.add_argument("--budgets", action="store_true",
+                   help="compare the auto token budget (the largest that fits --gpu-memory-gb) with hand-set ones "
+                        "(the workload's, verl's and ROLL's defaults) on the same batches instead: modelled step time, "
+                        "micro-batches, predicted peak memory")
+    b.add_argument("--gpu-memory-gb", default="80", metavar="N", help="the card for --budgets, GiB (default 80)")
     prog = b.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
                       help="always show the progress bar (default: only when stderr is a terminal)")
@@ -508,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ._cli_calibrate import add_calibrate_parser
 
     add_calibrate_parser(sub, _add_layout_args, _layout)
+    from ._cli_budget import add_budget_parser
+
+    add_budget_parser(sub, _add_layout_args, _layout)
 
     d = sub.add_parser("demo", help="train a tiny GPT with real megatron-core on CPU ranks (needs torch)",
                        description="Runs megatron_dynbatch.demo; arguments after 'demo' are passed to it.")

@@ -1,4 +1,4 @@
-"""Run presets (``megatron_dynbatch.core.run_config``) and the memory estimate (``megatron_dynbatch.core.memory``)."""
+"""Run presets (``megatron_dynbatch.core.run_config``). The memory estimate's tests are in test_memory_model.py."""
 
 from __future__ import annotations
 
@@ -10,13 +10,6 @@ import numpy as np
 import pytest
 
 from megatron_dynbatch import DynBatchConfigError, ParallelConfig, plan_global_batch
-from megatron_dynbatch.core.memory import (
-    _layer_activation_bytes,
-    estimate_max_tokens_per_gpu,
-    estimate_memory,
-    parameter_counts,
-)
-from megatron_dynbatch.core.model_spec import ModelSpec
 from megatron_dynbatch.core.run_config import (
     GROUP_REDUCE,
     LOSS_MODES,
@@ -250,81 +243,6 @@ def test_runs_cli(capsys):
     assert "unknown run preset" in capsys.readouterr().err
     assert main(["runs", "show"]) == 2
     assert main(["runs"]) == 2
-
-
-# ----------------------------------------------------------------------------------- memory estimate
-def _tiny(**kw) -> ModelSpec:
-    d = dict(num_layers=1, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096, vocab_size=128)
-    d.update(kw)
-    return ModelSpec.from_dict(d)
-
-
-def test_activation_count_reproduces_korthikanti_without_dropout():
-    """Per token per layer, classic MHA + 4h GELU MLP, flash attention, no dropout: 32h bytes; with TP and no
-    sequence parallelism 8h + 24h/t; with sequence parallelism 32h/t (plus fp32 softmax statistics)."""
-    m, h = _tiny(), 1024
-    stats = lambda t: 4.0 * 8 / t  # noqa: E731
-    assert _layer_activation_bytes(m, ParallelConfig(), 1, False, 1.0) == pytest.approx(32 * h + stats(1))
-    assert _layer_activation_bytes(m, ParallelConfig(tp=4), 4, False, 1.0) == pytest.approx(8 * h + 24 * h / 4 + stats(4))
-    sp = ParallelConfig(tp=4, sequence_parallel=True)
-    assert _layer_activation_bytes(m, sp, 4, False, 1.0) == pytest.approx(32 * h / 4 + stats(4))
-
-
-def test_parameter_count_and_fp32_logits_term():
-    counts = parameter_counts("qwen3-8b")
-    assert counts["total"] == pytest.approx(8.19e9, rel=0.01)
-    assert parameter_counts("qwen3-30b-a3b")["total"] == pytest.approx(30.5e9, rel=0.02)
-    assert parameter_counts("deepseek-v3")["total"] == pytest.approx(671e9, rel=0.02)
-    # fp32 logits for the loss: 4 bytes x T x V/TP; Qwen3, TP=1, T=16384 -> ~10 GB (decimal)
-    e = estimate_memory("qwen3-8b", {"dp": 8}, 16384, logits_fp32_copies=1)
-    V = ModelSpec.from_yaml("qwen3-8b").padded_vocab_size
-    fp32_part = 4 * 16384 * V
-    assert fp32_part == pytest.approx(10e9, rel=0.01)
-    assert e.logits_gb * 2**30 == pytest.approx(16384 * (V * 6 + 2 * 4096), rel=1e-9)
-
-
-def test_max_tokens_estimate_moves_the_right_way():
-    kw = dict(optimizer="distributed", recompute="full")
-    base = estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, **kw)
-    assert base > 0 and base % 256 == 0
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 141, **kw) > base
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 4, "tp": 2, "sequence_parallel": True}, 80, **kw) > base
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="cpu_offload", recompute="full") > base
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="distributed") < base
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, forward_only=True) > base
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, logits_fp32_copies=2, **kw) < base
-    # the estimate really fits: memory at the returned budget is within the usable part of the card
-    e = estimate_memory("qwen3-8b", {"dp": 8}, base, **kw)
-    assert e.total_gb <= 80 * 0.9 + 1e-6
-    assert "ESTIMATE" in e.summary()
-
-
-def test_presets_budgets_stay_within_their_documented_estimates():
-    """The YAML comments quote these estimates; keep presets and comments honest."""
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="cpu_offload", recompute="full") >= \
-        RunConfig.from_yaml("qwen3-8b-grpo").max_tokens_per_gpu
-    assert estimate_max_tokens_per_gpu("qwen3-30b-a3b", {"dp": 8, "ep": 8}, 80, optimizer="cpu_offload",
-                                       recompute="full") >= RunConfig.from_yaml("qwen3-30b-a3b-grpo").max_tokens_per_gpu
-    llama = RunConfig.from_yaml("llama-3.1-70b-longcot")
-    assert estimate_max_tokens_per_gpu("llama-3.1-70b", llama.parallel(), 80, recompute="full") >= llama.max_tokens_per_gpu
-
-
-def test_memory_errors_are_clear():
-    with pytest.raises(DynBatchConfigError, match="already exceed") as exc:
-        estimate_max_tokens_per_gpu("qwen3-30b-a3b", {"dp": 8, "ep": 8}, 80)  # unsharded expert Adam state
-    assert "optimizer CPU offload" in exc.value.fix
-    with pytest.raises(DynBatchConfigError, match="unknown recompute"):
-        estimate_memory("qwen3-8b", {"dp": 8}, 1, recompute="some")
-    with pytest.raises(DynBatchConfigError, match="positive number"):
-        estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 0)
-
-
-def test_doc_estimates_are_current():
-    """docs/tuning.md quotes these numbers."""
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="cpu_offload", recompute="full") == 17664
-    assert estimate_max_tokens_per_gpu("llama-3.1-70b", {"dp": 2, "tp": 8, "pp": 2, "cp": 8,
-                                                         "sequence_parallel": True}, 80) == 15616
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="cpu_offload", forward_only=True) == 53504
 
 
 # ------------------------------------------------------------------------- docs quote the real messages

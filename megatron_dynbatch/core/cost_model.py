@@ -569,10 +569,11 @@ def fit_cp_comm(base: CostModel, group_sizes: Sequence[int], padded_tokens: Sequ
 
 
 def save_cost_model(model: CostModel, path, report: Optional[FitReport] = None,
-                    profile: Optional[CostProfile] = None) -> None:
+                    profile: Optional[CostProfile] = None, memory: Optional[Dict[str, Any]] = None) -> None:
     """Write the per-micro-batch coefficients as JSON (the layout is not stored), with the fit report and the
     transferable profile when given (``profile``, else the report's): ``CostModel.from_model(model, parallel,
-    profile=path)`` rebuilds the model for another model or layout from that section."""
+    profile=path)`` rebuilds the model for another model or layout from that section. ``memory``: a fitted
+    memory profile (``MemoryProfile.to_dict()``, :mod:`.memory`), read back by ``load_memory_profile(path)``."""
     import json
 
     d = {k: v for k, v in model.to_dict().items() if k in FILE_KEYS and v is not None}
@@ -581,6 +582,8 @@ def save_cost_model(model: CostModel, path, report: Optional[FitReport] = None,
         d["profile"] = prof
     if report is not None:
         d["fit"] = report.to_dict()
+    if memory is not None:
+        d["memory"] = dict(memory)
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(d, fh, indent=2)
 
@@ -588,7 +591,8 @@ def save_cost_model(model: CostModel, path, report: Optional[FitReport] = None,
 def load_cost_model(path) -> CostModel:
     """Read a cost-model JSON file written by :func:`save_cost_model` (or by hand). Required: the three
     per-micro-batch numbers; optional: :data:`FILE_KEYS` (older files without them load with the old meaning:
-    no floor, no CP-member terms, one network), ``"fit"``, ``"profile"`` and keys starting with ``_``."""
+    no floor, no CP-member terms, one network), ``"fit"``, ``"profile"``, ``"memory"`` (checked here, read by
+    ``core.memory.load_memory_profile``) and keys starting with ``_``."""
     try:
         d = _read_json(path)
     except (OSError, ValueError) as exc:
@@ -611,10 +615,12 @@ def _cost_model_from_file_data(path, d: Any) -> CostModel:
     if missing:
         raise DynBatchConfigError(flag, str(path), f"is missing {missing}",
                                   f"write the keys {list(keys)} (seconds per token, per squared token, per micro-batch)")
-    unknown = sorted(k for k in d if k not in FILE_KEYS + ("fit", "profile") and not str(k).startswith("_"))
+    sections = ("fit", "profile", "memory")
+    unknown = sorted(k for k in d if k not in FILE_KEYS + sections and not str(k).startswith("_"))
     if unknown:
         raise DynBatchConfigError(flag, str(path), f"has unknown key {unknown[0]!r}",
-                                  f"use only {list(FILE_KEYS)} (plus \"fit\", \"profile\", or keys starting with _)")
+                                  f"use only {list(FILE_KEYS)} (plus \"fit\", \"profile\", \"memory\", or keys "
+                                  "starting with _)")
     values = {}
     for k in FILE_KEYS:
         if d.get(k) is None:
@@ -625,6 +631,10 @@ def _cost_model_from_file_data(path, d: Any) -> CostModel:
         values[k] = float(v)
     if d.get("profile") is not None:
         CostProfile.from_dict(d["profile"], where=f"{path}: profile")  # refused now, not at first use
+    if d.get("memory") is not None:
+        from .memory.profile import MemoryProfile
+
+        MemoryProfile.from_dict(d["memory"], where=f"{path}: memory")  # likewise
     try:
         return CostModel(**values)
     except DynBatchConfigError as exc:

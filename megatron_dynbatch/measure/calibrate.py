@@ -13,6 +13,12 @@ the model's layers on the layout; :meth:`CalibrationResult.save` writes the cost
 
 What is measured: compute of one GPU (one TP rank's widths, one CP member's share) -- not the TP collectives, not
 the CP ring's transfers, not the pipeline's p2p, not the optimizer. Those keep the base profile's numbers.
+
+Memory (``setup.memory``, on by default on a GPU): after the timings, the peak memory of one forward + backward on
+1- and 2-layer slices and a 1-layer slice with the LM head (:func:`~.memory.measure_memory`, read by a
+:class:`~.memory.CudaPeakReader`, or the ``memory_reader`` given -- a :class:`~.memory.FakeMemoryReader` in CPU
+tests) is fitted by :func:`~megatron_dynbatch.core.memory.fit.fit_memory_records`; the result's ``memory_fit``
+profile is the file's ``memory`` section. It is skipped, with a note, when ``max_seconds`` would be passed.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from ..core.calibration.setup import CalibrationSetup, plan_calibration
 from ..core.cost_fit import fit_records
 from ..core.cost_model import CostModel, FitReport, save_cost_model
 from ..core.errors import DynBatchConfigError
+from ..core.memory.fit import MemoryFit, fit_memory_records
 from .layout import SliceLayout
 from .slices import Record, build_slice
 
@@ -50,18 +57,25 @@ class CalibrationResult:
     spec_note: str = ""
     stopped_early: bool = False
     wall_s: float = 0.0
+    memory_records: List[Dict[str, Any]] = field(default_factory=list)
+    memory_fit: Optional[MemoryFit] = None
+    memory_note: str = ""
 
     def save(self, path: str) -> None:
         """The cost-model file (:func:`~megatron_dynbatch.core.cost_model.save_cost_model`: coefficients, fit
-        report, transferable profile)."""
-        save_cost_model(self.cost_model, path, self.report)
+        report, transferable profile, and the memory section when memory was measured)."""
+        save_cost_model(self.cost_model, path, self.report,
+                        memory=self.memory_fit.profile.to_dict() if self.memory_fit is not None else None)
 
     def records_json(self) -> Dict[str, Any]:
         """The records with what they were measured on -- ``calibrate --from-records`` refits from this."""
         s = self.setup
-        return {"environment": self.environment, "spec": self.spec,
-                "slice": {"model": s.model.to_dict(), "measured_layers": s.layers, "tp": s.tp, "lm_head": s.lm_head},
-                "records": self.records}
+        out = {"environment": self.environment, "spec": self.spec,
+               "slice": {"model": s.model.to_dict(), "measured_layers": s.layers, "tp": s.tp, "lm_head": s.lm_head},
+               "records": self.records}
+        if self.memory_records:
+            out["memory_records"] = self.memory_records
+        return out
 
 
 def te_available() -> bool:
@@ -90,8 +104,10 @@ def resolve_spec(setup: CalibrationSetup) -> Tuple[str, str]:
     return "te", "Transformer Engine spec"
 
 
-def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = None, seed: int = 1234) -> CalibrationResult:
-    """Time ``setup``'s grid and fit it (module docstring)."""
+def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = None, seed: int = 1234,
+                    memory_reader: Any = None) -> CalibrationResult:
+    """Time ``setup``'s grid and fit it; measure and fit memory when ``setup.memory`` or a ``memory_reader`` is
+    given (module docstring)."""
     t0 = time.perf_counter()
     spec, note = resolve_spec(setup)
     layout = SliceLayout(num_layers=setup.layers, tp=setup.tp, dtype=setup.dtype, device=setup.device, kind="mcore",
@@ -120,9 +136,30 @@ def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = N
                                   f"before the limit, fewer than the {MIN_POINTS} a fit needs",
                                   f"raise --max-seconds (start-up alone is ~{STARTUP_S:.0f} s) or shrink the grid")
     env = sl.environment()
+    del sl
     cm, report = fit_setup(setup, records, name=f"calibrated on {env['device']}")
-    return CalibrationResult(setup, records, cm, report, env, spec, note, stopped,
-                             time.perf_counter() - t0)
+    result = CalibrationResult(setup, records, cm, report, env, spec, note, stopped)
+    if setup.memory or memory_reader is not None:
+        elapsed = time.perf_counter() - t0
+        if setup.max_seconds is not None and elapsed + setup.memory_estimate_s > setup.max_seconds:
+            result.memory_note = (f"memory not measured: its ~{setup.memory_estimate_s:.0f} s would pass "
+                                  f"--max-seconds {setup.max_seconds:g}")
+        else:
+            from .memory import measure_memory
+
+            result.memory_records, _ = measure_memory(setup.model, tp=setup.tp, dtype=setup.dtype,
+                                                      device=setup.device, spec=spec, seed=seed, reader=memory_reader,
+                                                      max_tokens_per_gpu=setup.max_tokens_per_gpu)
+            result.memory_fit = fit_memory(setup, result.memory_records, env)
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def fit_memory(setup: CalibrationSetup, records: List[Dict[str, Any]], env: Dict[str, Any]) -> MemoryFit:
+    """The memory fit of ``records`` for ``setup``'s model on its layout, with what it was measured on."""
+    return fit_memory_records(records, setup.model, setup.parallel,
+                              fitted_on={"device": env.get("device"), "dtype": setup.dtype,
+                                         "torch": env.get("torch"), "megatron_core": env.get("megatron_core")})
 
 
 def fit_setup(setup: CalibrationSetup, records: List[Record], *, slice_model: Any = None, slice_layers: Any = None,
@@ -164,18 +201,36 @@ def refit_from_file(setup: CalibrationSetup, path: str) -> Tuple[CostModel, FitR
     return cm, report, data
 
 
-def calibrate(model: Any, *, progress: Optional[Progress] = None, seed: int = 1234, **options: Any) -> CalibrationResult:
+def refit_memory_from_data(setup: CalibrationSetup, data: Dict[str, Any]) -> Optional[MemoryFit]:
+    """The memory fit of a records file's ``memory_records`` (``None`` without them). They fit only the model and
+    TP width they were measured on: another model or width is refused."""
+    recs = data.get("memory_records") if isinstance(data, dict) else None
+    if not recs:
+        return None
+    sl = data.get("slice") or {}
+    from ..core.model_spec import ModelSpec
+
+    if sl.get("model") is not None and ModelSpec.from_any(sl["model"]) != setup.model or sl.get("tp", 1) != setup.tp:
+        raise DynBatchConfigError("--from-records", "memory_records", "were measured on another model or tp width "
+                                  "than this calibration's", "refit them with the model and --tp they were measured "
+                                  "with, or calibrate memory again")
+    return fit_memory(setup, recs, data.get("environment") or {})
+
+
+def calibrate(model: Any, *, progress: Optional[Progress] = None, seed: int = 1234, memory_reader: Any = None,
+              **options: Any) -> CalibrationResult:
     """Calibrate the cost model on this machine: ``model`` as ``ModelSpec.from_any`` takes it (a preset name, a
     YAML/JSON file, Megatron's parsed args), ``options`` those of :func:`~megatron_dynbatch.core.calibration.setup.
     plan_calibration` (``parallel``, ``max_tokens_per_gpu``, ``device``, ``layers``, ``dtype``, ``spec``,
     ``lm_head``, ``dynamic_cp``, ``group_sizes``, ``tokens``, ``seqs``, ``warmup``, ``repeats``,
-    ``max_seconds``, ``base``). ``result.save(path)`` writes the cost-model file."""
+    ``max_seconds``, ``base``, ``memory``). ``result.save(path)`` writes the cost-model file."""
     if "parallel" not in options and hasattr(model, "tensor_model_parallel_size"):  # Megatron args: their layout
         from ..megatron.args import parallel_from_args
 
         options["parallel"] = parallel_from_args(model)
-    return run_calibration(plan_calibration(model, **options), progress=progress, seed=seed)
+    return run_calibration(plan_calibration(model, **options), progress=progress, seed=seed,
+                           memory_reader=memory_reader)
 
 
-__all__ = ["CalibrationResult", "calibrate", "run_calibration", "fit_setup", "refit_from_file", "resolve_spec",
-           "te_available"]
+__all__ = ["CalibrationResult", "calibrate", "run_calibration", "fit_setup", "fit_memory", "refit_from_file",
+           "refit_memory_from_data", "resolve_spec", "te_available"]

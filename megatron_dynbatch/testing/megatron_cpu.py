@@ -69,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import importlib
 import os
 import types
 from typing import Any, Iterator, Optional
@@ -219,6 +220,23 @@ def install_cpu_shims() -> None:
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
     _INSTALLED = True
+
+
+#: megatron-core's optimizer modules and the grad-norm helper, which create tensors with a literal ``device="cuda"``
+_OPTIMIZER_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads", "megatron.core.utils")
+
+
+def install_cpu_optimizer_shims() -> None:
+    """Megatron's non-distributed optimizer (``get_megatron_optimizer``) on a CPU: its modules see the CPU
+    ``torch`` proxy of shim 3 (no megatron-lm needed, unlike :func:`install_megatron_lm_cpu_shims`; gradient
+    clipping stays off, ``clip_grad=0``). Idempotent; a no-op where CUDA is available."""
+    install_cpu_shims()
+    if torch.cuda.is_available():
+        return
+    for name in _OPTIMIZER_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CpuTorchProxy):
+            module.torch = _CpuTorchProxy(torch)
 
 
 # ------------------------------------------------------------------------------------------ distributed

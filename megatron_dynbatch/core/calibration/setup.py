@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..checks import as_bool, as_int
 from ..errors import DynBatchConfigError
 from ..cost_profiles import resolve_profile
+from ..memory.fit import memory_grid
 from ..model_spec import ModelSpec
 from ..parallel import ParallelConfig
 from .budget import fit_to_budget, point_seconds
@@ -48,6 +49,8 @@ class CalibrationSetup:
     repeats: int = 3
     max_seconds: Optional[float] = None
     base: Any = "fitted"
+    memory: bool = False
+    memory_estimate_s: float = 0.0
 
     @property
     def tp(self) -> int:
@@ -75,6 +78,11 @@ class CalibrationSetup:
                  f"{', '.join(map(str, self.group_sizes))}; {toks[0]}..{toks[-1]} tokens per GPU, "
                  f"{min(len(pt.lengths) for pt in self.points)}..{max(len(pt.lengths) for pt in self.points)} "
                  f"sequences each"]
+        if self.memory:
+            toks = sorted({sum(p[2]) for p in memory_grid(self.max_tokens_per_gpu)})
+            lines.append(f"memory: {len(memory_grid(self.max_tokens_per_gpu))} forward+backward peaks on slices of 1 "
+                         f"and 2 layers and 1 layer with the LM head, {toks[0]}..{toks[-1]} tokens (about "
+                         f"{self.memory_estimate_s:.0f} s): the memory section of the file")
         if self.dropped:
             lines.append(f"  {len(self.dropped)} more point(s) do not fit --max-seconds {self.max_seconds:g} and are "
                          "left out")
@@ -104,12 +112,14 @@ def plan_calibration(model: Any, *, parallel: Any = None, max_tokens_per_gpu: An
                      layers: Any = None, dtype: Optional[str] = None, spec: str = "auto", lm_head: Any = False,
                      dynamic_cp: Any = False, group_sizes: Optional[Sequence[Any]] = None,
                      tokens: Optional[Sequence[Any]] = None, seqs: Optional[Sequence[Any]] = None,
-                     warmup: Any = 1, repeats: Any = 3, max_seconds: Any = None, base: Any = "fitted") -> CalibrationSetup:
+                     warmup: Any = 1, repeats: Any = 3, max_seconds: Any = None, base: Any = "fitted",
+                     memory: Any = "auto") -> CalibrationSetup:
     """Validate a calibration run and build its grid (module docstring). ``model``: anything
     ``ModelSpec.from_any`` takes (a preset name, a YAML/JSON file, Megatron's args); ``parallel``: the layout to
     plan for (its ``tp`` sets the slice's widths); ``layers``: default 2 (1 for a one-layer model); ``group_sizes``:
     default the layout's
-    (:func:`.grid.layout_group_sizes`)."""
+    (:func:`.grid.layout_group_sizes`); ``memory``: also measure peak memory for the file's memory section
+    (``"auto"``: on a GPU -- a CPU has no allocator statistics -- or ``True`` / ``False``)."""
     spec_m = ModelSpec.from_any(model)
     if spec_m.num_experts:
         raise DynBatchConfigError("--model", spec_m.name or "model", "MoE layers are not implemented in the timing "
@@ -145,11 +155,32 @@ def plan_calibration(model: Any, *, parallel: Any = None, max_tokens_per_gpu: An
     est = point_seconds(grid, spec_m, measured_layers=n_layers, tp=par.tp, lm_head=head, device=dev, base=base,
                         warmup=n_warm, repeats=n_rep)
     keep, total = fit_to_budget(grid, est, max_seconds)
+    mem = dev != "cpu" if memory == "auto" else as_bool(memory, "--memory")
+    if mem and dev == "cpu":
+        raise DynBatchConfigError("--memory", True, "peak memory is read from the CUDA allocator, which a CPU has not",
+                                  "measure memory on a GPU (--device cuda), or drop --memory")
+    mem_s = memory_seconds(spec_m, budget, tp=par.tp, device=dev, base=base) if mem else 0.0
     return CalibrationSetup(model=spec_m, parallel=par, dynamic_cp=dyn, max_tokens_per_gpu=budget, device=dev,
                             layers=n_layers, dtype=dt, spec=kind, lm_head=head,
                             group_sizes=sorted({p.group_size for p in grid}),
-                            points=keep, dropped=grid[len(keep):], estimate_s=total, warmup=n_warm, repeats=n_rep,
-                            max_seconds=None if max_seconds is None else float(max_seconds), base=base)
+                            points=keep, dropped=grid[len(keep):], estimate_s=total + mem_s, warmup=n_warm,
+                            repeats=n_rep,
+                            max_seconds=None if max_seconds is None else float(max_seconds), base=base,
+                            memory=mem, memory_estimate_s=mem_s)
 
 
-__all__ = ["CalibrationSetup", "plan_calibration", "DEVICES", "SPECS", "DTYPES"]
+#: building one memory slice (megatron-core model, possibly the LM head), rounded up
+MEMORY_SLICE_S = 5.0
+
+
+def memory_seconds(model: ModelSpec, budget: int, *, tp: int, device: str, base: Any = "fitted") -> float:
+    """Estimated seconds of measuring the memory grid: each slice built once, each point run twice."""
+    grid = memory_grid(budget)
+    est = 0.0
+    for layers, head, lengths in grid:
+        est += float(point_seconds([GridPoint(1, tuple(lengths))], model, measured_layers=layers, tp=tp, lm_head=head,
+                                   device=device, base=base, warmup=1, repeats=1)[0])
+    return est + MEMORY_SLICE_S * len({(n, h) for n, h, _ in grid})
+
+
+__all__ = ["CalibrationSetup", "plan_calibration", "memory_seconds", "DEVICES", "SPECS", "DTYPES"]
