@@ -45,7 +45,7 @@ def shapes(rc: RunConfig) -> Dict[str, Callable[[np.random.Generator], np.ndarra
     """The batch generators of the module docstring for this preset's step size and cap."""
     n = rc.samples_per_step or 8 * rc.parallel().dp
     prompts = max(1, n // 8)
-    cap = rc.max_tokens_per_gpu * rc.parallel().cp
+    cap = rc.budget() * rc.parallel().cp
     top = max(1024, cap - 2048)
 
     def longcot(max_response: int, median: int, sigma: float) -> Callable[[np.random.Generator], np.ndarray]:
@@ -82,7 +82,7 @@ def evaluate(run: str, seeds: int, cp_bandwidth: Optional[float] = None) -> Dict
                          "speedup": fixed.predicted_step_time / dyn.predicted_step_time,
                          "candidate": dyn.candidate, "group_sizes": {str(k): v for k, v in dyn.group_sizes().items()},
                          "over_budget": int(dyn.cap_violations), "planning_ms": 1e3 * planning})
-    return {"run": rc.name, "parallel": rc.parallel().to_dict(), "max_tokens_per_gpu": rc.max_tokens_per_gpu,
+    return {"run": rc.name, "parallel": rc.parallel().to_dict(), "max_tokens_per_gpu": rc.budget(),
             "cp_bandwidth_Bps": cp_bandwidth, "modelled": True, "rows": rows}
 
 

@@ -40,7 +40,15 @@ def add_budget_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentPars
                         "79.1 for an H100 80GB, 139.8 for an H200)")
     b.add_argument("--cost-model", default=None, metavar="FILE",
                    help="a calibrate file: its measured memory section replaces the analytic numbers")
-    m = b.add_argument_group("memory settings (default: a bf16 Megatron-LM run, or what --run's flags imply)")
+    add_memory_args(b.add_argument_group("memory settings (default: a bf16 Megatron-LM run, or what --run's flags "
+                                         "imply)"))
+    b.add_argument("--multiple", default="256", metavar="N", help="round the budgets down to a multiple of N (256)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.set_defaults(func=lambda args: cmd_budget(args, layout))
+
+
+def add_memory_args(m: Any) -> None:
+    """The memory-model settings as flags (``budget``, and ``plan --max-tokens-per-gpu auto``)."""
     m.add_argument("--recompute", default=None, help="none, selective or full")
     m.add_argument("--optimizer", default=None, help="distributed, replicated or cpu_offload")
     m.add_argument("--param-dtype", default=None, help="bf16, fp16 or fp32")
@@ -55,9 +63,6 @@ def add_budget_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentPars
                    help="resident in a log-prob pass: training (the actor's whole state, default) or weights")
     m.add_argument("--optimizer-step-bytes-per-param", default=None, metavar="B",
                    help="the optimizer step's temporaries (0 for fused Adam; ~4 for torch's AdamW)")
-    b.add_argument("--multiple", default="256", metavar="N", help="round the budgets down to a multiple of N (256)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.set_defaults(func=lambda args: cmd_budget(args, layout))
 
 
 def _number(text: Optional[str], flag: str, kind: type) -> Any:
@@ -70,7 +75,8 @@ def _number(text: Optional[str], flag: str, kind: type) -> Any:
                                   f"pass e.g. {flag} {'2' if kind is int else '0.1'}") from None
 
 
-def _flag_settings(args: argparse.Namespace) -> Dict[str, Any]:
+def flag_settings(args: argparse.Namespace) -> Dict[str, Any]:
+    """The memory settings the flags of :func:`add_memory_args` give (only those given)."""
     kinds = {"headroom": float, "reserve_gb": float, "moe_imbalance": float, "optimizer_step_bytes_per_param": float,
              "logits_fp32_copies": int, "log_prob_fp32_copies": int}
     out: Dict[str, Any] = {}
@@ -85,7 +91,7 @@ def _target(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any
     """Model, layout, settings, memory profile and the preset (if any)."""
     from .core.memory import MemorySettings, settings_from_megatron
 
-    given = _flag_settings(args)
+    given = flag_settings(args)
     if args.run is None:
         if args.model is None:
             raise DynBatchConfigError("--model", None, "is required", "pass --model PRESET|FILE, or --run PRESET")
@@ -136,6 +142,8 @@ def cmd_budget(args: argparse.Namespace, layout: Callable[[argparse.Namespace], 
         for name, tokens, choice in (("max_tokens_per_gpu", run.max_tokens_per_gpu, train),
                                      ("log_probs_max_tokens_per_gpu", run.effective_log_probs_max_tokens_per_gpu,
                                       log_prob)):
+            if tokens == "auto":  # the preset lets the memory model choose: nothing configured to judge
+                continue
             peak = peak_memory(spec, par, tokens, pass_=choice.pass_, settings=st, profile=t["profile"]).peak_bytes
             configured[name] = {"tokens": tokens, "predicted_peak_gb": peak / 2 ** 30,
                                 "fits": peak <= choice.usable_bytes, "of_auto": tokens / choice.tokens_per_gpu}
@@ -168,4 +176,4 @@ def cmd_budget(args: argparse.Namespace, layout: Callable[[argparse.Namespace], 
     return 0
 
 
-__all__ = ["add_budget_parser", "cmd_budget"]
+__all__ = ["add_budget_parser", "add_memory_args", "cmd_budget", "flag_settings"]

@@ -115,7 +115,7 @@ def _target(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any
     run = RunConfig.from_yaml(args.run)
     par = run.parallel()
     given = {f"--{k.replace('_', '-')}": (getattr(args, k), getattr(par, k)) for k in _LAYOUT}
-    given["--max-tokens-per-gpu"] = (_int(args.max_tokens_per_gpu, "--max-tokens-per-gpu", 1), run.max_tokens_per_gpu)
+    given["--max-tokens-per-gpu"] = (_int(args.max_tokens_per_gpu, "--max-tokens-per-gpu", 1), run.budget())
     if args.model is not None and ModelSpec.from_any(args.model) != run.model_spec():
         given["--model"] = (args.model, run.model)
     for flag, (mine, theirs) in given.items():
@@ -123,7 +123,7 @@ def _target(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any
             raise DynBatchConfigError(flag, mine, f"the run preset {run.name!r} says {theirs}",
                                       f"drop {flag} to calibrate the preset's setting, or drop --run")
     return {"model": run.model_spec(), "parallel": par, "dynamic_cp": run.dynamic_cp or args.dynamic_cp,
-            "max_tokens_per_gpu": run.max_tokens_per_gpu, "run": run}
+            "max_tokens_per_gpu": run.budget(), "run": run}
 
 
 def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any]) -> int:

@@ -35,6 +35,11 @@ PROG = "megatron-dynbatch"
 
 
 # ============================================================================================ helpers
+def _budget(text: str) -> Any:
+    """``--max-tokens-per-gpu``: a whole number >= 1, or ``auto``."""
+    return "auto" if str(text).strip().lower() == "auto" else _positive_int(text)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -222,6 +227,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(plan.to_json(indent=1))
         return 0
     print(plan_summary(plan, args, balance_by, len(lengths), groups=group_line(group_ids, group_source)))
+    if opts.budget_choice is not None:  # --max-tokens-per-gpu auto: what the memory model chose, and why
+        print(opts.budget_choice.summary())
     print()
     print(rank_table(plan, args.max_ranks))
     baselines: Dict[str, Any] = {}
@@ -264,11 +271,14 @@ def _plan_options(args: argparse.Namespace) -> Tuple[Any, Any]:
     layout = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name, None) is not None}
     if args.sequence_parallel:
         layout["sequence_parallel"] = True
+    from ._cli_budget import flag_settings
+
     given = {"model": args.model, "parallel": layout, "max_tokens_per_gpu": args.max_tokens_per_gpu,
              "balance_by": args.balance_by, "oversize": args.oversize, "fp8_alignment": args.fp8,
              "samples_per_step": args.samples_per_step, "cost_model": args.cost_model,
              "decision_margin": args.decision_margin, "dynamic_cp": bool(args.dynamic_cp),
-             "num_microbatches": args.num_microbatches}
+             "num_microbatches": args.num_microbatches, "gpu_memory_gb": args.gpu_memory_gb,
+             "memory": flag_settings(args) or None}
     return PlanOptions(**{k: v for k, v in given.items() if v is not None}), None
 
 
@@ -467,9 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="model preset name (e.g. qwen3-8b) or a YAML/JSON/config.json path; needed to balance FLOPs")
     _add_layout_args(p)
-    p.add_argument("--max-tokens-per-gpu", type=_positive_int, default=None,
+    p.add_argument("--max-tokens-per-gpu", type=_budget, default=None, metavar="N|auto",
                    help="per-GPU token budget; a micro-batch holds at most this times cp tokens (required "
-                        "unless --run gives it)")
+                        "unless --run gives it); auto: the largest the memory model says fits --gpu-memory-gb")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G",
+                   help="the GPU's memory in GiB, for --max-tokens-per-gpu auto (79.1 for an H100 80GB)")
     p.add_argument("--balance-by", choices=("time", "flops", "tokens"), default=None,
                    help="what balancing equalises: time -- the cost model's seconds, each FLOP at its kernel's "
                         "efficiency, as a Megatron launch's --balance-by-flops (default with --model); flops -- raw "
@@ -489,6 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "CP group, and print the fixed-CP plan of the same layout next to it (docs/dynamic_cp.md); "
                         "--no-dynamic-cp overrides a --run preset's dynamic_cp: true")
     _add_cost_model_args(p)
+    from ._cli_budget import add_memory_args
+
+    add_memory_args(p.add_argument_group("memory settings for --max-tokens-per-gpu auto (default: a bf16 "
+                                         "Megatron-LM run)"))
     p.add_argument("--max-ranks", type=_positive_int, default=32, help="ranks shown in the table (default 32)")
     p.add_argument("--compare", action="store_true",
                    help="also score the baselines (fixed_padded, slime, verl, nemo_rl, ...) on the same batch")

@@ -7,9 +7,10 @@
 #       bash scripts/run_dense_qwen3_8b.sh [extra Megatron flags...]
 #   DRY_RUN=1 bash scripts/run_dense_qwen3_8b.sh      # print the command instead of running it
 #
-# Environment knobs: GPUS_PER_NODE (8), MAX_TOKENS_PER_GPU (16384), LOG_PROBS_MAX_TOKENS_PER_GPU (32768),
+# Environment knobs: GPUS_PER_NODE (8), MAX_TOKENS_PER_GPU and LOG_PROBS_MAX_TOKENS_PER_GPU (auto: the largest
+# the memory model says fits GPU_MEMORY_GB, default 79.1 -- an H100 80GB; or a number of tokens),
 # GLOBAL_BATCH_SIZE (256 samples per optimizer step), TRAIN_ITERS (100), SEQ_LENGTH (the longest sample; default
-# MAX_TOKENS_PER_GPU, since it must fit the budget: checked at start-up),
+# 16384; it must fit the budget: checked at start-up),
 # DATA_PATH (JSONL of token ids; unset = synthetic data), LOAD / SAVE (checkpoint dirs), MASTER_PORT (29500).
 # PYTHON (default: the active venv, else the project's .venv, else python3; see scripts/_env.sh) runs
 # torchrun as `$PYTHON -m torch.distributed.run`; TORCHRUN=... replaces that launcher.
@@ -27,11 +28,12 @@ MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-/workspace/Megatron-LM}
 TOKENIZER=${TOKENIZER:-Qwen/Qwen3-8B}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MASTER_PORT=${MASTER_PORT:-29500}
-MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-16384}
-LOG_PROBS_MAX_TOKENS_PER_GPU=${LOG_PROBS_MAX_TOKENS_PER_GPU:-32768}
+MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-auto}                  # auto: the largest the memory model says fits
+LOG_PROBS_MAX_TOKENS_PER_GPU=${LOG_PROBS_MAX_TOKENS_PER_GPU:-auto}
+GPU_MEMORY_GB=${GPU_MEMORY_GB:-79.1}                            # the card auto sizes for (an H100 80GB)
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-256}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
-SEQ_LENGTH=${SEQ_LENGTH:-$MAX_TOKENS_PER_GPU}  # the longest sample; must fit the budget (checked at start-up)
+SEQ_LENGTH=${SEQ_LENGTH:-16384}  # the longest sample; must fit the budget (checked at start-up)
 ATTN_BACKEND=${ATTN_BACKEND:-flash}
 
 case "$ATTN_BACKEND" in
@@ -58,6 +60,7 @@ PARALLEL_ARGS=(
 DYNBATCH_ARGS=(
   --use-dynamic-batch-size --balance-by-flops
   --max-tokens-per-gpu "$MAX_TOKENS_PER_GPU" --log-probs-max-tokens-per-gpu "$LOG_PROBS_MAX_TOKENS_PER_GPU"
+  --dynbatch-gpu-memory-gb "$GPU_MEMORY_GB"
   --dynbatch-max-seq-length "$SEQ_LENGTH"
   --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH_SIZE" --dynbatch-samples-per-step "$GLOBAL_BATCH_SIZE"
   --dataloader-type external --eval-iters 0

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dynbatch.core.run_config import RunConfig
+
 from megatron_dynbatch.cli import main
 from megatron_dynbatch.core.memory import MemorySettings, choose_budget
 
@@ -52,16 +54,22 @@ def test_json_has_train_and_log_prob_entries(capsys):
 
 
 def test_a_run_preset_brings_its_memory_settings_and_its_budgets_are_judged(capsys):
-    rc, out, _ = _run(capsys, ["budget", "--run", "qwen3-8b-grpo", "--gpu-memory-gb", "80", "--json"])
+    rc, out, _ = _run(capsys, ["budget", "--run", "qwen3-30b-a3b-grpo", "--gpu-memory-gb", "80", "--json"])
     assert rc == 0
     d = json.loads(out)
+    run = RunConfig.from_yaml("qwen3-30b-a3b-grpo")
     assert d["train"]["settings"]["recompute"] == "full" and d["train"]["settings"]["optimizer"] == "cpu_offload"
     assert d["train"]["max_tokens_per_gpu"] == choose_budget(
-        "qwen3-8b", {"dp": 8}, 80, settings={"recompute": "full", "optimizer": "cpu_offload"}).tokens_per_gpu
+        run.model_spec(), run.parallel(), 80, settings=run.memory_settings()).tokens_per_gpu
     c = d["configured"]["max_tokens_per_gpu"]
     assert c["tokens"] == 16384 and c["fits"] and 0 < c["of_auto"] <= 1
-    rc, text, _ = _run(capsys, ["budget", "--run", "qwen3-8b-grpo", "--gpu-memory-gb", "80"])
+    rc, text, _ = _run(capsys, ["budget", "--run", "qwen3-30b-a3b-grpo", "--gpu-memory-gb", "80"])
     assert rc == 0 and "the preset's max_tokens_per_gpu 16384: predicted peak" in text
+    # a preset whose budgets are auto has nothing configured to judge: its budgets are the command's own
+    rc, out, _ = _run(capsys, ["budget", "--run", "qwen3-8b-grpo", "--gpu-memory-gb", "79.1", "--json"])
+    d = json.loads(out)
+    assert rc == 0 and d["configured"] == {}
+    assert d["train"]["max_tokens_per_gpu"] == RunConfig.from_yaml("qwen3-8b-grpo").budget()
 
 
 @pytest.mark.parametrize("argv, flag", [

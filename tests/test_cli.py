@@ -259,7 +259,8 @@ def test_plan_says_what_its_bounds_bound_and_why_it_needs_more(tmp_path, capsys)
     assert "the budget allows as few as" in line and "pp=4 pipeline bubble" in line and "vpp=2" in line, line
     assert "lower bound" in out and "that no plan of this batch beats" in out and "(modelled)" in out
     assert "(mbs: micro-batches of the rank" in out
-    assert main(["plan", "--lengths", "examples/grpo_lengths.txt", "--run", "qwen3-8b-grpo"]) == 0
+    assert main(["plan", "--lengths", "examples/grpo_lengths.txt", "--run", "qwen3-8b-grpo",
+                 "--override-run", "--max-tokens-per-gpu", "16384"]) == 0
     out = capsys.readouterr().out
     assert "groups: 32 (the run preset's group_size=8), each kept whole on one DP rank" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("micro-batches per rank:"))

@@ -283,14 +283,17 @@ def test_max_tokens_estimate_moves_the_right_way():
                                                    settings={"recompute": "full"}).peak_bytes / GiB)
 
 
-def test_presets_budgets_stay_within_their_documented_estimates():
-    assert estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 80, optimizer="cpu_offload", recompute="full") >= \
-        RunConfig.from_yaml("qwen3-8b-grpo").max_tokens_per_gpu
-    assert estimate_max_tokens_per_gpu("qwen3-30b-a3b", {"dp": 8, "ep": 8}, 80, optimizer="cpu_offload",
-                                       recompute="full") >= RunConfig.from_yaml("qwen3-30b-a3b-grpo").max_tokens_per_gpu
-    llama = RunConfig.from_yaml("llama-3.1-70b-longcot")
-    assert estimate_max_tokens_per_gpu("llama-3.1-70b", llama.parallel(), 80, recompute="full") >= \
-        llama.max_tokens_per_gpu
+@pytest.mark.parametrize("name", ["qwen3-8b-grpo", "qwen3-30b-a3b-grpo", "llama-3.1-70b-longcot"])
+def test_shipped_presets_budgets_fit_the_card_they_were_written_for(name):
+    """Every budget a shipped preset sets (or lets the memory model choose) fits an H100 80GB by the memory model,
+    with the memory settings its own Megatron flags imply."""
+    from megatron_dynbatch.core.memory import choose_budget
+
+    rc = RunConfig.from_yaml(name)
+    for pass_, forward_only in (("train", False), ("log_prob", True)):
+        fits = choose_budget(rc.model_spec(), rc.parallel(), rc.gpu_memory_gb or 79.1, pass_=pass_,
+                             settings=rc.memory_settings()).tokens_per_gpu
+        assert rc.budget(forward_only=forward_only) <= fits, (name, pass_)
 
 
 def test_legacy_errors_are_clear():

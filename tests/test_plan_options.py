@@ -19,6 +19,7 @@ import pytest
 
 from megatron_dynbatch import (BalanceBy, DynBatchConfigError, ModelSpec, ParallelConfig, PlanOptions, RunConfig,
                                UnknownOptionError, plan_global_batch)
+from megatron_dynbatch.core.memory import MemorySettings, choose_budget
 from megatron_dynbatch.core.planner import api
 
 BASE = {"max_tokens_per_gpu": 2048, "model": "qwen3-0.6b", "parallel": {"dp": 2}}
@@ -43,6 +44,9 @@ VALUES = {
     "num_microbatches_multiple": 2,
     "sequence_pad_multiple": 8,
     "microbatch_pad_multiple": 16,
+    "gpu_memory_gb": 79.1,
+    "memory": {"recompute": "full"},
+    "forward_only": True,
 }
 
 #: the plan command's tokens for each value (fields whose metadata names a ``plan`` flag)
@@ -58,6 +62,8 @@ CLI_TOKENS = {
     "samples_per_step": ["--samples-per-step", "4"],
     "dynamic_cp": ["--dynamic-cp"],
     "num_microbatches": ["--num-microbatches", "3"],
+    "gpu_memory_gb": ["--gpu-memory-gb", "79.1"],
+    "memory": ["--recompute", "full"],
 }
 #: options a Megatron launch does not set, and why (every other option has a launch flag)
 NOT_LAUNCH_OPTIONS = {
@@ -69,7 +75,10 @@ NOT_LAUNCH_OPTIONS = {
     "num_microbatches_multiple": "a trainer drop-in's knob",
     "sequence_pad_multiple": "a trainer drop-in's knob (its own padding)",
     "microbatch_pad_multiple": "a trainer drop-in's knob (its own padding)",
+    "forward_only": "a launch plans both passes (plan_options_from_args(args, forward_only=True))",
 }
+#: options a launch reads from Megatron's own flags, not a flag of ours (tested one by one below)
+FROM_MEGATRONS_FLAGS = ("model", "parallel", "memory")
 #: options the plan command does not set, and why
 NOT_CLI_OPTIONS = {name: why for name, why in NOT_LAUNCH_OPTIONS.items() if name != "num_microbatches"}
 
@@ -83,6 +92,8 @@ def expected(name):
         return ParallelConfig.from_any(value)
     if name == "balance_by":
         return BalanceBy(value)
+    if name == "memory":
+        return MemorySettings.from_any(value)
     return value
 
 
@@ -116,7 +127,7 @@ def received(recorder, call):
 def test_every_option_has_a_test_value_and_a_documented_spelling():
     names = set(PlanOptions.names())
     assert set(VALUES) == names, "add the new option to VALUES (and CLI_TOKENS / the exceptions)"
-    assert set(PlanOptions.spellings("megatron")) == names - set(NOT_LAUNCH_OPTIONS) - {"model", "parallel"}
+    assert set(PlanOptions.spellings("megatron")) == names - set(NOT_LAUNCH_OPTIONS) - set(FROM_MEGATRONS_FLAGS)
     assert set(CLI_TOKENS) == {f.name for f in dataclasses.fields(PlanOptions) if f.init and f.metadata["cli"]}
     assert set(CLI_TOKENS) == names - set(NOT_CLI_OPTIONS)
     lines = inspect.getsource(PlanOptions).splitlines()
@@ -196,6 +207,7 @@ LAUNCH_TOKENS = {  # a launch's flags for each value
     "fp8_alignment": ["--dynbatch-fp8-alignment", "mxfp8"],
     "samples_per_step": ["--dynbatch-samples-per-step", "4"],
     "dynamic_cp": ["--dynbatch-dynamic-cp", "--balance-by-flops"],  # a launch balancing tokens refuses it
+    "gpu_memory_gb": ["--dynbatch-gpu-memory-gb", "79.1"],
 }
 
 
@@ -203,7 +215,7 @@ def test_launch_tokens_use_each_fields_own_flag():
     assert {name: tokens[0] for name, tokens in LAUNCH_TOKENS.items()} == PlanOptions.spellings("megatron")
 
 
-@pytest.mark.parametrize("name", sorted(set(VALUES) - set(NOT_LAUNCH_OPTIONS)))
+@pytest.mark.parametrize("name", sorted(set(VALUES) - set(NOT_LAUNCH_OPTIONS) - {"memory"}))
 def test_megatron_launch_flags_and_the_hook(name, recorder):
     pytest.importorskip("torch")
     from megatron_dynbatch.integrations.megatron_lm import DynamicForwardBackward
@@ -231,7 +243,7 @@ def test_megatron_launch_flags_and_the_hook(name, recorder):
     assert getattr(recorder.pop(), name) == expected(name)
 
 
-@pytest.mark.parametrize("name", sorted(set(VALUES) - set(NOT_LAUNCH_OPTIONS)))
+@pytest.mark.parametrize("name", sorted(set(VALUES) - set(NOT_LAUNCH_OPTIONS) - {"memory"}))
 def test_run_presets_and_their_megatron_flags(name):
     pytest.importorskip("torch")
     from megatron_dynbatch.megatron.args import plan_options_from_args, validate_dynamic_batch_args
@@ -367,3 +379,106 @@ def test_signature_lists_every_option():
     params = inspect.signature(plan_global_batch).parameters
     assert set(PlanOptions.names()) | {"balance_by_flops", "group_ids", "microbatch_group_ids", "rollout_ids"} \
         <= set(params)
+
+
+# ------------------------------------------------------------------------------ issue 27: the budget chooses itself
+AUTO_BASE = {"model": "qwen3-8b", "parallel": {"dp": 8}, "gpu_memory_gb": 79.1,
+             "memory": {"optimizer": "cpu_offload", "recompute": "full"}}
+
+
+def test_auto_budget_is_the_memory_models_choice_and_the_planner_keeps_it():
+    opts = PlanOptions(max_tokens_per_gpu="auto", **AUTO_BASE)
+    want = choose_budget("qwen3-8b", {"dp": 8}, 79.1, settings=AUTO_BASE["memory"])
+    assert opts.auto_budget and opts.max_tokens_per_gpu == want.tokens_per_gpu > 0
+    assert "limited by" in opts.budget_choice.summary() and "static" in opts.budget_choice.summary()
+    plan = plan_global_batch(np.random.default_rng(0).integers(100, 16000, 64), opts)
+    assert plan.cap == opts.max_tokens_per_gpu and plan.max_microbatch_tokens <= plan.cap
+    assert PlanOptions(max_tokens_per_gpu="AUTO ", **AUTO_BASE) == opts  # every rank, every spelling: one budget
+    assert PlanOptions(**opts.to_kwargs()) == opts and opts.to_kwargs()["max_tokens_per_gpu"] == "auto"
+
+
+def test_auto_is_chosen_again_when_the_options_change_and_per_pass():
+    opts = PlanOptions(max_tokens_per_gpu="auto", **AUTO_BASE)
+    wider = opts.replace(parallel={"dp": 4, "tp": 2})
+    assert wider.auto_budget and wider.max_tokens_per_gpu > opts.max_tokens_per_gpu  # TP splits the logits
+    bigger = opts.replace(gpu_memory_gb=139.8)
+    assert bigger.max_tokens_per_gpu > opts.max_tokens_per_gpu
+    log_prob = opts.for_forward_only()
+    assert log_prob.forward_only and log_prob.auto_budget and log_prob.max_tokens_per_gpu >= opts.max_tokens_per_gpu
+    assert opts.replace(max_tokens_per_gpu=4096).max_tokens_per_gpu == 4096  # a number stops being automatic
+    assert not opts.replace(max_tokens_per_gpu=4096).auto_budget
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens_per_gpu": "auto"}, "max_tokens_per_gpu"),                                  # no model
+    ({"max_tokens_per_gpu": "auto", "model": "qwen3-8b"}, "gpu_memory_gb"),                  # no card
+    ({**AUTO_BASE, "max_tokens_per_gpu": "auto", "gpu_memory_gb": 0}, "gpu_memory_gb"),
+    ({**AUTO_BASE, "max_tokens_per_gpu": "auto", "gpu_memory_gb": float("nan")}, "gpu_memory_gb"),
+    ({**AUTO_BASE, "max_tokens_per_gpu": "auto", "gpu_memory_gb": 1e30}, "gpu_memory_gb"),
+    ({**AUTO_BASE, "max_tokens_per_gpu": "auto", "gpu_memory_gb": 16}, "gpu_memory_gb"),    # cannot fit at all
+    ({**AUTO_BASE, "max_tokens_per_gpu": "automatic"}, "max_tokens_per_gpu"),
+    ({**AUTO_BASE, "max_tokens_per_gpu": "auto", "memory": {"recompute": "most"}}, "settings.recompute"),
+])
+def test_auto_budget_hostile_input_is_a_clear_error(kwargs, field):
+    with pytest.raises(DynBatchConfigError) as info:
+        PlanOptions(**kwargs)
+    assert info.value.field == field and "Fix:" in str(info.value)
+
+
+def test_a_model_that_cannot_fit_says_what_to_change():
+    with pytest.raises(DynBatchConfigError) as info:
+        PlanOptions(max_tokens_per_gpu="auto", model="qwen3-30b-a3b", parallel={"dp": 8, "ep": 8}, gpu_memory_gb=40)
+    assert "do not fit" in info.value.problem and "--optimizer-cpu-offload" in info.value.fix
+
+
+def test_auto_run_preset_and_its_launch_plan_with_the_same_budget():
+    pytest.importorskip("torch")
+    from megatron_dynbatch.megatron.args import plan_options_from_args, validate_dynamic_batch_args
+
+    rc = RunConfig.from_yaml("qwen3-8b-grpo")
+    assert rc.max_tokens_per_gpu == "auto" and rc.plan_options().auto_budget
+    argv = rc.to_megatron_args()
+    assert argv[argv.index("--max-tokens-per-gpu") + 1] == "auto"
+    megatron = {"recompute_granularity": "full", "use_distributed_optimizer": True, "optimizer_cpu_offload": True,
+                "untie_embeddings_and_output_weights": True, "world_size": 8, "model": "qwen3-8b"}
+    flags = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "auto", "--log-probs-max-tokens-per-gpu", "auto",
+             "--dynbatch-gpu-memory-gb", "79.1"]
+    args = validate_dynamic_batch_args(launch_args(flags, **megatron))
+    for forward_only in (False, True):
+        got = plan_options_from_args(args, forward_only=forward_only)
+        assert got.max_tokens_per_gpu == rc.budget(forward_only=forward_only)
+        assert got.memory == rc.memory_settings()
+
+
+def test_auto_launch_without_a_card_names_the_flag(monkeypatch):
+    pytest.importorskip("torch")
+    from megatron_dynbatch.megatron import device
+    from megatron_dynbatch.megatron.args import validate_dynamic_batch_args
+
+    monkeypatch.setattr(device, "device_memory_gb", lambda d=None: None)  # a CPU machine
+    megatron = {"model": "qwen3-8b", "world_size": 8, "optimizer_cpu_offload": True, "recompute_granularity": "full"}
+    args = launch_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "auto"], **megatron)
+    with pytest.raises(DynBatchConfigError) as info:
+        validate_dynamic_batch_args(args)
+    assert info.value.field == "--dynbatch-gpu-memory-gb"
+    monkeypatch.setattr(device, "device_memory_gb", lambda d=None: 79.1)  # read from the device on a GPU
+    args = validate_dynamic_batch_args(launch_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "auto"],
+                                                   **megatron))
+    from megatron_dynbatch.megatron.args import plan_options_from_args
+
+    assert plan_options_from_args(args).gpu_memory_gb == 79.1
+
+
+def test_plan_command_prints_the_auto_budgets_breakdown(tmp_path, capsys):
+    from megatron_dynbatch.cli import main
+
+    assert main(["plan", "--lengths", "examples/grpo_lengths.txt", "--model", "qwen3-8b", "--dp", "8",
+                 "--max-tokens-per-gpu", "auto", "--gpu-memory-gb", "79.1", "--recompute", "full", "--optimizer",
+                 "cpu_offload"]) == 0
+    out = capsys.readouterr().out
+    budget = choose_budget("qwen3-8b", {"dp": 8}, 79.1, settings={"recompute": "full",
+                                                                  "optimizer": "cpu_offload"}).tokens_per_gpu
+    assert f"max_tokens_per_gpu={budget}" in out and f"training budget: {budget} tokens per GPU" in out
+    assert main(["plan", "--lengths", "examples/grpo_lengths.txt", "--model", "qwen3-8b", "--dp", "8",
+                 "--max-tokens-per-gpu", "auto"]) == 2
+    assert "--gpu-memory-gb" in capsys.readouterr().err

@@ -28,7 +28,7 @@ def _base(**overrides):
 
 
 def _lengths(rc: RunConfig, n: int, seed: int = 0) -> np.ndarray:
-    cap = rc.max_tokens_per_gpu * rc.parallel().cp
+    cap = rc.budget() * rc.parallel().cp
     rng = np.random.default_rng(seed)
     return np.clip(rng.lognormal(np.log(cap / 8), 1.0, n).astype(int), 0, cap // 2)
 
@@ -49,9 +49,9 @@ def test_every_preset_loads_and_plans(name):
     lengths = _lengths(rc, n)
     plan = plan_global_batch(lengths, rc.plan_options(), group_ids=rc.group_ids(n))
     plan.validate(num_samples=n)
-    assert max(max(t) for t in plan.microbatch_tokens) <= rc.max_tokens_per_gpu * rc.parallel().cp
+    assert max(max(t) for t in plan.microbatch_tokens) <= rc.budget() * rc.parallel().cp
     fwd = rc.plan_options(forward_only=True)
-    assert fwd.max_tokens_per_gpu == rc.effective_log_probs_max_tokens_per_gpu
+    assert fwd.max_tokens_per_gpu == rc.budget(forward_only=True) >= rc.budget()
     assert fwd.samples_per_step is None
     plan_global_batch(lengths, fwd).validate(num_samples=n)
     assert RunConfig.from_dict(rc.to_dict()) == rc  # YAML form round-trips
@@ -191,6 +191,9 @@ _MEGATRON_STUB_FLAGS = {  # the Megatron-LM flags to_megatron_args may emit, wit
     "--num-virtual-stages-per-pipeline-rank": 1, "--microbatch-group-size-per-virtual-pipeline-stage": 1,
     "--sequence-parallel": 0, "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1,
     "--moe-token-dispatcher-type": 1, "--micro-batch-size": 1, "--global-batch-size": 1,
+    # what an automatic budget reads from Megatron's flags (core/memory/megatron_flags.py)
+    "--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
+    "--use-distributed-optimizer": 0, "--optimizer-cpu-offload": 0, "--use-precision-aware-optimizer": 0,
 }
 
 

@@ -33,7 +33,7 @@ from .checks import is_bool as _is_bool
 from .checks import is_int as _is_int
 from .errors import DynBatchConfigError, trainer_terms
 from .model_spec import ModelSpec
-from .planner.options import BalanceBy, PlanOptions
+from .planner.options import AUTO, BalanceBy, PlanOptions
 from .presets import available_presets, available_run_presets, load_run_mapping, resolve_run_preset, run_preset_dirs
 from .parallel import ALIASES as _PARALLEL_ALIASES
 from .parallel import EXTRA_KEYS as _PARALLEL_EXTRA
@@ -65,9 +65,11 @@ class RunConfig:
             ``world_size`` when given; ``etp`` goes to ``expert_tensor_parallel_size``). Read it with
             :meth:`parallel`.
         max_tokens_per_gpu: per-GPU token budget of a training micro-batch (a micro-batch holds at most
-            ``max_tokens_per_gpu * cp`` tokens after alignment padding).
+            ``max_tokens_per_gpu * cp`` tokens after alignment padding), or ``auto``: the largest the memory model
+            says fits ``gpu_memory_gb`` with :meth:`memory_settings` (:meth:`budget` gives the number).
         log_probs_max_tokens_per_gpu: budget of forward-only passes (log-probs, reference model); no
-            activations are kept for backward there, so it is usually larger. Default: ``max_tokens_per_gpu``.
+            activations are kept for backward there, so it is usually larger; ``auto`` sizes it for the forward
+            pass. Default: ``max_tokens_per_gpu``.
         balance_by: what balancing equalises: ``"time"`` (default: the cost model's seconds -- FLOPs at their
             kernels' efficiency), ``"flops"`` (raw FLOPs) or ``"tokens"``
             (:class:`~megatron_dynbatch.core.planner.options.BalanceBy`).
@@ -96,6 +98,11 @@ class RunConfig:
             (``--dynbatch-online-calibration``; ``docs/cost_model.md``). Never changes the loss.
         calibration_interval: optimizer steps between refits (needs ``online_calibration``); passed as
             ``--dynbatch-calibration-interval``.
+        gpu_memory_gb: the GPU's memory in GiB; needed by an ``auto`` budget (passed as
+            ``--dynbatch-gpu-memory-gb``, so the launch plans for the card the preset was written for).
+        memory: memory-model settings the Megatron flags in ``megatron_args`` do not imply
+            (:class:`~megatron_dynbatch.core.memory.MemorySettings` fields, e.g. ``{headroom: 0.15}``; passed as
+            ``--dynbatch-memory``); :meth:`memory_settings` is what an ``auto`` budget assumes.
         max_seq_len: the longest sample the run can produce (prompt + response); checked against both budgets
             at construction, so a budget too small for it fails before step 1 (``OversizeSampleError``, or a
             warning under ``oversize: alone``), and passed to Megatron as ``--dynbatch-max-seq-length``.
@@ -107,8 +114,10 @@ class RunConfig:
     name: str
     model: Union[str, Mapping[str, Any]]
     layout: ParallelConfig
-    max_tokens_per_gpu: int
-    log_probs_max_tokens_per_gpu: Optional[int] = None
+    max_tokens_per_gpu: Union[int, str]
+    log_probs_max_tokens_per_gpu: Union[None, int, str] = None
+    gpu_memory_gb: Optional[float] = None
+    memory: Mapping[str, Any] = field(default_factory=dict, hash=False)
     balance_by: str = "time"
     oversize: str = "error"
     fp8_alignment: Union[None, str, int] = None
@@ -199,18 +208,43 @@ class RunConfig:
 
     def _build_options(self, spec: ModelSpec, par: ParallelConfig) -> PlanOptions:
         """The preset's planning fields as the planner's options -- every field of ``PlanOptions`` this class
-        has, under the same name -- checked by the planner's own rules; the log-prob budget is checked as the
-        budget of the forward-only options."""
-        shared = [name for name in PlanOptions.names() if name in _OWN_FIELDS and name != "model"]
-        options = PlanOptions(**{name: getattr(self, name) for name in shared}, model=spec, parallel=par)
+        has under the same name (``memory``: :meth:`memory_settings`) -- checked by the planner's own rules; the
+        log-prob budget is checked as the budget of the forward-only options."""
+        if not isinstance(self.memory, Mapping):
+            raise DynBatchConfigError("memory", self.memory, "must be a mapping of memory settings",
+                                      "write e.g. memory: {headroom: 0.15, logits_fp32_copies: 2}")
+        object.__setattr__(self, "memory", dict(self.memory))
+        shared = [name for name in PlanOptions.names() if name in _OWN_FIELDS and name not in ("model", "memory")]
+        auto = AUTO in (self.max_tokens_per_gpu, self.log_probs_max_tokens_per_gpu)
+        options = PlanOptions(**{name: getattr(self, name) for name in shared}, model=spec, parallel=par,
+                              memory=self.memory_settings() if auto else None)
         for name in shared:  # stored as the options hold them: 4096.0 -> 4096, BalanceBy.TIME -> "time"
             value = getattr(options, name)
+            if name == "max_tokens_per_gpu" and options.auto_budget:
+                value = AUTO  # the preset says auto: a launch chooses it again for its card
             object.__setattr__(self, name, str(value) if isinstance(value, BalanceBy) else value)
         if self.log_probs_max_tokens_per_gpu is not None:
             with trainer_terms({"max_tokens_per_gpu": "log_probs_max_tokens_per_gpu"}):
-                budget = options.for_forward_only(self.log_probs_max_tokens_per_gpu).max_tokens_per_gpu
-            object.__setattr__(self, "log_probs_max_tokens_per_gpu", budget)
+                forward = options.for_forward_only(self.log_probs_max_tokens_per_gpu)
+            object.__setattr__(self, "log_probs_max_tokens_per_gpu",
+                               AUTO if forward.auto_budget else forward.max_tokens_per_gpu)
         return options
+
+    def memory_settings(self) -> Any:
+        """What an ``auto`` budget assumes about memory: the settings ``megatron_args`` imply (optimizer layout,
+        recompute, dtypes, ETP: :func:`~megatron_dynbatch.core.memory.settings_from_megatron`) with ``memory``
+        on top."""
+        from .memory import settings_from_megatron
+
+        etp = {"expert_tensor_parallel_size": self.expert_tensor_parallel_size} \
+            if self.expert_tensor_parallel_size else {}
+        with trainer_terms({}):
+            return settings_from_megatron(list(self.megatron_args), **etp, **dict(self.memory))
+
+    def budget(self, *, forward_only: bool = False) -> int:
+        """The token budget of the training pass (or the log-prob pass), as a number: an ``auto`` budget is the
+        memory model's choice for ``gpu_memory_gb``."""
+        return self.plan_options(forward_only=forward_only).max_tokens_per_gpu
 
     def _check_max_seq_len(self, par: ParallelConfig) -> None:
         """The start-up check (``core/startup.py``) for both budgets, when ``max_seq_len`` is set."""
@@ -222,8 +256,8 @@ class RunConfig:
         object.__setattr__(self, "max_seq_len", as_int(  # stored as the plain int it is (also when given as 8192.0)
             self.max_seq_len, "max_seq_len", minimum=1, fix="set the longest sample the run can produce"))
         for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
-            budget = getattr(self, name)
-            if budget is not None:
+            if getattr(self, name) is not None:
+                budget = self.budget(forward_only=name.startswith("log_probs"))
                 check_max_seq_len_fits(self.max_seq_len, max_tokens_per_gpu=budget, parallel=par,
                                        fp8_alignment=self.fp8_alignment, oversize=self.oversize,
                                        length_field="max_seq_len", budget_field=name, dynamic_cp=self.dynamic_cp)
@@ -396,6 +430,10 @@ class RunConfig:
         out += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(self.max_tokens_per_gpu)]
         if self.log_probs_max_tokens_per_gpu is not None:
             out += ["--log-probs-max-tokens-per-gpu", str(self.log_probs_max_tokens_per_gpu)]
+        if self.gpu_memory_gb is not None:
+            out += ["--dynbatch-gpu-memory-gb", repr(self.gpu_memory_gb)]
+        if self.memory:
+            out += ["--dynbatch-memory", ",".join(f"{k}={v}" for k, v in self.memory.items())]
         if self.balance_by == "time":
             out.append("--balance-by-flops")  # the peers' name for balancing compute: BalanceBy.TIME
         elif self.balance_by == "flops":

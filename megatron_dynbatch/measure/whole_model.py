@@ -25,6 +25,7 @@ import torch
 
 from ..core.memory import MemorySettings
 from ..core.model_spec import ModelSpec
+from ..megatron.device import device_memory_gb
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -166,12 +167,4 @@ def _fused_adam_available() -> bool:
     return adam is not None and getattr(adam, "__module__", "").split(".")[0] in ("transformer_engine", "apex")
 
 
-def device_memory_gb(device: str) -> Optional[float]:
-    """The card's memory in GiB as torch reports it (``None`` on a CPU)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(dev).total_memory / float(1 << 30)
-
-
-__all__ = ["WholeModel", "device_memory_gb"]
+__all__ = ["WholeModel", "device_memory_gb"]  # device_memory_gb: megatron/device.py, re-exported

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from ..core.alignment import fp8_multiple
 from ..core.checks import get_arg as _get
@@ -57,7 +57,7 @@ from ..core.checks import is_int
 from ..core.cost_profiles import PROFILES, is_cost_model_choice
 from ..core.errors import DynBatchConfigError, trainer_terms
 from ..core.parallel import DEFAULT_GPUS_PER_NODE, MAX_RANKS, ParallelConfig
-from ..core.planner.options import BalanceBy, PlanOptions
+from ..core.planner.options import AUTO, BalanceBy, PlanOptions
 from .loss import GROUP_REDUCE, LOSS_MODES
 
 __all__ = [
@@ -80,18 +80,24 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
                                   "dynamic micro-batches packed in THD format")
     g.add_argument("--use-dynamic-batch-size", action="store_true", default=False,
                    help="Plan variable-size micro-batches under a per-GPU token budget (needs --max-tokens-per-gpu).")
-    g.add_argument("--max-tokens-per-gpu", type=int, default=None,
+    g.add_argument("--max-tokens-per-gpu", type=_budget, default=None, metavar="N|auto",
                    help="Per-GPU token budget of one micro-batch; a micro-batch holds up to this times the "
-                        "context-parallel size, padding included.")
+                        "context-parallel size, padding included. 'auto': the largest the memory model says fits "
+                        "this GPU (docs/tuning.md).")
     g.add_argument("--balance-by-flops", action="store_true", default=False,
                    help="Balance ranks and micro-batches by compute time -- each sample's FLOPs (linear + quadratic "
                         "attention) at their kernels' efficiency -- instead of tokens (= --dynbatch-balance-by time).")
     g.add_argument("--dynbatch-balance-by", choices=[m.value for m in BalanceBy], default=None,
                    help="What balancing equalises: time (the cost model's seconds, as --balance-by-flops), flops "
                         "(raw FLOPs) or tokens. Default: time with --balance-by-flops, else tokens.")
-    g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None,
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=_budget, default=None, metavar="N|auto",
                    help="Token budget of forward-only passes (log-probs, reference model); default: "
-                        "--max-tokens-per-gpu.")
+                        "--max-tokens-per-gpu. 'auto': sized for the forward pass.")
+    g.add_argument("--dynbatch-gpu-memory-gb", type=float, default=None, metavar="G",
+                   help="The GPU's memory in GiB for an 'auto' budget (default: read from the device).")
+    g.add_argument("--dynbatch-memory", type=str, default=None, metavar="KEY=VALUE,...",
+                   help="Memory-model settings Megatron's own flags do not imply, for an 'auto' budget, e.g. "
+                        "headroom=0.15,logits_fp32_copies=2 (fields of megatron_dynbatch.core.memory.MemorySettings).")
     g.add_argument("--dynbatch-oversize", choices=("error", "alone"), default="error",
                    help="A sample longer than the budget: raise (error) or run it in a micro-batch of its own (alone).")
     g.add_argument("--dynbatch-fp8-alignment", type=str, default=None,
@@ -244,7 +250,7 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
                        ("--dynbatch-samples-per-step", "dynbatch_samples_per_step"),
                        ("--dynbatch-max-seq-length", "dynbatch_max_seq_length")):
         v = getattr(args, name, None)
-        if v is not None and (not is_int(v) or v < 1):
+        if v is not None and v != AUTO and (not is_int(v) or v < 1):
             raise DynBatchConfigError(flag, v, "must be a positive integer", f"pass {flag} N with N >= 1")
     if getattr(args, "log_probs_max_tokens_per_gpu", None) is None:
         args.log_probs_max_tokens_per_gpu = max_tokens
@@ -266,11 +272,15 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
         return args
 
     par = parallel_from_args(args, world_size=world_size)
+    budgets = {}
     for forward_only in (False, True):  # both passes' options: the planner's own checks, in the launch's words
-        # (the model's shape is Megatron's to check; the cost model and balancing need it: checked when planning)
-        plan_options_from_args(args, forward_only=forward_only, world_size=world_size, model=None, cost_model=None,
-                               balance_by=None)
-    _check_max_seq_length(args, par, resolved)
+        # (the model's shape is Megatron's to check; the cost model and balancing need it: checked when planning,
+        # and here only for an automatic budget, which the model sizes)
+        auto = AUTO in (args.max_tokens_per_gpu, args.log_probs_max_tokens_per_gpu)
+        opts = plan_options_from_args(args, forward_only=forward_only, world_size=world_size, cost_model=None,
+                                      balance_by=None, **({} if auto else {"model": None}))
+        budgets["log_probs_max_tokens_per_gpu" if forward_only else "max_tokens_per_gpu"] = opts.max_tokens_per_gpu
+    _check_max_seq_length(args, par, resolved, budgets)
 
     if getattr(args, "dynbatch_dynamic_cp", False):
         from ..core.run_config import dynamic_cp_problem  # the same refusals as RunConfig and `plan --dynamic-cp`
@@ -310,7 +320,7 @@ def _check_online_calibration(args: Any, use: bool) -> None:
                                   "optimizer steps >= 1", "pass e.g. --dynbatch-calibration-interval 50")
 
 
-def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, int]) -> None:
+def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, int], budgets: Dict[str, int]) -> None:
     """The start-up check of the module docstring (nothing to check when neither length is set)."""
     from ..core.startup import check_max_seq_len_fits
 
@@ -321,10 +331,60 @@ def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, 
     field = "--dynbatch-max-seq-length" if explicit is not None else "--seq-length"
     for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
                        ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu")):
-        check_max_seq_len_fits(int(length), max_tokens_per_gpu=int(getattr(args, name)), parallel=par,
+        check_max_seq_len_fits(int(length), max_tokens_per_gpu=budgets[name], parallel=par,
                                fp8_alignment=fp8, oversize=getattr(args, "dynbatch_oversize", None) or "error",
                                length_field=field, budget_field=flag,
                                dynamic_cp=bool(getattr(args, "dynbatch_dynamic_cp", False)))
+
+
+def _budget(text: str) -> Union[int, str]:
+    """``--max-tokens-per-gpu`` / ``--log-probs-max-tokens-per-gpu``: a whole number or ``auto``."""
+    if str(text).strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of tokens nor 'auto'") from None
+
+
+def gpu_memory_gb_from_args(args: Any) -> Optional[float]:
+    """``--dynbatch-gpu-memory-gb``, else the current CUDA device's memory (``None`` without one: an automatic
+    budget then says which flag to pass)."""
+    given = getattr(args, "dynbatch_gpu_memory_gb", None)
+    if given is not None:
+        return given
+    from .device import device_memory_gb
+
+    return device_memory_gb()
+
+
+def memory_settings_from_args(args: Any):
+    """What an automatic budget assumes about memory: the settings Megatron's own flags imply (optimizer layout,
+    recompute, dtypes: :func:`~megatron_dynbatch.core.memory.settings_from_megatron`), with ``--dynbatch-memory
+    KEY=VALUE,...`` on top."""
+    from ..core.memory import settings_from_megatron
+
+    return settings_from_megatron(args, **parse_memory_flag(getattr(args, "dynbatch_memory", None)))
+
+
+def parse_memory_flag(text: Optional[str]) -> Dict[str, Any]:
+    """``headroom=0.15,logits_fp32_copies=2`` -> ``{"headroom": 0.15, "logits_fp32_copies": 2}`` (numbers read as
+    numbers; :class:`MemorySettings` checks names and values)."""
+    out: Dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise DynBatchConfigError("--dynbatch-memory", text, f"{item!r} is not KEY=VALUE",
+                                      "pass e.g. --dynbatch-memory headroom=0.15,logits_fp32_copies=2")
+        value = value.strip()
+        for kind in (int, float):
+            try:
+                value = kind(value)
+                break
+            except ValueError:
+                continue
+        out[key.strip()] = value
+    return out
 
 
 def balance_by_from_args(args: Any) -> BalanceBy:
@@ -348,9 +408,16 @@ def plan_options_from_args(args: Any, *, forward_only: bool = False, world_size:
             return args.log_probs_max_tokens_per_gpu
         return args.max_tokens_per_gpu
 
+    def auto() -> bool:  # either pass's budget automatic: the memory model's card and settings come along
+        return AUTO in (args.max_tokens_per_gpu, getattr(args, "log_probs_max_tokens_per_gpu", None))
+
     # options read from more than their own flag; every other option with a launch flag is that flag's value
     derived = {
         "max_tokens_per_gpu": budget,
+        "gpu_memory_gb": lambda: gpu_memory_gb_from_args(args) if auto() else getattr(args, "dynbatch_gpu_memory_gb",
+                                                                                      None),
+        "memory": lambda: memory_settings_from_args(args) if auto() else None,
+        "forward_only": lambda: forward_only,
         "model": lambda: model_spec_from_args(args),
         "parallel": lambda: parallel_from_args(args, world_size=world_size),
         "balance_by": lambda: balance_by_from_args(args),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -47,11 +48,15 @@ from ..alignment import Alignment
 from ..checks import as_bool, as_float, as_int, did_you_mean
 from ..cost_model import CostModel, resolve_cost_model
 from ..errors import DynBatchConfigError, UnknownOptionError
+from ..memory import MAX_GPU_MEMORY_GB, BudgetChoice, MemorySettings, choose_budget
 from ..model_spec import ModelSpec
 from ..parallel import ParallelConfig
 from .inputs import check_budget
 
-__all__ = ["BalanceBy", "OVERSIZE_POLICIES", "PlanOptions", "BATCH_ARGUMENTS"]
+__all__ = ["AUTO", "BalanceBy", "OVERSIZE_POLICIES", "PlanOptions", "BATCH_ARGUMENTS"]
+
+#: the budget that chooses itself: ``max_tokens_per_gpu="auto"``
+AUTO = "auto"
 
 #: what happens to a sample longer than the budget: refuse the batch, or run it alone over the budget
 OVERSIZE_POLICIES = ("error", "alone")
@@ -112,8 +117,9 @@ class PlanOptions:
     a close match) or :meth:`replace`; every field is checked here, cross-field rules included, so a planning
     call only meets problems of the batch itself."""
 
-    #: per-GPU token budget: a micro-batch holds at most ``max_tokens_per_gpu * cp`` tokens, padding included
-    max_tokens_per_gpu: int = _option(None, megatron="--max-tokens-per-gpu", cli="--max-tokens-per-gpu")
+    #: per-GPU token budget: a micro-batch holds at most ``max_tokens_per_gpu * cp`` tokens, padding included;
+    #: ``"auto"``: the largest the memory model says fits ``gpu_memory_gb`` (:attr:`budget_choice` tells why)
+    max_tokens_per_gpu: Union[int, str] = _option(None, megatron="--max-tokens-per-gpu", cli="--max-tokens-per-gpu")
     #: the model's shape (``ModelSpec``, a dict of Megatron field names or a preset name); FLOPs and the default
     #: cost model come from it. A Megatron launch reads it from Megatron's own model flags.
     model: Optional[ModelSpec] = _option(None, megatron="(Megatron's model flags)", cli="--model")
@@ -139,6 +145,16 @@ class PlanOptions:
     rollouts_per_step: Optional[int] = _option(None)
     #: one dp x cp pool with a CP group chosen per micro-batch (``docs/dynamic_cp.md``)
     dynamic_cp: bool = _option(False, megatron="--dynbatch-dynamic-cp", cli="--dynamic-cp")
+    #: the GPU's memory in GiB, for ``max_tokens_per_gpu="auto"`` (a Megatron launch reads it from the device)
+    gpu_memory_gb: Optional[float] = _option(None, megatron="--dynbatch-gpu-memory-gb", cli="--gpu-memory-gb")
+    #: what ``"auto"`` assumes about memory: optimizer layout, recompute, dtypes, headroom, ...
+    #: (:class:`~megatron_dynbatch.core.memory.MemorySettings` or a mapping; default: a bf16 Megatron run; a launch
+    #: reads it from Megatron's own flags)
+    memory: Optional[MemorySettings] = _option(None, megatron="(Megatron's optimizer / recompute flags)",
+                                               cli="(--recompute, --optimizer, --headroom, ...)")
+    #: a forward-only pass (log-probs, reference model): no optimizer step; ``"auto"`` sizes it without the
+    #: activations kept for backward (:meth:`for_forward_only`)
+    forward_only: bool = _option(False)
     #: force the per-rank count of every optimizer step: one int, or one per step
     num_microbatches: Union[None, int, Tuple[int, ...]] = _option(None, cli="--num-microbatches")
     #: cap on rank-refinement rounds (default ``4 * dp``; ``4 * dp * cp`` under dynamic CP)
@@ -155,10 +171,12 @@ class PlanOptions:
     #: a trainer's own padding multiple of each GPU's share of a micro-batch (slime: ``tp * pad multiplier``)
     microbatch_pad_multiple: Optional[int] = _option(None)
 
-    #: derived at construction (not options): the padding rules, and the cost model resolved for the layout
+    #: derived at construction (not options): the padding rules, the cost model resolved for the layout, and
+    #: for ``max_tokens_per_gpu="auto"`` the memory model's choice (its ``summary()`` is the one-screen breakdown)
     alignment: Alignment = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
     resolved_cost_model: CostModel = field(init=False, repr=False, compare=False,
                                            default=None)  # type: ignore[assignment]
+    budget_choice: Optional[BudgetChoice] = field(init=False, repr=False, compare=False, default=None)
 
     # ----------------------------------------------------------------------------------------- validation
     def __post_init__(self) -> None:
@@ -171,15 +189,17 @@ class PlanOptions:
             if value is not None:
                 low = 0 if name == "refine_rounds" else 1
                 set_(name, as_int(value, name, minimum=low, fix=_INT_FIX[name]))
+        if self.model is not None:
+            set_("model", ModelSpec.from_any(self.model))
+        self._choose_budget(par)
         set_("alignment", self._check_budget(par))
         if self.oversize not in OVERSIZE_POLICIES:  # also a non-str: never equal to a policy name
             raise DynBatchConfigError("oversize", self.oversize, "unknown oversize-sample policy",
                                       f"use one of {OVERSIZE_POLICIES}")
         set_("dynamic_cp", as_bool(self.dynamic_cp, "dynamic_cp"))
+        set_("forward_only", as_bool(self.forward_only, "forward_only"))
         set_("equal_samples_per_rank", as_bool(self.equal_samples_per_rank, "equal_samples_per_rank"))
         set_("num_microbatches", _check_counts(self.num_microbatches))
-        if self.model is not None:
-            set_("model", ModelSpec.from_any(self.model))
         set_("balance_by", BalanceBy.parse(self.balance_by) if self.balance_by is not None else
              BalanceBy.TIME if self.model is not None else BalanceBy.TOKENS)
         if self.model is None and self.balance_by is BalanceBy.FLOPS:
@@ -199,13 +219,39 @@ class PlanOptions:
 
     def _check_budget(self, par: ParallelConfig) -> Alignment:
         """The budget as an int that holds at least one aligned sequence; returns the padding rules."""
-        if self.max_tokens_per_gpu is None:
-            raise DynBatchConfigError("max_tokens_per_gpu", None, "is required (the per-GPU token budget)",
-                                      "pass max_tokens_per_gpu=<tokens>, e.g. 16384")
+        if self.max_tokens_per_gpu is None or isinstance(self.max_tokens_per_gpu, str):
+            raise DynBatchConfigError("max_tokens_per_gpu", self.max_tokens_per_gpu,
+                                      "is required (the per-GPU token budget)" if self.max_tokens_per_gpu is None
+                                      else "is neither a number of tokens nor 'auto'",
+                                      "pass max_tokens_per_gpu=<tokens>, e.g. 16384, or 'auto' with gpu_memory_gb=")
         _, align, _ = check_budget(self.max_tokens_per_gpu, par, self.fp8_alignment, self.sequence_pad_multiple,
                                    self.microbatch_pad_multiple)
         object.__setattr__(self, "max_tokens_per_gpu", as_int(self.max_tokens_per_gpu, "max_tokens_per_gpu"))
         return align
+
+    def _choose_budget(self, par: ParallelConfig) -> None:
+        """``max_tokens_per_gpu="auto"``: the memory model's largest budget for the card (this pass, these memory
+        settings, the cost-model file's measured ``memory`` section when it has one)."""
+        if self.gpu_memory_gb is not None:
+            object.__setattr__(self, "gpu_memory_gb", as_float(
+                self.gpu_memory_gb, "gpu_memory_gb", minimum=1e-3, maximum=MAX_GPU_MEMORY_GB,
+                fix="pass the GPU's memory in GiB, e.g. gpu_memory_gb=79.1 for an H100 80GB"))
+        if self.memory is not None:
+            object.__setattr__(self, "memory", MemorySettings.from_any(self.memory))
+        if not (isinstance(self.max_tokens_per_gpu, str) and self.max_tokens_per_gpu.strip().lower() == AUTO):
+            return
+        if self.model is None:
+            raise DynBatchConfigError("max_tokens_per_gpu", AUTO, "an automatic budget needs the model's shape",
+                                      "pass model=<preset, dict or ModelSpec>, or a number of tokens")
+        if self.gpu_memory_gb is None:
+            raise DynBatchConfigError("gpu_memory_gb", None, "max_tokens_per_gpu='auto' needs the card's memory",
+                                      "pass gpu_memory_gb=<GiB> (torch.cuda.get_device_properties(0).total_memory / "
+                                      "2**30; 79.1 for an H100 80GB), or a number of tokens")
+        profile = self.cost_model if isinstance(self.cost_model, (str, os.PathLike)) else None
+        choice = choose_budget(self.model, par, self.gpu_memory_gb, pass_="log_prob" if self.forward_only else "train",
+                               settings=self.memory, profile=profile)
+        object.__setattr__(self, "budget_choice", choice)
+        object.__setattr__(self, "max_tokens_per_gpu", choice.tokens_per_gpu)
 
     def _check_dynamic_cp(self, par: ParallelConfig) -> None:
         knobs = {"equal_samples_per_rank": self.equal_samples_per_rank or None,
@@ -254,19 +300,34 @@ class PlanOptions:
 
     def replace(self, **changes: Any) -> "PlanOptions":
         """A copy with some options changed (validated again; ``balance_by_flops`` accepted as in
-        :meth:`from_kwargs`)."""
+        :meth:`from_kwargs`). An automatic budget stays automatic -- chosen again for the new options -- unless
+        ``max_tokens_per_gpu`` is given."""
         if "balance_by_flops" in changes or any(k not in self.names() for k in changes):
             return PlanOptions.from_kwargs(changes, base=self)
+        if self.auto_budget and "max_tokens_per_gpu" not in changes:
+            changes["max_tokens_per_gpu"] = AUTO
         return dataclasses.replace(self, **changes)
 
     def to_kwargs(self) -> Dict[str, Any]:
-        """The options as keywords (``PlanOptions(**o.to_kwargs()) == o``)."""
-        return {name: getattr(self, name) for name in self.names()}
+        """The options as keywords (``PlanOptions(**o.to_kwargs()) == o``; an automatic budget as ``"auto"``)."""
+        out = {name: getattr(self, name) for name in self.names()}
+        if self.auto_budget:
+            out["max_tokens_per_gpu"] = AUTO
+        return out
 
-    def for_forward_only(self, max_tokens_per_gpu: int) -> "PlanOptions":
-        """The options of a forward-only pass (log-probs, reference model) of the same run: its own budget, and no
+    def for_forward_only(self, max_tokens_per_gpu: Union[None, int, str] = None) -> "PlanOptions":
+        """The options of a forward-only pass (log-probs, reference model) of the same run: its own budget (default:
+        this one; ``"auto"`` -- or an automatic budget here -- sizes it for the forward pass), and no
         optimizer-step split (there is no optimizer step)."""
-        return self.replace(max_tokens_per_gpu=max_tokens_per_gpu, samples_per_step=None, rollouts_per_step=None)
+        budget = max_tokens_per_gpu if max_tokens_per_gpu is not None else (
+            AUTO if self.auto_budget else self.max_tokens_per_gpu)
+        return self.replace(max_tokens_per_gpu=budget, samples_per_step=None, rollouts_per_step=None,
+                            forward_only=True)
+
+    @property
+    def auto_budget(self) -> bool:
+        """Whether the budget was chosen by the memory model (``max_tokens_per_gpu="auto"``)."""
+        return self.budget_choice is not None
 
     # ----------------------------------------------------------------------------------------- derived
     @property

@@ -94,8 +94,7 @@ def plan_rollout(
                                   "create cal = OnlineCalibration.from_run_config(run_config) once, pass "
                                   "calibration=cal here and update_calibration(cal, results, rollout) after each step")
     opts = options_of(options, option_kwargs)
-    lp_budget = (log_probs_max_tokens_per_gpu or (rc.log_probs_max_tokens_per_gpu if rc is not None else None)
-                 or opts.max_tokens_per_gpu)
+    lp_budget = log_probs_max_tokens_per_gpu or (rc.log_probs_max_tokens_per_gpu if rc is not None else None)
     loss_mode = loss_mode or (rc.loss_mode if rc is not None else "token_mean")
     group_reduce = group_reduce or (rc.group_reduce if rc is not None else "token")
     if loss_mode not in LOSS_MODES:
