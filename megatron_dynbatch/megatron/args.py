@@ -409,7 +409,9 @@ def plan_options_from_args(args: Any, *, forward_only: bool = False, world_size:
         return args.max_tokens_per_gpu
 
     def auto() -> bool:  # either pass's budget automatic: the memory model's card and settings come along
-        return AUTO in (args.max_tokens_per_gpu, getattr(args, "log_probs_max_tokens_per_gpu", None))
+        if "max_tokens_per_gpu" in given:
+            return given["max_tokens_per_gpu"] == AUTO
+        return AUTO in (getattr(args, "max_tokens_per_gpu", None), getattr(args, "log_probs_max_tokens_per_gpu", None))
 
     # options read from more than their own flag; every other option with a launch flag is that flag's value
     derived = {
