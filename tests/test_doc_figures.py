@@ -755,6 +755,34 @@ def preset_table(res: Dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def preset_flops() -> Dict[str, Any]:
+    """``flops_coefficients`` of every model preset (what ``megatron-dynbatch flops --model NAME`` prints)."""
+    from megatron_dynbatch.core.flops import flops_coefficients
+
+    return {name: flops_coefficients(name) for name in FLOPS_PRESETS}
+
+
+def flops_table(coefficients: Dict[str, Any]) -> str:
+    from megatron_dynbatch.core.model_spec import ModelSpec
+
+    def sci(x: float) -> str:
+        mantissa, exp = f"{x:.3e}".split("e")
+        return f"{mantissa}e{int(exp)}"
+
+    out = ["| preset | linear (FLOPs/token) | quadratic (FLOPs/token²) | L where both are equal | router (not counted) / "
+           "linear |", "|---|---|---|---|---|"]
+    for name in FLOPS_PRESETS:
+        m, c = ModelSpec.from_yaml(name), coefficients[name]
+        router = f"{100 * 2 * m.hidden_size * m.num_experts * m.num_moe_layers / c.linear:.2f}%" if m.num_experts \
+            else "—"
+        out.append(f"| {name} | {sci(c.linear)} | {sci(c.quadratic)} | {thousands(c.linear / c.quadratic)} | {router} |")
+    return "\n".join(out)
+
+
+FLOPS_PRESETS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "qwen3-235b-a22b",
+                 "llama-3.1-8b", "llama-3.1-70b", "deepseek-v3")
+
+
 # ---------------------------------------------------------------------------------------------------- records
 def records() -> Dict[str, str]:
     """Measured figures as the dated records state them (docs/benchmarks.md, "Measurement records")."""
@@ -770,6 +798,9 @@ def records() -> Dict[str, str]:
             "pool_ms": grab(r"### Planning speed on CPU.*?4,096 samples over a pool of 256 GPUs: ([\d.]+) ms CPU"),
             "issue20": list(re.search(r"### Planning speed on CPU.*?\(Llama-3.1-8B\).*?and\s+([\d.]+)-([\d.]+) s and "
                                       r"([\d.]+)-([\d.]+) s with this code", text, re.S).groups()),
+            "adversarial_grpo_pp4": grab(r"### Planning time on adversarial inputs.*?\| GRPO pp4 \(FLOPs\) \|[^|]*\|[^|]*\| "
+                                         r"([\d,]+) ms"),
+            "bench_wall": grab(r"### Planning speed on CPU.*?\*\*Wall\s+time:\*\* ([\d.]+) s"),
             "cpu_date": grab(r"Real megatron-core on CPU.*?\*\*Date:\*\* (\d{4}-\d\d-\d\d)"),
             "speed_date": grab(r"Planning speed on CPU.*?\*\*Date:\*\* (\d{4}-\d\d-\d\d)")}
 
@@ -995,6 +1026,7 @@ SOURCES: Dict[str, Source] = {s.name: s for s in [
     Source("counts", "docs/dynamic_cp.md's forced-count sweep (plan_global_batch(num_microbatches=M), real documents)",
            forced_counts, slow=True, unavailable=lambda: None if real_documents() else
            "needs the real document-length file (../shared/data/document_lengths_wlbllm.json), which a clone has not"),
+    Source("flops", "megatron-dynbatch flops --model NAME (every preset)", preset_flops),
     Source("preset", "python benchmarks/dyncp_preset.py --seeds 5 (and --cp-bandwidth 25e9)", preset, slow=True),
 ]}
 
@@ -1219,6 +1251,15 @@ FIGURES: List[Figure] = [
     Figure("docs/dynamic_cp.md", "within 3% on {} of {} measured batches with the fitted profile (RMS {}%; the old "
                                  "model: {}%)", "compare",
            lambda out: [*re.search(r"within 3%: (\d+) of (\d+) \(fitted\)", out).groups(), *compare_rms(out)]),
+    # ------------------------------------------------------------------------------ flops.md, planner.md, quickstart
+    Figure("docs/flops.md", "# FlopsCoefficients(linear={}e10, quadratic={}e5)", "flops",
+           lambda c: [f"{c['qwen3-8b'].linear / 1e10:.3f}", f"{c['qwen3-8b'].quadratic / 1e5:.3f}"]),
+    Figure("docs/planner.md", "raw-FLOPs balancing is behind the best baseline on {} of the {} batches of `bench --seeds "
+                              "5` by up to {}%", "bench5", _flops_behind),
+    Figure("docs/planner.md", "the slowest, GRPO with `pp=4` over 1,024 ranks, at {} ms", "records",
+           lambda rec: [rec["adversarial_grpo_pp4"]]),
+    Figure("docs/quickstart.md", "megatron-dynbatch bench                                      # ~{} s:", "records",
+           lambda rec: [str(round(float(rec["bench_wall"])))]),
     # -------------------------------------------------------------------------------------------- cost_model.md
     Figure("docs/cost_model.md", "| `linear_efficiency` | {} |", "profile", lambda p: [f3(p.linear_efficiency)]),
     Figure("docs/cost_model.md", "| `attention_efficiency` | {} |", "profile", lambda p: [f3(p.attention_efficiency)]),
@@ -1283,6 +1324,7 @@ BLOCKS: List[Block] = [
     Block("docs/benchmarks.md", "documents", "documents", _documents_table),
     Block("docs/dynamic_cp.md", "cp-speedup", "profile", lambda p: cp_speedup_table()),
     Block("docs/cost_model.md", "fit", "fit", fit_table),
+    Block("docs/flops.md", "presets", "flops", flops_table),
     Block("docs/cost_model.md", "compare", "compare", _compare_table),
     Block("docs/dynamic_cp.md", "forced-counts", "counts", forced_counts_table),
     Block("docs/dynamic_cp.md", "preset", "preset", preset_table),
@@ -1305,6 +1347,30 @@ def test_docs_quote_what_the_command_gives(sources):
         pytest.fail(f"{len(stale)} figure(s) in the docs are out of date:\n" + "\n".join(s.describe() for s in stale)
                     + "\nRun `python tests/test_doc_figures.py --update` to write them (then read the diff).",
                     pytrace=False)
+
+
+def test_the_mechanism_finds_stale_figures_across_line_breaks_and_rewrites_them(tmp_path, monkeypatch):
+    """On a doc of its own (no command runs): a figure wrapped over two lines and a generated block are found,
+    reported with the old and new values, rewritten by ``update``, and then current."""
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "x.md"
+    doc.write_text("Their own algorithms put 345 and\n464 micro-batches over it.\n\n<!-- figures: t -->\n| a |\n"
+                   "<!-- /figures -->\nend\n", encoding="utf-8")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setitem(SOURCES, "fake", Source("fake", "fake --command", lambda: {"slime": 371, "verl": 577}))
+    monkeypatch.setattr(sys.modules[__name__], "FIGURES", [
+        Figure("docs/x.md", "algorithms put {} and {} micro-batches", "fake", lambda r: [r["slime"], r["verl"]])])
+    monkeypatch.setattr(sys.modules[__name__], "BLOCKS", [
+        Block("docs/x.md", "t", "fake", lambda r: f"| {r['slime']} |\n| {r['verl']} |")])
+    result.cache_clear()
+    stale = stale_items(("fake",))
+    assert [(x.old, x.new) for x in stale[:2]] == [("345", "371"), ("464", "577")]
+    assert "doc says '345', `fake --command` gives '371'" in stale[0].describe()
+    update(stale)
+    assert doc.read_text(encoding="utf-8") == ("Their own algorithms put 371 and\n577 micro-batches over it.\n\n"
+                                               "<!-- figures: t -->\n| 371 |\n| 577 |\n<!-- /figures -->\nend\n")
+    assert stale_items(("fake",)) == []
+    result.cache_clear()
 
 
 def test_registry_every_figure_and_block_is_in_its_doc_once():
