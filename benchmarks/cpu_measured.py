@@ -321,8 +321,8 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
         out = {"rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank, "results": results}
         if rank == 0:
             out["plans"] = {name: (None if e["plan"] is None else {
-                "micro_batches": e["plan"].micro_batches, "predicted_step_s": default_model_step(e, lengths, spec,
-                                                                                                 opts["max_tokens_per_gpu"]),
+                "micro_batches": e["plan"].micro_batches,
+                "predicted_step_s": default_model_step(e, lengths, spec, opts["max_tokens_per_gpu"]),
                 "predicted_step_s_own": float(e["plan"].predicted_step_time),
                 "plan_dict": e["plan"].to_dict() if name in PLANNERS else None,
                 "predicted_imbalance": float(e["plan"].imbalance), "cap_violations": int(e["plan"].cap_violations),

@@ -39,6 +39,7 @@ import math
 import re
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -467,7 +468,8 @@ def fifo_over_dropin(rows: Sequence[Any]) -> List[float]:
 
 
 TRAINER_LABELS = {"slime": "slime (`--balance-data`)", "verl": "verl (`balance_batch` + `use_dynamic_bsz`)",
-                  "nemo_rl": "NeMo-RL (`modified_first_fit_decreasing`)", "roll": "ROLL (`use_dynamic_batching_in_train`)",
+                  "nemo_rl": "NeMo-RL (`modified_first_fit_decreasing`)",
+                  "roll": "ROLL (`use_dynamic_batching_in_train`)",
                   "megatron_rl": "Megatron RL (`--rl-use-sequence-packing`, fifo; bins scored as full `--seq-length` "
                                  "rows, ours too)"}
 
@@ -489,7 +491,8 @@ def dropin_trainer_table(rows: Sequence[Any]) -> str:
 def dropin_workload_table(rows: Sequence[Any]) -> str:
     from megatron_dynbatch.bench.dropins import DROPIN_TRAINERS
 
-    out = ["| workload | trainer | own step (s) | own: micro-batches over cap | drop-in vs own | drop-in+model vs own |",
+    out = ["| workload | trainer | own step (s) | own: micro-batches over cap | drop-in vs own "
+           "| drop-in+model vs own |",
            "|---|---|---:|---:|---:|---:|"]
     for w in dict.fromkeys(r.workload for r in rows):
         for t in dict.fromkeys(r.trainer for r in rows):
@@ -498,9 +501,9 @@ def dropin_workload_table(rows: Sequence[Any]) -> str:
             own = DROPIN_TRAINERS[t].own
             model = (f"{dropin_mean(rows, w, t, 'drop-in+model'):.3f}" if DROPIN_TRAINERS[t].model_variant
                      else "(reads the model from args)")
-            out.append(f"| {w} | {t} | {dropin_mean(rows, w, t, own, 'step_time_s'):.2f} | "
-                       f"{sum(r.cap_violations for r in rows if r.workload == w and r.trainer == t and r.algorithm == own)}"
-                       f" | {dropin_mean(rows, w, t, 'drop-in'):.3f} | {model} |")
+            over = sum(r.cap_violations for r in rows if r.workload == w and r.trainer == t and r.algorithm == own)
+            out.append(f"| {w} | {t} | {dropin_mean(rows, w, t, own, 'step_time_s'):.2f} | {over} | "
+                       f"{dropin_mean(rows, w, t, 'drop-in'):.3f} | {model} |")
     return "\n".join(out)
 
 
@@ -621,7 +624,8 @@ def analytic_errors() -> Dict[int, Dict[str, float]]:
              for _, spec, tp, recs in slices()]
     rep = fit_report(np.concatenate([predict_features(ANALYTIC, f) for f in feats]),
                      np.concatenate([f["seconds"] for f in feats]), np.concatenate([f["g"] for f in feats]))
-    return {g: {"bias": 100 * v["mean_rel_error"], "abs": 100 * v["mean_abs_rel_error"]} for g, v in rep.per_group.items()}
+    return {g: {"bias": 100 * v["mean_rel_error"], "abs": 100 * v["mean_abs_rel_error"]}
+            for g, v in rep.per_group.items()}
 
 
 def fit_table(fit: Dict[str, Any]) -> str:
@@ -664,19 +668,15 @@ def longdoc_example() -> Any:
 def cp_speedup_table() -> str:
     """docs/dynamic_cp.md: the modelled speed-up of ONE sequence of ``L`` tokens spread over ``g`` GPUs (its own
     time: ``group_work``, overhead and floor excluded), Qwen3-8B at tp=2 in a pool of dp=32, 8 GPUs per node."""
-    from megatron_dynbatch.core.cost_model import CostModel
     from megatron_dynbatch.core.parallel import ParallelConfig
     from megatron_dynbatch.core.topology import group_spans_nodes
 
     par = ParallelConfig(dp=32, tp=2)
-    cm = CostModel.from_model("qwen3-8b", par)
     sizes = (2, 4, 8, 16, 32)
     head = " | ".join(f"g={g}" + (f" ({g * par.tp // 8} nodes)" if group_spans_nodes(0, g, par) else "") for g in sizes)
     out = [f"| Qwen3-8B, tp=2 | {head} |", "|---|" + "---:|" * len(sizes)]
     for n in (1024, 4096, 16384, 65536):
-        solo = float(cm.group_work(1, n, float(n) ** 2))
-        cells = [solo / float(cm.group_work(g, -(-n // (2 * g)) * 2 * g, float(n) ** 2, group_spans_nodes(0, g, par)))
-                 for g in sizes]
+        cells = [cp_speedup("qwen3-8b", par.tp, n, g) for g in sizes]
         out.append(f"| L = {n:,} | " + " | ".join(f"{c:.2f}x" for c in cells) + " |")
     return "\n".join(out)
 
@@ -769,18 +769,47 @@ def flops_table(coefficients: Dict[str, Any]) -> str:
         mantissa, exp = f"{x:.3e}".split("e")
         return f"{mantissa}e{int(exp)}"
 
-    out = ["| preset | linear (FLOPs/token) | quadratic (FLOPs/token²) | L where both are equal | router (not counted) / "
-           "linear |", "|---|---|---|---|---|"]
+    out = ["| preset | linear (FLOPs/token) | quadratic (FLOPs/token²) | L where both are equal "
+           "| router (not counted) / linear |", "|---|---|---|---|---|"]
     for name in FLOPS_PRESETS:
         m, c = ModelSpec.from_yaml(name), coefficients[name]
         router = f"{100 * 2 * m.hidden_size * m.num_experts * m.num_moe_layers / c.linear:.2f}%" if m.num_experts \
             else "—"
-        out.append(f"| {name} | {sci(c.linear)} | {sci(c.quadratic)} | {thousands(c.linear / c.quadratic)} | {router} |")
+        out.append(f"| {name} | {sci(c.linear)} | {sci(c.quadratic)} | {thousands(c.linear / c.quadratic)} "
+                   f"| {router} |")
     return "\n".join(out)
 
 
 FLOPS_PRESETS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "qwen3-235b-a22b",
                  "llama-3.1-8b", "llama-3.1-70b", "deepseek-v3")
+
+
+def oversize_example() -> Any:
+    """``megatron-dynbatch plan --lengths examples/longdoc_lengths.txt --model llama-3.1-8b --dp 2 --cp 2
+    --max-tokens-per-gpu 2048 --oversize alone --dynamic-cp``: the dynamic-CP plan and the fixed-CP plan it prints
+    next to it (planned without the flag, scored with the CP exchange)."""
+    from megatron_dynbatch import plan_global_batch
+
+    from megatron_dynbatch.core.planner.dyncp.assembly import score_with_cp_comm
+
+    lengths = np.loadtxt(ROOT / "examples" / "longdoc_lengths.txt", dtype=np.int64)
+    kw = dict(model="llama-3.1-8b", parallel={"dp": 2, "cp": 2}, max_tokens_per_gpu=2048, oversize="alone")
+    with warnings.catch_warnings():  # the over-budget samples: what oversize="alone" is for
+        warnings.simplefilter("ignore")
+        fixed = score_with_cp_comm(plan_global_batch(lengths, **kw), model="llama-3.1-8b", lengths=lengths)
+        return {"dynamic": plan_global_batch(lengths, dynamic_cp=True, **kw), "fixed": fixed}
+
+
+def cp_speedup(model: str, tp: int, n: int, g: int) -> float:
+    """One sequence of ``n`` tokens on ``g`` GPUs against one GPU (the rule of :func:`cp_speedup_table`)."""
+    from megatron_dynbatch.core.cost_model import CostModel
+    from megatron_dynbatch.core.parallel import ParallelConfig
+    from megatron_dynbatch.core.topology import group_spans_nodes
+
+    par = ParallelConfig(dp=32, tp=tp)
+    cm = CostModel.from_model(model, par)
+    return float(cm.group_work(1, n, float(n) ** 2)) / float(
+        cm.group_work(g, -(-n // (2 * g)) * 2 * g, float(n) ** 2, group_spans_nodes(0, g, par)))
 
 
 # ---------------------------------------------------------------------------------------------------- records
@@ -798,8 +827,8 @@ def records() -> Dict[str, str]:
             "pool_ms": grab(r"### Planning speed on CPU.*?4,096 samples over a pool of 256 GPUs: ([\d.]+) ms CPU"),
             "issue20": list(re.search(r"### Planning speed on CPU.*?\(Llama-3.1-8B\).*?and\s+([\d.]+)-([\d.]+) s and "
                                       r"([\d.]+)-([\d.]+) s with this code", text, re.S).groups()),
-            "adversarial_grpo_pp4": grab(r"### Planning time on adversarial inputs.*?\| GRPO pp4 \(FLOPs\) \|[^|]*\|[^|]*\| "
-                                         r"([\d,]+) ms"),
+            "adversarial_grpo_pp4": grab(r"### Planning time on adversarial inputs.*?"
+                                         r"\| GRPO pp4 \(FLOPs\) \|[^|]*\|[^|]*\| ([\d,]+) ms"),
             "bench_wall": grab(r"### Planning speed on CPU.*?\*\*Wall\s+time:\*\* ([\d.]+) s"),
             "cpu_date": grab(r"Real megatron-core on CPU.*?\*\*Date:\*\* (\d{4}-\d\d-\d\d)"),
             "speed_date": grab(r"Planning speed on CPU.*?\*\*Date:\*\* (\d{4}-\d\d-\d\d)")}
@@ -874,7 +903,8 @@ def _groups_cost(res: Any) -> Tuple[str, str, str, str]:
     cost: Dict[str, List[float]] = {}
     for (w, _), rows in by_batch(res).items():
         if "dynbatch-groups" in rows:
-            cost.setdefault(w, []).append(100 * (rows["dynbatch-groups"].step_time_s / rows["dynbatch"].step_time_s - 1))
+            ratio = rows["dynbatch-groups"].step_time_s / rows["dynbatch"].step_time_s
+            cost.setdefault(w, []).append(100 * (ratio - 1))
     moe = cost.pop("grpo-moe-30b-a3b")
     dense = [x for v in cost.values() for x in v]
     return f"{min(dense):.2f}", f"{max(dense):.2f}", f"{min(moe):.1f}", f"{max(moe):.1f}"
@@ -1026,6 +1056,8 @@ SOURCES: Dict[str, Source] = {s.name: s for s in [
     Source("counts", "docs/dynamic_cp.md's forced-count sweep (plan_global_batch(num_microbatches=M), real documents)",
            forced_counts, slow=True, unavailable=lambda: None if real_documents() else
            "needs the real document-length file (../shared/data/document_lengths_wlbllm.json), which a clone has not"),
+    Source("oversize", "megatron-dynbatch plan --lengths examples/longdoc_lengths.txt --model llama-3.1-8b --dp 2 "
+                       "--cp 2 --max-tokens-per-gpu 2048 --oversize alone --dynamic-cp", oversize_example),
     Source("flops", "megatron-dynbatch flops --model NAME (every preset)", preset_flops),
     Source("preset", "python benchmarks/dyncp_preset.py --seeds 5 (and --cp-bandwidth 25e9)", preset, slow=True),
 ]}
@@ -1051,7 +1083,8 @@ FIGURES: List[Figure] = [
            lambda d: strict_range(h100_dyncp(d, "dyncp-longdoc-8b-1mb/s0"))),
     Figure("README.md", "2026-11-22/25 (external) | {}-{}x; {}-{}x |", "h100",
            lambda d: [*h100_packed_vs_padded(d), *h100_vs_upstream(d)]),
-    Figure("README.md", "| modelled vs measured | H100 data | {}% (the model before it: {}%) |", "compare", compare_rms),
+    Figure("README.md", "| modelled vs measured | H100 data | {}% (the model before it: {}%) |", "compare",
+           compare_rms),
     Figure("README.md", "| ~{} ms of one core (target < {} ms) |", "records", _records_planning),
     Figure("README.md", "2-core CPU VM, 2026-11-21 | {}x |", "records",
            lambda rec: [f2(float(rec["cpu_dynbatch_x_fixed"]))]),
@@ -1068,7 +1101,8 @@ FIGURES: List[Figure] = [
                                 "MoE workload tokens alone are {}% *slower* than NeMo-RL, time balance {}% faster",
            "dropins", lambda r: [f3(dropin_gm(r, "nemo_rl", "drop-in+model")), f3(dropin_gm(r, "nemo_rl", "drop-in")),
                                  str(round(100 * (dropin_mean(r, "grpo-moe-30b-a3b", "nemo_rl", "drop-in") - 1))),
-                                 str(round(100 * (1 - dropin_mean(r, "grpo-moe-30b-a3b", "nemo_rl", "drop-in+model"))))]),
+                                 str(round(100 * (1 - dropin_mean(r, "grpo-moe-30b-a3b", "nemo_rl",
+                                                                  "drop-in+model"))))]),
     Figure("docs/migrating.md", "Modelled on the bench workloads: {}-{}x faster than `fifo` on each of the {} batches",
            "dropins", lambda r: [*strict_range(fifo_over_dropin(r), f2), str(dropin_batches(r))]),
     Figure("docs/integration.md", "Megatron RL with the drop-in is {}-{}x faster than with `fifo` on each of the {} "
@@ -1077,18 +1111,21 @@ FIGURES: List[Figure] = [
     # ------------------------------------------------------------------------------------------ benchmarks.md
     Figure("docs/benchmarks.md", "token-linear FLOPs at {}% and causal attention FLOPs at {}% of H100/H200 bf16 peak, "
                                  "{} ms of fixed GPU time per layer and micro-batch and a floor of {} ms per layer "
-                                 "(Qwen3-8B, {} layers: {} ms and {} ms per micro-batch; Llama-3.1-70B: {} ms and {} ms)",
+                                 "(Qwen3-8B, {} layers: {} ms and {} ms per micro-batch; Llama-3.1-70B: {} ms and "
+                                 "{} ms)",
            "profile", lambda p: [f1(100 * p.linear_efficiency), f1(100 * p.attention_efficiency),
                                  f2(1e3 * p.overhead_per_layer_s), f2(1e3 * p.min_per_layer_s),
                                  str(__import__("megatron_dynbatch.core.model_spec", fromlist=["x"]).ModelSpec
                                      .from_yaml("qwen3-8b").num_layers),
                                  *per_microbatch_ms("qwen3-8b")[:2], *per_microbatch_ms("llama-3.1-70b")[:2]]),
-    Figure("docs/benchmarks.md", "The planner produced no over-budget micro-batch in any run ({} batches x {} variants)",
+    Figure("docs/benchmarks.md", "The planner produced no over-budget micro-batch in any run ({} batches x {} "
+                                 "variants)",
            "bench5", lambda r: [str(len(by_batch(r))) if not planner_breaks(r) else "broken",
                                 str(len({x.algorithm for x in r.rows if x.family == "dynbatch"}))]),
-    Figure("docs/benchmarks.md", "`verl` on {} of {} workloads ({} micro-batches in {} batches, up to {} in one step, peak "
-                                 "{}x the budget), `slime_flops` on {} of {} ({}, peak {}x), `slime_legacy` under VPP (its "
-                                 "count is rounded down: up to {} micro-batches in one step, peak {}x); `slime` only by "
+    Figure("docs/benchmarks.md", "`verl` on {} of {} workloads ({} micro-batches in {} batches, up to {} in one "
+                                 "step, peak {}x the budget), `slime_flops` on {} of {} ({}, peak {}x), `slime_legacy` "
+                                 "under VPP (its count is rounded down: up to {} micro-batches in one step, peak {}x); "
+                                 "`slime` only by "
                                  "CP alignment padding (peak {}x)", "bench5",
            lambda r: (lambda v, f, lg, sl, n: [str(v["workloads"]), n, thousands(v["total"]), str(len(by_batch(r))),
                                                str(v["max_batch"]), f3(v["peak"]), str(f["workloads"]), n,
@@ -1108,14 +1145,16 @@ FIGURES: List[Figure] = [
            _level_breaking),
     Figure("docs/benchmarks.md", "it is behind the best baseline on {} of the {} batches, by up to {}%", "bench5",
            _flops_behind),
-    Figure("docs/benchmarks.md", "the fitted model weighs attention FLOPs {}x more than linear FLOPs (attention runs at "
+    Figure("docs/benchmarks.md", "the fitted model weighs attention FLOPs {}x more than linear FLOPs (attention runs "
+                                 "at "
                                  "{}% of peak, linear work at {}%), so for Qwen3-8B the attention-to-linear weight per "
                                  "token is 1/{} in FLOPs and 1/{} in the cost model's seconds", "profile",
            lambda p: [f1(p.linear_efficiency / p.attention_efficiency), f1(100 * p.attention_efficiency),
                       f1(100 * p.linear_efficiency), _flops_ratio("qwen3-8b"), _weight_ratio("qwen3-8b")]),
     Figure("docs/benchmarks.md", "brings `sft-longctx-70b-cp8` from up to {}x to {}x of the lower bound and "
                                  "`large-dp-256` from up to {}x to {}x", "bench5",
-           lambda r: [f3(max(_xlb(r, "sft-longctx-70b-cp8", "dynbatch-flops"))), f3(max(_xlb(r, "sft-longctx-70b-cp8"))),
+           lambda r: [f3(max(_xlb(r, "sft-longctx-70b-cp8", "dynbatch-flops"))),
+                      f3(max(_xlb(r, "sft-longctx-70b-cp8"))),
                       f3(max(_xlb(r, "large-dp-256", "dynbatch-flops"))), f3(max(_xlb(r, "large-dp-256")))]),
     Figure("docs/benchmarks.md", "the FLOPs-balanced plan is faster on {} seeds, by up to {}%", "bench5",
            _flops_faster_pp4),
@@ -1137,10 +1176,12 @@ FIGURES: List[Figure] = [
            lambda r: _fixed_ratio(r, "sft-longctx-70b-cp8")),
     Figure("docs/benchmarks.md", "(imbalance up to {} on `large-dp-256`)", "bench5",
            lambda r: [f2(max(x.imbalance for x in _workload_rows(r, "large-dp-256", "nemo_rl")))]),
-    Figure("docs/benchmarks.md", "`megatron-dp-balanced` takes {}x its step time, Megatron RL fifo {}x, round-robin {}x, "
+    Figure("docs/benchmarks.md", "`megatron-dp-balanced` takes {}x its step time, Megatron RL fifo {}x, round-robin "
+                                 "{}x, "
                                  "geometric means over the {} workloads", "bench",
            lambda r: [f2(upstream_ratio(r, n)) for n in ("megatron-dp-balanced", "megatron-rl-packing",
-                                                          "megatron-rl-packing-rr")] + [str(len(per_workload(r, len)))]),
+                                                          "megatron-rl-packing-rr")]
+           + [str(len(per_workload(r, len)))]),
     Figure("docs/benchmarks.md", "(over the {} batches of `--seeds\n5`: {}x, {}x, {}x, ahead on every one)", "bench5",
            lambda r: [str(len(by_batch(r))), *_upstream_batches(r)]),
     Figure("docs/benchmarks.md", "appends empty bins that run in full ({} of them at dp=256)", "bench",
@@ -1160,7 +1201,8 @@ FIGURES: List[Figure] = [
            lambda r: [_dyncp_longdoc_speedups(r)[0]]),
     Figure("docs/benchmarks.md", "Measured on an H100: {}-{}x for the plan of project\ncommit `e7fb6ba`", "h100",
            lambda d: strict_range(h100_dyncp(d, "dyncp-longdoc-8b-1mb/s0"))),
-    Figure("docs/benchmarks.md", "it keeps the fixed layout on every seed, where the\n`e7fb6ba` plan of seed 0 ran every "
+    Figure("docs/benchmarks.md", "it keeps the fixed layout on every seed, where the\n`e7fb6ba` plan of seed 0 ran "
+                                 "every "
                                  "micro-batch on all 16 GPUs (4 nodes) and measured {}-{}x.", ("dyncp", "h100"),
            lambda r, d: [*_dyncp_keeps_fixed(r, "dyncp-longcot-64k-8b"),
                          *strict_range(h100_dyncp(d, "dyncp-longcot-64k-8b/s0"))]),
@@ -1174,9 +1216,11 @@ FIGURES: List[Figure] = [
            lambda r: strict_range(list(dyncp_speedups(r, other="megatron-hybrid-cp").values()))),
     Figure("docs/benchmarks.md", "*Zero micro-batches over the budget*: {} in {} batches.", "dyncp",
            lambda r: [str(planner_breaks(r)), str(len(dyncp_never_slower(r)))]),
-    Figure("docs/benchmarks.md", "trail `verl` by {}% on\n`dyncp-longcot-64k-8b` seed 0 (`verl` puts {} micro-batches over "
+    Figure("docs/benchmarks.md", "trail `verl` by {}% on\n`dyncp-longcot-64k-8b` seed 0 (`verl` puts {} micro-batches "
+                                 "over "
                                  "the budget there)", "dyncp", _dyncp_trail),
-    Figure("docs/benchmarks.md", "Megatron-LM's own packers are {}-{}x (`megatron-dp-balanced`), {}-{}x\n(fifo) and {}-{}x "
+    Figure("docs/benchmarks.md", "Megatron-LM's own packers are {}-{}x (`megatron-dp-balanced`), {}-{}x\n(fifo) and "
+                                 "{}-{}x "
                                  "(round-robin) slower than the fixed planner", "dyncp", _dyncp_upstream),
     Figure("docs/benchmarks.md", "({} in {} batches; all on the CP", "dropins",
            lambda r: [str(dropin_breaks(r, "slime")), str(dropin_batches(r))]),
@@ -1192,10 +1236,12 @@ FIGURES: List[Figure] = [
            lambda r: [f3(dropin_gm(r, "verl", "drop-in"))]),
     Figure("docs/benchmarks.md", "Megatron RL's drop-in ({}) needs fewer bins", "dropins",
            lambda r: [f3(dropin_gm(r, "megatron_rl", "drop-in"))]),
-    Figure("docs/benchmarks.md", "With `model=` they balance the cost model's time: {} and {}, and\nnever more than 0.01% "
+    Figure("docs/benchmarks.md", "With `model=` they balance the cost model's time: {} and {}, and\nnever more than "
+                                 "0.01% "
                                  "slower than the trainer's own on any of the {} batches. On the MoE workload token "
                                  "balance\nis *slower* than NeMo-RL's own packing ({}) and time balance faster ({})",
-           "dropins", lambda r: [f3(dropin_gm(r, "verl", "drop-in+model")), f3(dropin_gm(r, "nemo_rl", "drop-in+model")),
+           "dropins", lambda r: [f3(dropin_gm(r, "verl", "drop-in+model")),
+                                 f3(dropin_gm(r, "nemo_rl", "drop-in+model")),
                                  str(dropin_batches(r) if dropin_ranges(r) else 0),
                                  f3(dropin_mean(r, "grpo-moe-30b-a3b", "nemo_rl", "drop-in")),
                                  f3(dropin_mean(r, "grpo-moe-30b-a3b", "nemo_rl", "drop-in+model"))]),
@@ -1215,12 +1261,36 @@ FIGURES: List[Figure] = [
     Figure("docs/benchmarks.md", "micro-batches by {}-{}x measured (modelled today", "h100", h100_packed_vs_padded),
     Figure("docs/benchmarks.md", "fitted profile: {}-{}x on the {} batches of `bench\n--seeds 5`", "bench5",
            lambda r: [*_fixed_ratio(r), str(len(by_batch(r)))]),
-    Figure("docs/benchmarks.md", "the project's step is at most {}% slower than verl's or slime's and up to\n{}% faster, "
+    Figure("docs/benchmarks.md", "the project's step is at most {}% slower than verl's or slime's and up to\n{}% "
+                                 "faster, "
                                  "and ahead of upstream's `DpBalancedScheduler` (next-fit in loader order, no work "
                                  "balancing) by\n{}%, {}% and {}%", "h100", _h100_agree),
     # ------------------------------------------------------------------------------------------- dynamic_cp.md
     Figure("docs/dynamic_cp.md", "dynamic CP spreads it over\nthe pool, {}x modelled.", "longdoc",
            lambda p: [f2(p.fixed_cp_step_time / p.predicted_step_time)]),
+    Figure("docs/dynamic_cp.md", "which can cost time ({}% slower, modelled, on `examples/longdoc_lengths.txt`",
+           "oversize", lambda p: [f1(100 * (p["dynamic"].predicted_step_time / p["fixed"].predicted_step_time - 1))]),
+    Figure("docs/dynamic_cp.md", "a 1k-token sequence on 8\n  GPUs of two nodes runs {}x faster", "profile",
+           lambda p: [f1(cp_speedup("qwen3-8b", 2, 1024, 8))]),
+    Figure("docs/dynamic_cp.md", "by default the cost model's measured uncertainty, {}% for the fitted profile",
+           "profile",
+           lambda p: [f1(100 * p.uncertainty)]),
+    Figure("docs/dynamic_cp.md", "-- {} ms for the 80-layer model on a group of 4, {} ms\nof fixed GPU time", "profile",
+           lambda p: [per_microbatch_ms("llama-3.1-70b")[2], per_microbatch_ms("llama-3.1-70b")[0]]),
+    Figure("docs/planner.md", "cost model's uncertainty: {}% for the fitted profile", "profile",
+           lambda p: [f1(100 * p.uncertainty)]),
+    Figure("docs/cost_model.md", "`uncertainty`: {}% for `fitted` -- the fit's mean absolute relative error", "profile",
+           lambda p: [f1(100 * p.uncertainty)]),
+    Figure("docs/cost_model.md", "the RMS error of its modelled ratios above ({}%)", "compare",
+           lambda out: [compare_rms(out)[0]]),
+    Figure("docs/cost_model.md", "measured level with verl/slime: at most {}% slower", "h100",
+           lambda d: [h100_vs_peers(d)[0]]),
+    Figure("docs/benchmarks.md", "the model used before the fit ({}% / {}% of peak, {} ms per micro-batch, no floor)",
+           "profile", lambda p: (lambda a: [f"{100 * a.linear_efficiency:g}", f"{100 * a.attention_efficiency:g}",
+                                            f"{1e3 * a.overhead_s:g}"])(
+               __import__("megatron_dynbatch.core.cost_profiles", fromlist=["x"]).ANALYTIC)),
+    Figure("docs/benchmarks.md", "model, are in git history) with its decision margin ({}%)", "profile",
+           lambda p: [f1(100 * p.uncertainty)]),
     Figure("docs/dynamic_cp.md", "Against the fixed-CP plan of the same layout: {}-{}x on\nlong-document batches where "
                                  "one document dominates a rank (one micro-batch per rank), {}-{}x on 64k\ndocuments "
                                  "under `pp=4`, up to {}x on 64k long-CoT RL under `pp=4`", "dyncp",
@@ -1254,7 +1324,8 @@ FIGURES: List[Figure] = [
     # ------------------------------------------------------------------------------ flops.md, planner.md, quickstart
     Figure("docs/flops.md", "# FlopsCoefficients(linear={}e10, quadratic={}e5)", "flops",
            lambda c: [f"{c['qwen3-8b'].linear / 1e10:.3f}", f"{c['qwen3-8b'].quadratic / 1e5:.3f}"]),
-    Figure("docs/planner.md", "raw-FLOPs balancing is behind the best baseline on {} of the {} batches of `bench --seeds "
+    Figure("docs/planner.md", "raw-FLOPs balancing is behind the best baseline on {} of the {} batches of `bench "
+                              "--seeds "
                               "5` by up to {}%", "bench5", _flops_behind),
     Figure("docs/planner.md", "the slowest, GRPO with `pp=4` over 1,024 ranks, at {} ms", "records",
            lambda rec: [rec["adversarial_grpo_pp4"]]),
@@ -1266,7 +1337,8 @@ FIGURES: List[Figure] = [
     Figure("docs/cost_model.md", "| `overhead_per_layer_s` (+ `overhead_s`) | {} ms (+{}) |", "profile",
            lambda p: [f2(1e3 * p.overhead_per_layer_s), f"{1e3 * p.overhead_s:g}"]),
     Figure("docs/cost_model.md", "| `min_per_layer_s` | {} ms |", "profile", lambda p: [f2(1e3 * p.min_per_layer_s)]),
-    Figure("docs/cost_model.md", "| `cp_min_per_layer_s` | {} ms |", "profile", lambda p: [f2(1e3 * p.cp_min_per_layer_s)]),
+    Figure("docs/cost_model.md", "| `cp_min_per_layer_s` | {} ms |", "profile",
+           lambda p: [f2(1e3 * p.cp_min_per_layer_s)]),
     Figure("docs/cost_model.md", "| `cp_linear_overhead` | {} |", "profile", lambda p: [f3(p.cp_linear_overhead)]),
     Figure("docs/cost_model.md", "| `cp_chunk_tokens` | {} |", "profile", lambda p: [f"{p.cp_chunk_tokens:g}"]),
     Figure("docs/cost_model.md", "| intra-node ring | {} GB/s, {} us |", "profile",
@@ -1281,14 +1353,17 @@ FIGURES: List[Figure] = [
                                      .from_yaml("llama-3.1-70b").num_layers), *per_microbatch_ms("llama-3.1-70b"),
                                  str(__import__("megatron_dynbatch.core.model_spec", fromlist=["x"]).ModelSpec
                                      .from_yaml("qwen3-8b").num_layers), *per_microbatch_ms("qwen3-8b")]),
-    Figure("docs/cost_model.md", "{} records `[group_size, lengths, seconds]`", "fit", lambda f: [thousands(f["records"])]),
-    Figure("docs/cost_model.md", "mean absolute error {}% (sft-4b, {} micro-batches; its own 3-parameter fit: {}%), {}%\n"
+    Figure("docs/cost_model.md", "{} records `[group_size, lengths, seconds]`", "fit",
+           lambda f: [thousands(f["records"])]),
+    Figure("docs/cost_model.md", "mean absolute error {}% (sft-4b, {} micro-batches; its own 3-parameter fit: {}%), "
+                                 "{}%\n"
                                  "(rl-4b-8k, {}; own fit {}%) and {}% (rl-8b-dp64, {}; own fit {}%)", "fit",
            lambda f: [x for k in ("sft-4b-dp16-few", "rl-4b-8k-dp8", "rl-8b-dp64-few")
                       for x in (f1(f["dp"][k]["abs"]), thousands(f["dp"][k]["n"]), f1(f["own_fit"][k]))]),
     Figure("docs/cost_model.md", "RMS error against the measured ratio: **{}% fitted, {}% old**; within 3%: {} of {} "
                                  "batches (old: {})", "compare",
-           lambda out: [*compare_rms(out), *re.search(r"within 3%: (\d+) of (\d+) \(fitted\), (\d+) of", out).groups()]),
+           lambda out: [*compare_rms(out),
+                        *re.search(r"within 3%: (\d+) of (\d+) \(fitted\), (\d+) of", out).groups()]),
     Figure("docs/cost_model.md", "The old\nmodel was {}% optimistic on the one-dominant-document batch, called the "
                                  "5%-losing `longcot` s0 plan a tie and was\noff by {}% and {}% on the pp=4 70B "
                                  "batches.", "compare",
@@ -1298,7 +1373,8 @@ FIGURES: List[Figure] = [
     Figure("docs/cost_model.md", "the\n  measured {} is run-to-run noise", "compare",
            lambda out: [_compare_rows(out)["dyncp-longdoc-8b-1mb/s1"][0]]),
     Figure("docs/cost_model.md", "-- around the measured {} and\n{}.", "compare",
-           lambda out: [_compare_rows(out)[k][0] for k in ("dyncp-longctx-70b-cp4-pp4/s0", "dyncp-longctx-70b-cp4-pp4/s1")]),
+           lambda out: [_compare_rows(out)[k][0]
+                        for k in ("dyncp-longctx-70b-cp4-pp4/s0", "dyncp-longctx-70b-cp4-pp4/s1")]),
     Figure("docs/cost_model.md", "(its modelled ratio with the inter-node exchange: {}x)", "compare",
            lambda out: [_compare_rows(out)["dyncp-longcot-64k-8b/s0"][4]]),
     Figure("docs/cost_model.md", "its 32k document on a group of 4 inside one node: {}x modelled.", "compare",
@@ -1306,7 +1382,8 @@ FIGURES: List[Figure] = [
     Figure("docs/cost_model.md", "s1's fixed plan uses {} micro-batches per rank instead of\n{},", "counts",
            lambda c: [str(c["fitted"]["pick"]), str(c["analytic"]["pick"])]),
     Figure("docs/cost_model.md", "dynamic CP is modelled {}x (s1) and {}x (s0) ahead", "compare",
-           lambda out: [_compare_rows(out)[k][-1] for k in ("dyncp-longctx-70b-cp4-pp4/s1", "dyncp-longctx-70b-cp4-pp4/s0")]),
+           lambda out: [_compare_rows(out)[k][-1]
+                        for k in ("dyncp-longctx-70b-cp4-pp4/s1", "dyncp-longctx-70b-cp4-pp4/s0")]),
 ]
 
 BLOCKS: List[Block] = [
