@@ -33,7 +33,8 @@ Per algorithm it reports the median over ``--steps`` (after ``--warmup`` untimed
 (barrier to barrier, max over ranks), each rank's compute time before the gradient all-reduce (the entry of
 ``config.finalize_model_grads_func``) and their max/mean (the measured imbalance), the all-reduce time,
 tokens/s (real tokens / step time), padding fraction and micro-batches per rank. Alongside: the cost model's
-predicted step-time RATIO vs ``fixed_padded`` (its absolute seconds are for an H100 and mean nothing on a CPU),
+predicted step-time RATIO vs ``fixed_padded`` (its absolute seconds are for an H100 and mean nothing on a CPU;
+every plan is scored by the default model, plans made with the CPU calibration re-scored: ``default_model_step``),
 and the same ratio under a cost model FITTED to this run's measured THD micro-batch times
 (``cost_model.fit_cost_model``), which keeps the model's structure but uses CPU coefficients.
 
@@ -93,9 +94,10 @@ def make_samples(lengths: Sequence[int], vocab: int, seed: int) -> List[Dict[str
 # ------------------------------------------------------------------------------------------------- plans
 def build_plans(lengths: np.ndarray, spec: Any, budget: int, parallel: Dict[str, int], algorithms: Sequence[str],
                 calibrated: Optional[str] = None, online_base: Optional[str] = None) -> Dict[str, Any]:
-    """``name -> {"plan": Plan | None, "padded": bool, "error": str | None, "notes": [...]}``; ``calibrated``: the
-    cost-model file ``dynbatch-calibrated`` plans with; ``online_base``: the file ``dynbatch-online`` starts from
-    (``None``: the default model)."""
+    """``name -> {"plan": Plan | None, "padded": bool, "error": str | None, "notes": [...], "cost_model": ...}``;
+    ``calibrated``: the cost-model file ``dynbatch-calibrated`` plans with; ``online_base``: the file
+    ``dynbatch-online`` starts from (``None``: the default model). ``cost_model`` is the model a plan was planned
+    -- and so scored -- with (``None``: the default); :func:`default_model_step` re-scores the others."""
     from megatron_dynbatch.bench.baselines import BaselineContext, run_baseline
     from megatron_dynbatch.core.planner import plan_global_batch
 
@@ -105,10 +107,11 @@ def build_plans(lengths: np.ndarray, spec: Any, budget: int, parallel: Dict[str,
         if name in PLANNERS:
             cm = calibrated if name == "dynbatch-calibrated" or (name == "dynbatch-online" and online_base) else None
             plan = plan_global_batch(lengths, model=spec, parallel=parallel, max_tokens_per_gpu=budget, cost_model=cm)
-            out[name] = {"plan": plan, "padded": False, "error": None, "notes": []}
+            out[name] = {"plan": plan, "padded": False, "error": None, "notes": [], "cost_model": cm}
             continue
         run = run_baseline(name, lengths, ctx)
-        entry = {"plan": run.plan, "padded": name == "fixed_padded", "error": run.error, "notes": list(run.notes)}
+        entry = {"plan": run.plan, "padded": name == "fixed_padded", "error": run.error, "notes": list(run.notes),
+                 "cost_model": None}
         if run.plan is not None and not entry["padded"]:
             try:
                 run.plan.validate(num_samples=len(lengths))
@@ -318,8 +321,8 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
         out = {"rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank, "results": results}
         if rank == 0:
             out["plans"] = {name: (None if e["plan"] is None else {
-                "micro_batches": e["plan"].micro_batches, "predicted_step_s": _default_model_step(name, e["plan"],
-                                                                                                  lengths, spec, opts),
+                "micro_batches": e["plan"].micro_batches,
+                "predicted_step_s": default_model_step(e, lengths, spec, opts["max_tokens_per_gpu"]),
                 "predicted_step_s_own": float(e["plan"].predicted_step_time),
                 "plan_dict": e["plan"].to_dict() if name in PLANNERS else None,
                 "predicted_imbalance": float(e["plan"].imbalance), "cap_violations": int(e["plan"].cap_violations),
@@ -331,14 +334,17 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
         megatron_cpu.destroy()
 
 
-def _default_model_step(name: str, plan: Any, lengths: np.ndarray, spec: Any, opts: Dict[str, Any]) -> float:
-    """The default (H100) model's step time of ``plan``: the ``pred x`` column compares every plan in one model
-    (only ``dynbatch-calibrated`` was planned -- and scored -- with another)."""
-    if name != "dynbatch-calibrated":
+def default_model_step(entry: Dict[str, Any], lengths: np.ndarray, spec: Any, max_tokens_per_gpu: int) -> float:
+    """The default (H100-fitted) model's step time of ``entry["plan"]`` (an entry of :func:`build_plans`): the
+    ``pred x`` column compares every plan in that one model, so a plan planned with another cost model (the CPU
+    calibration of ``dynbatch-calibrated``, and of ``dynbatch-online`` when it starts from it) is re-scored, its
+    grouping unchanged. Its own model's seconds would be CPU seconds against H100 seconds (a ratio of ~35)."""
+    plan = entry["plan"]
+    if entry.get("cost_model") is None:
         return float(plan.predicted_step_time)
     from megatron_dynbatch.core.calibration.compare import rescore
 
-    return rescore(plan, lengths, model=spec, cost_model=None, max_tokens_per_gpu=opts["max_tokens_per_gpu"])
+    return rescore(plan, lengths, model=spec, cost_model=None, max_tokens_per_gpu=max_tokens_per_gpu)
 
 
 # ------------------------------------------------------------------------------------------------ report

@@ -207,3 +207,19 @@ def test_readme_opens_with_its_two_commands():
         "bash scripts/setup.sh && .venv/bin/megatron-dynbatch bench",
         "bash scripts/setup.sh --test && .venv/bin/python -m pytest -q",
     ]
+
+
+def test_readme_names_every_test_file_that_skips_without_megatron_lm():
+    """README's note on skipped tests names exactly the test files that skip without ``MEGATRON_LM_DIR`` (they back
+    README claims: Megatron-LM's ``pretrain()`` loop, its packing scheduler, Megatron RL's packing): a file that
+    reads the variable and skips on it."""
+    skipping = {f"tests/{p.name}" for p in sorted((ROOT / "tests").glob("test_*.py"))
+                if re.search(r"os\.environ\.get\(\s*[\"']MEGATRON_LM_DIR", p.read_text(encoding="utf-8"))
+                and re.search(r"pytest\.skip|skipif", p.read_text(encoding="utf-8"))}
+    assert len(skipping) >= 3, skipping
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    note = next((para for para in text.split("\n\n") if "**skipped**" in para and "MEGATRON_LM_DIR" in para), None)
+    assert note, "README.md lost its note on the tests skipped without MEGATRON_LM_DIR"
+    named = set(re.findall(r"tests/test_\w+\.py", note))
+    assert named == skipping, (f"README's note on skipped tests names {sorted(named)}; the test files that skip "
+                               f"without MEGATRON_LM_DIR are {sorted(skipping)}")
