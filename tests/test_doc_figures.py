@@ -1032,6 +1032,36 @@ def _records_planning(rec: Dict[str, str]) -> Sequence[str]:
     return [str(round(float(rec["planning_ms"]))), f"{SPEED_CASES[0][2]:g}"]
 
 
+def budgets_output() -> Tuple[Any, str]:
+    """``megatron-dynbatch bench --budgets``: its rows and the table it prints."""
+    from megatron_dynbatch.bench.budgets import format_budgets, run_budgets
+    from megatron_dynbatch.bench.workloads import default_workloads
+
+    rows, meta = run_budgets(default_workloads(), seeds=1)
+    return rows, format_budgets(rows, meta)
+
+
+def _budget_rows(out: Any, workload: str) -> Dict[str, Any]:
+    return {r.label: r for r in out[0] if r.workload == workload}
+
+
+def _budget_gains(out: Any) -> Sequence[str]:
+    """The range of vs-auto factors of hand-set budgets that fit and plan, as "0-4.7%"."""
+    gains = [r.vs_auto for r in out[0] if r.label != "auto" and np.isfinite(r.vs_auto)]
+    if min(gains) < 1.0:
+        raise ClaimBroken("a hand-set budget that fits is modelled faster than the auto budget")
+    return [f"{(min(gains) - 1) * 100:.0f}", f"{(max(gains) - 1) * 100:.1f}"]
+
+
+def _budget_oom(out: Any) -> Sequence[str]:
+    cp8, dp256 = _budget_rows(out, "sft-longctx-70b-cp8"), _budget_rows(out, "large-dp-256")
+    if cp8["workload"].fits or dp256["workload"].fits:
+        raise ClaimBroken("a preset budget the text calls out of memory now fits")
+    return [f"{cp8['workload'].predicted_peak_gb:.1f}", f"{dp256['workload'].predicted_peak_gb:.1f}",
+            str(cp8["auto"].tokens_per_gpu),
+            str(dp256["auto"].tokens_per_gpu)]
+
+
 DYNCP_COMMAND = "megatron-dynbatch bench --workloads " + ",".join(dyncp_names()) + " --seeds 5"
 
 SOURCES: Dict[str, Source] = {s.name: s for s in [
@@ -1060,9 +1090,22 @@ SOURCES: Dict[str, Source] = {s.name: s for s in [
                        "--cp 2 --max-tokens-per-gpu 2048 --oversize alone --dynamic-cp", oversize_example),
     Source("flops", "megatron-dynbatch flops --model NAME (every preset)", preset_flops),
     Source("preset", "python benchmarks/dyncp_preset.py --seeds 5 (and --cp-bandwidth 25e9)", preset, slow=True),
+    Source("budgets", "megatron-dynbatch bench --budgets", budgets_output),
 ]}
 
 FIGURES: List[Figure] = [
+    Figure("docs/benchmarks.md", "the auto\n  budget's fewer, larger micro-batches are {}-{}% faster", "budgets",
+           _budget_gains),
+    Figure("docs/benchmarks.md",
+           "(`sft-mix-8b`: {} micro-batches per rank instead of {},\n  {}x; `grpo-moe-30b-a3b` {}x", "budgets",
+           lambda out: [str(_budget_rows(out, "sft-mix-8b")["auto"].microbatches),
+                        str(_budget_rows(out, "sft-mix-8b")["workload"].microbatches),
+                        f"{_budget_rows(out, 'sft-mix-8b')['workload'].vs_auto:.3f}",
+                        f"{_budget_rows(out, 'grpo-moe-30b-a3b')['workload'].vs_auto:.3f}"]),
+    Figure("docs/benchmarks.md", "predicted at {} GiB of the 72 usable, `large-dp-256`'s 32768 at {} GiB", "budgets",
+           lambda out: _budget_oom(out)[:2]),
+    Figure("docs/benchmarks.md", "the auto budget is the largest that fits there, {} and {}.", "budgets",
+           lambda out: _budget_oom(out)[2:]),
     # ------------------------------------------------------------------------------------ README's results table
     Figure("README.md", "(geometric mean) | modelled | H100-fitted cost model | **{}x** |", "bench",
            lambda r: [f2(speedup_vs_fixed(r))]),
@@ -1405,6 +1448,7 @@ BLOCKS: List[Block] = [
     Block("docs/cost_model.md", "compare", "compare", _compare_table),
     Block("docs/dynamic_cp.md", "forced-counts", "counts", forced_counts_table),
     Block("docs/dynamic_cp.md", "preset", "preset", preset_table),
+    Block("docs/benchmarks.md", "budgets", "budgets", lambda out: "```text\n" + out[1].rstrip("\n") + "\n```"),
 ]
 
 
