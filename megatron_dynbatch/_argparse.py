@@ -4,7 +4,9 @@ argparse answers a misspelled flag with ``unrecognized arguments: --max-token-pe
 misspelled flag was a required one, ``the following arguments are required: ...``) and a misspelled subcommand
 with the list of every choice. :class:`SuggestingArgumentParser` keeps those messages and appends
 ``-- did you mean --max-tokens-per-gpu?`` for every unknown ``--flag`` of the command line that is close to a flag
-of the (sub)command being parsed, and for an invalid choice close to a valid one. Used by the
+of the (sub)command being parsed (a flag that names a layout dimension in other words, ``--tensor-parallel-size``,
+suggests the layout flag it means, ``--tp``: :func:`~megatron_dynbatch.core.parallel.layout_key_meaning`), and for
+an invalid choice close to a valid one. Used by the
 ``megatron-dynbatch`` CLI and the demo; nothing else changes (exit status 2, usage line on stderr).
 """
 
@@ -15,6 +17,8 @@ import difflib
 import re
 import sys
 from typing import Dict, List, NoReturn, Optional, Sequence
+
+from .core.parallel import layout_key_meaning
 
 __all__ = ["SuggestingArgumentParser", "suggestions"]
 
@@ -51,7 +55,8 @@ def suggestions(parser: argparse.ArgumentParser, argv: Sequence[str], message: s
         flag = token.split("=", 1)[0]
         if not flag.startswith("--") or flag in known or any(k.startswith(flag) for k in known):
             continue  # a known flag, or an unambiguous abbreviation argparse accepts
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        meant = [f"--{m.replace('_', '-')}" for m in layout_key_meaning(flag[2:], outside=True)]
+        close = [m for m in meant if m in known][:1] or difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
         if close:
             hints.append(f"{close[0]} for {flag}")
     return hints
