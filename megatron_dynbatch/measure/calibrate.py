@@ -20,14 +20,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core.calibration.budget import STARTUP_S, point_seconds, projected_finish
 from ..core.calibration.grid import MIN_POINTS
 from ..core.calibration.setup import CalibrationSetup, plan_calibration
 from ..core.cost_fit import fit_records
-from ..core.cost_model import CostModel, FitReport, save_cost_model
+from ..core.cost_model import CostModel, FitReport, fitted_for, save_cost_model
 from ..core.errors import DynBatchConfigError
 from .layout import SliceLayout
 from .slices import Record, build_slice
@@ -121,6 +121,7 @@ def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = N
                                   f"raise --max-seconds (start-up alone is ~{STARTUP_S:.0f} s) or shrink the grid")
     env = sl.environment()
     cm, report = fit_setup(setup, records, name=f"calibrated on {env['device']}")
+    report = _with_fitted_for(report, setup, setup.model, env.get("device", setup.device))
     return CalibrationResult(setup, records, cm, report, env, spec, note, stopped,
                              time.perf_counter() - t0)
 
@@ -137,6 +138,16 @@ def fit_setup(setup: CalibrationSetup, records: List[Record], *, slice_model: An
     if slice_model is None:  # fit_records built it for setup.model on setup.parallel already
         return cm, report
     return CostModel.from_model(setup.model, setup.parallel, profile=_profile(report)), report
+
+
+def _with_fitted_for(report: FitReport, setup: CalibrationSetup, measured: Any, device: str,
+                     timed_on: Any = None) -> FitReport:
+    """``report`` with what it was fitted on (:func:`~megatron_dynbatch.core.cost_model.fitted_for`; ``timed_on``:
+    the torch device of the timings, default ``setup``'s): the file records it, and using the file for another
+    model warns or is refused (docs/cost_model.md)."""
+    kind = "cpu" if str(setup.device if timed_on is None else timed_on) == "cpu" else "cuda"
+    return replace(report, fitted_for=fitted_for(measured, device=str(device), device_type=kind, dtype=setup.dtype,
+                                                 tp=setup.tp))
 
 
 def _profile(report: FitReport) -> Any:
@@ -158,10 +169,13 @@ def refit_from_file(setup: CalibrationSetup, path: str) -> Tuple[CostModel, FitR
         raise DynBatchConfigError("--from-records", path, "is not a calibrate records file (no 'slice' and "
                                   "'records')", "pass a file written by calibrate --records")
     sl = data["slice"]
+    env = data.get("environment") if isinstance(data.get("environment"), dict) else {}
+    device = env.get("device", "recorded timings")
+    timed_on = env.get("layout", {}).get("device") if isinstance(env.get("layout"), dict) else None
     cm, report = fit_setup(setup, data["records"], slice_model=sl.get("model"), slice_layers=sl.get("measured_layers"),
                            slice_tp=sl.get("tp", 1), slice_lm_head=sl.get("lm_head", False),
-                           name=f"calibrated on {data.get('environment', {}).get('device', 'recorded timings')}")
-    return cm, report, data
+                           name=f"calibrated on {device}")
+    return cm, _with_fitted_for(report, setup, sl.get("model") or setup.model, device, timed_on), data
 
 
 def calibrate(model: Any, *, progress: Optional[Progress] = None, seed: int = 1234, **options: Any) -> CalibrationResult:
