@@ -151,3 +151,80 @@ def test_saved_records_refit_to_the_same_model_without_timing(calibrated, capsys
     text = capsys.readouterr().out
     assert "fit error per group size" in text and "re-planned with the calibrated model" in text
     assert json.loads((d / "again.json").read_text())["profile"] == json.loads((d / "cm.json").read_text())["profile"]
+
+
+# ------------------------------------------------------------------------------------ what a user sees (issue 28)
+def _no_cuda_env() -> dict:
+    import os
+
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_dry_run_says_when_no_cuda_device_is_visible(tmp_path):
+    """``--device cuda`` (the default) on a machine without one: the GPU grid is printed with a note saying so,
+    still without importing torch; ``--device cpu`` has no note."""
+    code = ("import sys; from megatron_dynbatch.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'dry run imported torch'; sys.exit(rc)")
+    base = [sys.executable, "-c", code, "calibrate", "--run", "tiny-cpu-demo", "--dry-run"]
+    out = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=120, env=_no_cuda_env())
+    assert out.returncode == 0, out.stderr
+    assert "note: no CUDA device is visible on this machine" in out.stdout and "--device cpu" in out.stdout
+    out = subprocess.run(base + ["--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=_no_cuda_env())
+    assert out.returncode == 0 and "no CUDA device" not in out.stdout, out.stderr
+
+
+def test_timing_on_cuda_without_a_device_is_refused_naming_the_flag():
+    pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    out = subprocess.run([sys.executable, "-m", "megatron_dynbatch.cli", "calibrate", "--run", "tiny-cpu-demo",
+                          "--output", "never-written.json"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=_no_cuda_env())
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron-dynbatch: error: --device='cuda': no CUDA device") and "--device cpu" in last
+    assert "UserWarning" not in out.stderr and not (ROOT / "never-written.json").exists()
+
+
+def test_progress_is_a_rewritten_line_on_a_terminal_and_a_line_every_few_seconds_in_a_log():
+    import io
+
+    from megatron_dynbatch._cli_calibrate import PROGRESS_EVERY_S, ProgressPrinter
+
+    log = io.StringIO()
+    p = ProgressPrinter(log, 30.0)
+    for i, t in enumerate([0.0, 3.0, 9.0, PROGRESS_EVERY_S + 0.5, 12.0, 2 * PROGRESS_EVERY_S + 1]):
+        p(i, 6, t)
+    p.close()
+    lines = log.getvalue().splitlines()
+    assert [ln.split("/")[0][-1] for ln in lines] == ["1", "4", "6"], lines
+    assert lines[0] == "  timing micro-batch share 1/6 (0 s elapsed, ~30 s estimated)"
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    p = ProgressPrinter(tty, 30.0)
+    for i in range(3):
+        p(i, 3, float(i))
+    p.close()
+    assert tty.getvalue().count("\r") == 3 and tty.getvalue().endswith("\n")
+
+
+def test_megatron_core_notices_become_one_note_and_other_warnings_still_show(capsys):
+    import warnings
+
+    from megatron_dynbatch._cli_calibrate import _megatron_notices
+
+    mc = "/venv/lib/python3.11/site-packages/megatron/core/optimizer/__init__.py"
+    caught = [warnings.WarningMessage(UserWarning("Transformer Engine and Apex are not installed. Falling back to "
+                                                 "Torch optimizers."), UserWarning, mc, 24),
+              warnings.WarningMessage(UserWarning("Apex is not installed. Falling back to Torch Norm"), UserWarning,
+                                      mc, 21),
+              warnings.WarningMessage(UserWarning("something new and important"), UserWarning, mc, 30),
+              warnings.WarningMessage(RuntimeWarning("overflow"), RuntimeWarning, "/elsewhere/x.py", 3)]
+    with warnings.catch_warnings(record=True) as shown:
+        _megatron_notices(caught, sys.stderr, quiet=False)
+    assert "note: 2 notice(s) of megatron-core hidden" in capsys.readouterr().err
+    assert [str(w.message) for w in shown] == ["something new and important", "overflow"]
