@@ -112,3 +112,17 @@ def test_calibrate_from_records_writes_the_record(tmp_path, capsys):
                  str(tmp_path / "rec.json"), "--output", str(out)]) == 0
     record = json.loads(out.read_text())["fit"]["fitted_for"]
     assert (record["model"], record["device"], record["device_type"]) == ("tiny-gpt", DEVICE, "cpu")
+
+
+@pytest.mark.parametrize("fit", [None, [], "x", {"fitted_for": None}, {"fitted_for": []}, {"fitted_for": {"widths": 3}},
+                                 {"fitted_for": {"widths": {"hidden_size": "wide"}, "model": ["x"], "device": None}},
+                                 {"fitted_for": {"widths": {}}}])
+def test_a_garbled_record_never_breaks_loading(tmp_path, fit):
+    """A hand-edited ``fitted_for`` is checked as far as it goes: no crash, at most the mismatch warning."""
+    path = Path(_file(tmp_path))
+    data = json.loads(path.read_text())
+    data["fit"] = fit
+    path.write_text(json.dumps(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CostModelMismatchWarning)
+        assert isinstance(resolve_cost_model(str(path), "qwen3-8b", ParallelConfig(dp=8)), CostModel)

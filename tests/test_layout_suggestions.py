@@ -87,3 +87,20 @@ def test_run_preset_yaml_says_what_the_user_meant(tmp_path):
 def test_a_megatron_style_flag_suggests_the_cli_flag(flag, meant, capsys):
     assert main(["plan", "--lengths", "x.txt", "--model", "qwen3-8b", flag, "2"]) == 2
     assert f"did you mean {meant}?" in capsys.readouterr().err
+
+
+def test_hostile_keys_never_break_the_suggestion():
+    import random
+
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-. 0123456789/\\\u00e9\u4e2d"
+    keys = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(300)]
+    keys += [None, 3, 2.5, (1, 2), b"tp", "_" * 1000, "tensor" * 200]
+    for key in keys:
+        meant = layout_key_meaning(key)
+        assert isinstance(meant, list) and all(isinstance(m, str) for m in meant)
+        if isinstance(key, str) and key not in ("dp", "tp", "pp", "cp", "ep", "vpp", "etp", "world_size"):
+            try:
+                parallel_from_mapping({key: 2})
+            except DynBatchConfigError as exc:
+                assert exc.fix
