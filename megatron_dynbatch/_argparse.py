@@ -4,8 +4,11 @@ argparse answers a misspelled flag with ``unrecognized arguments: --max-token-pe
 misspelled flag was a required one, ``the following arguments are required: ...``) and a misspelled subcommand
 with the list of every choice. :class:`SuggestingArgumentParser` keeps those messages and appends
 ``-- did you mean --max-tokens-per-gpu?`` for every unknown ``--flag`` of the command line that is close to a flag
-of the (sub)command being parsed, and for an invalid choice close to a valid one. Used by the
-``megatron-dynbatch`` CLI and the demo; nothing else changes (exit status 2, usage line on stderr).
+of the (sub)command being parsed (a flag that names a layout dimension in other words, ``--tensor-parallel-size``,
+suggests the layout flag it means, ``--tp``: :func:`~megatron_dynbatch.core.parallel.layout_key_meaning`), and for
+an invalid choice close to a valid one. Instead of argparse's usage dump it prints that one line and where the
+flags are listed (``megatron-dynbatch plan --help``). Used by the ``megatron-dynbatch`` CLI and the demo; exit
+status 2, on stderr, as before.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import re
 import sys
 from typing import Dict, List, NoReturn, Optional, Sequence
 
-__all__ = ["SuggestingArgumentParser", "suggestions"]
+from .core.parallel import layout_key_meaning
+
+__all__ = ["SuggestingArgumentParser", "help_hint", "suggestions"]
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> Dict[str, argparse.ArgumentParser]:
@@ -51,7 +56,8 @@ def suggestions(parser: argparse.ArgumentParser, argv: Sequence[str], message: s
         flag = token.split("=", 1)[0]
         if not flag.startswith("--") or flag in known or any(k.startswith(flag) for k in known):
             continue  # a known flag, or an unambiguous abbreviation argparse accepts
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        meant = [f"--{m.replace('_', '-')}" for m in layout_key_meaning(flag[2:], outside=True)]
+        close = [m for m in meant if m in known][:1] or difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
         if close:
             hints.append(f"{close[0]} for {flag}")
     return hints
@@ -67,11 +73,22 @@ class SuggestingArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
+        """The one line that matters (what is wrong, and the likely flag meant), then where the full list of flags
+        is -- not argparse's usage dump, which buried that line under up to 17 lines of every flag."""
         hints = suggestions(self, self._argv, message)
-        self.print_usage(sys.stderr)
         text = f"{self.prog}: error: {message}"
         if len(hints) == 1:
             text += f" -- did you mean {hints[0].split(' for ')[0]}?"
         elif hints:
             text += f" -- did you mean {', '.join(hints)}?"
-        self.exit(2, text + "\n")
+        self.exit(2, f"{text}\n({help_hint(self, self._argv)})\n")
+
+
+def help_hint(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str:
+    """Where the help of the (sub)command ``argv`` runs is: ``megatron-dynbatch plan --help lists its flags``, or
+    for the top level ``megatron-dynbatch --help lists the commands``."""
+    subs = _subparsers(parser)
+    for token in argv:
+        if token in subs:
+            return help_hint(subs[token], argv[list(argv).index(token) + 1:])
+    return f"{parser.prog} --help lists " + ("the commands" if subs else "its flags")

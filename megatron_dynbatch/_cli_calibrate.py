@@ -8,20 +8,39 @@ the fit error per group size and what the calibrated model changes on a sample b
 re-scored, and the batch re-planned: :func:`~megatron_dynbatch.core.calibration.compare.step_time_change`), and
 writes the cost-model file (``--output``) that ``plan|bench --cost-model``, ``RunConfig.cost_model`` and
 ``--dynbatch-cost-model`` read. ``--run PRESET`` takes the model, layout, budget and dynamic CP from a run preset
-(a flag that contradicts it is refused). Progress goes to stderr.
+(a flag that contradicts it is refused). Progress goes to stderr: on a terminal one line updated per grid point,
+elsewhere (a log, a pipe) a line every :data:`PROGRESS_EVERY_S` seconds. megatron-core's notices that it falls back
+to torch (no Transformer Engine / Apex: expected on a CPU machine and wherever the local spec runs) are counted
+into one note instead of a dozen warnings (:func:`_megatron_notices`); any other warning still prints. On a machine
+where no CUDA device is visible, ``--dry-run`` says so next to the GPU grid it prints, and a timing run with
+``--device cuda`` is refused naming ``--device`` before anything is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
+import re
+import shutil
 import sys
-from typing import Any, Callable, Dict, List, Optional
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from .core.errors import DynBatchConfigError
 
 DEFAULT_OUTPUT = "calibrated_cost_model.json"
 _LAYOUT = ("dp", "tp", "pp", "cp", "ep", "vpp", "gpus_per_node")
+#: seconds between progress lines when stderr is not a terminal
+PROGRESS_EVERY_S = 10.0
+#: where megatron-core's own warnings come from ...
+_MEGATRON_FILE = re.compile(r"[\\/]megatron[\\/]core[\\/]")
+#: ... and the notices of it that say nothing to act on here: its fallbacks to torch where Transformer Engine /
+#: Apex are not installed, and its deprecations of its own internals (pyproject.toml filters the same for pytest)
+_MEGATRON_NOTICE = re.compile(r"are not installed|Falling back to|is deprecated|will be removed|tp_group is None|"
+                              r"ffn_hidden_size, but it was not provided")
 
 
 def add_calibrate_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentParser], None],
@@ -146,6 +165,9 @@ def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace
                              indent=1))
         else:
             print("\n".join(setup.describe()))
+            if setup.device != "cpu" and not cuda_visible():
+                print(f"note: no CUDA device is visible on this machine: this is the grid and estimate of a GPU run "
+                      f"(--device {setup.device}); add --device cpu to time on this CPU instead")
             print("grid (group size: lengths): " + "; ".join(f"{p.group_size}: {list(p.lengths)}" for p in setup.points))
         return 0
     if not args.json:
@@ -202,19 +224,69 @@ def _print_memory(fit: Any, note: str, args: argparse.Namespace) -> None:
           f"{c['workspace'] / 2 ** 20:.1f} MiB; `megatron-dynbatch budget --cost-model {args.output} ...` uses it")
 
 
+def cuda_visible() -> bool:
+    """Whether this machine shows a CUDA (or ROCm) device, without importing torch (a dry run never does): torch's
+    own answer when torch is already imported, else the driver's device files or ``nvidia-smi``."""
+    if "torch" in sys.modules:
+        return bool(sys.modules["torch"].cuda.is_available())
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or shutil.which("nvidia-smi"))
+
+
+class ProgressPrinter:
+    """The ``progress(i, n, elapsed)`` callback of a timing run, on ``stream``: on a terminal one line rewritten
+    per grid point; elsewhere a line for the first point and then at most one every ``every_s`` seconds, so a log
+    shows the run is alive without a line per point. ``estimate_s``: the dry run's estimate, quoted alongside."""
+
+    def __init__(self, stream: TextIO, estimate_s: float, *, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.stream, self.estimate_s, self.every_s = stream, float(estimate_s), float(every_s)
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._last: Optional[float] = None
+        self.printed = False
+
+    def __call__(self, i: int, n: int, elapsed: float) -> None:
+        text = f"timing micro-batch share {i + 1}/{n} ({elapsed:.0f} s elapsed, ~{self.estimate_s:.0f} s estimated)"
+        if self.tty:
+            print(f"\r  {text}", end="", file=self.stream, flush=True)
+            self.printed = True
+        elif self._last is None or elapsed - self._last >= self.every_s:
+            print(f"  {text}", file=self.stream, flush=True)
+            self._last = elapsed
+
+    def close(self) -> None:
+        if self.printed:  # end the rewritten terminal line
+            print(file=self.stream, flush=True)
+            self.printed = False
+
+
+def _megatron_notices(caught: List[warnings.WarningMessage], stream: TextIO, *, quiet: bool) -> None:
+    """The warnings of a timing run (``caught``): megatron-core's notices (:data:`_MEGATRON_NOTICE`) as one note on
+    ``stream``, every other warning as Python shows it."""
+    notices = [w for w in caught if _MEGATRON_FILE.search(str(w.filename)) and _MEGATRON_NOTICE.search(str(w.message))]
+    for w in caught:
+        if w not in notices:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if notices and not quiet:
+        print(f"note: {len(notices)} notice(s) of megatron-core hidden: it falls back to torch where Transformer "
+              "Engine / Apex are not installed (expected on a CPU), and deprecates parts of itself", file=stream)
+
+
 def _time(setup: Any, threads: Optional[int], *, quiet: bool) -> Any:
-    def progress(i: int, n: int, elapsed: float) -> None:
-        if not quiet and sys.stderr.isatty():
-            print(f"\r  timing {i + 1}/{n} ({elapsed:.0f} s)", end="", file=sys.stderr, flush=True)
-
+    progress = ProgressPrinter(sys.stderr, setup.estimate_s)
+    caught: List[warnings.WarningMessage] = []
     try:
-        from .measure.calibrate import run_calibration
+        with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is recorded
+            from .measure.calibrate import run_calibration
 
-        if threads is not None:
             import torch
 
-            torch.set_num_threads(threads)
-        return run_calibration(setup, progress=progress)
+            if setup.device != "cpu" and not torch.cuda.is_available():
+                raise DynBatchConfigError("--device", setup.device, "no CUDA device is available on this machine",
+                                          "pass --device cpu to time on this CPU, or run on a GPU machine")
+            if threads is not None:
+                torch.set_num_threads(threads)
+            return run_calibration(setup, progress=None if quiet else progress)
     except ImportError as exc:  # torch or megatron-core missing (or broken)
         from .requirements import import_problem
 
@@ -222,8 +294,8 @@ def _time(setup: Any, threads: Optional[int], *, quiet: bool) -> Any:
         raise DynBatchConfigError("calibrate", setup.device, f"timing needs torch and megatron-core: {problem}",
                                   "run bash scripts/setup.sh --test, or pass --dry-run / --from-records") from None
     finally:
-        if not quiet and sys.stderr.isatty():
-            print(file=sys.stderr)
+        progress.close()
+        _megatron_notices(caught, sys.stderr, quiet=quiet)
 
 
 def _sample(args: argparse.Namespace, setup: Any) -> Any:

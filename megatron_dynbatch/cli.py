@@ -285,25 +285,27 @@ def _plan_options(args: argparse.Namespace) -> Tuple[Any, Any]:
 def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Tuple[str, Dict[str, Any]]:
     """The comparison table, and the baselines' plans (for ``--plot``)."""
     from .bench.baselines import BASELINES, BaselineContext, run_baseline
+    from .bench.table import aligned
     from .core.cost_model import resolve_cost_model
 
     cm = resolve_cost_model(getattr(args, "cost_model", None), args.model, par)
     ctx = BaselineContext.build(par, args.max_tokens_per_gpu, args.model, args.fp8)
     lb = plan.lower_bound_step_time
-    out = [f"{'algorithm':<14} {'step s':>9} {'x LB':>7} {'mb/rank':>8} {'over budget':>11}",
-           f"{'dynbatch':<14} {plan.predicted_step_time:>9.4f} {plan.step_time_vs_lower_bound:>7.4f} "
-           f"{plan.num_microbatches:>8} {plan.cap_violations:>11}"]
+    cells = [["algorithm", "step s", "x LB", "mb/rank", "over budget", ""],
+             ["dynbatch", f"{plan.predicted_step_time:.4f}", f"{plan.step_time_vs_lower_bound:.4f}",
+              str(plan.num_microbatches), str(plan.cap_violations), ""]]
     plans: Dict[str, Any] = {}
     for name in BASELINES:
         res = run_baseline(name, lengths, ctx, cm)
         if res.error:
-            out.append(f"{name:<14} failed: {res.error}")
+            cells.append([name, "", "", "", "", f"failed: {res.error}"])
             continue
         q = plans[name] = res.plan
         counts = {len(r) for r in q.micro_batches}
         mb = str(max(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
-        out.append(f"{name:<14} {q.predicted_step_time:>9.4f} {q.predicted_step_time / lb if lb else 0:>7.4f} "
-                   f"{mb:>8} {q.cap_violations:>11}")
+        cells.append([name, f"{q.predicted_step_time:.4f}", f"{q.predicted_step_time / lb if lb else 0:.4f}", mb,
+                      str(q.cap_violations), ""])
+    out = aligned(cells, "<>>>><")
     out.append("(step s: modelled step time; x LB: / the lower bound; mb/rank: micro-batches per rank; over budget: "
                "micro-batches over the token budget, each an OOM risk; docs/benchmarks.md)")
     return "\n".join(out), plans

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Set up ./.venv for megatron-dynbatch on a fresh machine.
 #
-#   bash scripts/setup.sh          # planner, CLI and benchmark only (NumPy + PyYAML; no torch)
+#   bash scripts/setup.sh          # planner, CLI and benchmark only (NumPy, PyYAML, tqdm; no torch)
 #   bash scripts/setup.sh --test   # + torch, megatron-core, Ray, pytest/hypothesis: everything the tests need
 #
-# torch is never a bare requirement (that pulls gigabytes of CUDA wheels on a CPU machine): an installed torch
-# is reused (the venv sees system site-packages), otherwise CPU machines get torch==2.13.0 (override with
-# TORCH_SPEC=...). Transformer Engine / flash-attn are GPU-only extras (`pip install -e .[gpu]`) and are never
-# installed here: a half-installed Transformer Engine makes `import megatron.core` crash on CPU machines.
+# Without --test, .venv is isolated from the system's site-packages: it holds NumPy, PyYAML, tqdm and this package
+# and nothing else, as README says. With --test it sees the system's site-packages, so that an installed torch (often
+# a CUDA build matched to the machine's driver) is reused rather than downloaded again; an existing isolated .venv
+# is switched over (include-system-site-packages in .venv/pyvenv.cfg) and the script says so. torch is never a
+# bare requirement (that pulls gigabytes of CUDA wheels on a CPU machine): without an installed one, CPU machines
+# get torch==2.13.0 (override with TORCH_SPEC=...). Transformer Engine / flash-attn are GPU-only extras
+# (`pip install -e .[gpu]`) and are never installed here: a half-installed Transformer Engine makes
+# `import megatron.core` crash on CPU machines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,8 +24,17 @@ for arg in "$@"; do
 done
 
 PY=${PYTHON:-python3}
+CFG=.venv/pyvenv.cfg
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv --system-site-packages .venv
+  if [ "$want_test" = 1 ]; then
+    "$PY" -m venv --system-site-packages .venv
+  else
+    "$PY" -m venv .venv
+  fi
+elif [ "$want_test" = 1 ] && grep -Eiq '^include-system-site-packages *= *false' "$CFG"; then
+  awk '{ if (tolower($0) ~ /^include-system-site-packages *= *false/) print "include-system-site-packages = true";
+         else print }' "$CFG" > "$CFG.new" && mv "$CFG.new" "$CFG"
+  echo "setup.sh: .venv now also sees the system's site-packages (--test reuses an installed torch)"
 fi
 VPY=.venv/bin/python
 "$VPY" -m pip install -q --upgrade pip >/dev/null
@@ -60,5 +73,11 @@ print("setup.sh: test environment ready (torch %s)" % __import__("torch").__vers
 PYCHECK
 else
   PYTHONWARNINGS=ignore "$VPY" -m pip install -q -e .  # quiet: setuptools' editable-install banner
+  if grep -Eiq '^include-system-site-packages *= *true' "$CFG"; then
+    seen="NumPy, PyYAML, tqdm; it also sees the system's site-packages, as an earlier --test set it up"
+  else
+    seen="NumPy, PyYAML, tqdm, isolated from the system's site-packages"
+  fi
   echo "setup.sh: ready: .venv/bin/megatron-dynbatch (or 'source .venv/bin/activate', then megatron-dynbatch)"
+  echo "setup.sh: .venv holds $seen"
 fi

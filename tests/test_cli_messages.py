@@ -36,7 +36,27 @@ def _cli(*argv: str, env: dict = None) -> subprocess.CompletedProcess:
 def test_misspelled_flags_and_subcommands_get_a_suggestion(argv, hint, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert hint in err and "usage:" in err and "Traceback" not in err
+    assert hint in err and "--help lists" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, first", [
+    (["plan", "--lengths", "x.txt", "--max-tokens-per-gpu", "-5"],
+     "megatron-dynbatch plan: error: argument --max-tokens-per-gpu: must be a whole number >= 1, got '-5'"),
+    (["plan", "--lengths", "x.txt", "--max-tokens-per-gpu", "64", "--dp", "0"],
+     "megatron-dynbatch plan: error: argument --dp: must be a whole number >= 1, got '0'"),
+    (["calibrate", "--model", "tiny-gpt", "--tp", "0"], "megatron-dynbatch calibrate: error: argument --tp:"),
+    (["demo", "--dp", "x"], "megatron-dynbatch demo: error: argument --dp:"),
+    (["plan", "--max-tokens-per-gpu", "64"], "megatron-dynbatch plan: error: the following arguments are required"),
+])
+def test_a_usage_error_is_its_one_line_and_where_the_flags_are_not_a_usage_dump(argv, first, capsys):
+    """Issue 28 item 17: ``--max-tokens-per-gpu -5`` / ``--dp 0`` printed 17 lines of usage before the line that
+    matters."""
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith(first) and "usage:" not in "\n".join(lines)
+    assert lines[1:] == [f"({' '.join(first.split(':')[0].split())} --help lists its flags)"]
+    assert main(["benc"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "(megatron-dynbatch --help lists the commands)"
 
 
 def test_suggestions_ignore_known_flags_abbreviations_and_far_misses():

@@ -18,7 +18,8 @@ from megatron_dynbatch.core.run_config import (
     run_preset_dirs,
 )
 
-SHIPPED = ["deepseek-v3-example", "llama-3.1-70b-longcot", "qwen3-30b-a3b-grpo", "qwen3-8b-grpo", "tiny-cpu-demo"]
+SHIPPED = ["deepseek-v3-example", "llama-3.1-70b-longcot", "qwen3-30b-a3b-grpo", "qwen3-8b-grpo", "tiny-cpu-demo",
+           "cpu-calibrate-demo"]
 
 
 def _base(**overrides):

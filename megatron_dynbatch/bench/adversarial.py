@@ -3,11 +3,14 @@ shapes that are hardest for a count search and a bin packer, not only on friendl
 
 Each :class:`Shape` builds one batch (deterministic) and the planner arguments for it. The shapes:
 
-* ``half+1 spike`` -- every sample just over half the budget (a truncation spike at the maximum response length
-  with a budget about twice it): only one sample fits a micro-batch, the token bound says half as many;
-* ``third+1`` -- every sample just over a third: two per micro-batch, the token bound says three;
-* ``uniform 0.3-0.7`` -- sizes spread around half the budget, so best fit and the balancing packer disagree;
-* ``spike + pp8`` / ``GRPO pp4`` -- the same under 1F1B scoring (pipeline polish, extra counts);
+* ``just over budget/2`` (formerly ``half+1 spike``) -- every sample half the budget + 1 token (a truncation spike
+  at the maximum response length with a budget about twice it): only one sample fits a micro-batch, the token
+  bound says half as many;
+* ``just over budget/3`` (formerly ``third+1``) -- every sample a third of the budget + 1 token: two per
+  micro-batch, the token bound says three;
+* ``uniform 30-70% of budget`` -- sizes spread around half the budget, so best fit and the balancing packer
+  disagree;
+* ``just over budget/2, pp8`` / ``GRPO pp4`` -- the same under 1F1B scoring (pipeline polish, extra counts);
 * ``GRPO MoE ep8`` -- expert-parallel lockstep (global bins dealt by size tier);
 * ``groups of 8`` -- GRPO groups of spike samples (units, not samples, are placed);
 * ``1% at cap`` / ``1% oversize`` -- a few huge samples among tiny ones (``oversize='alone'`` for the latter);
@@ -18,7 +21,7 @@ Each :class:`Shape` builds one batch (deterministic) and the planner arguments f
   schedule needs a multiple of 3 micro-batches, and 4 samples per rank fill only 3);
 * ``one giant group`` -- every sample but one in one ``group_ids`` group over 2 ranks (token mode): the other
   rank can fill one micro-batch, so the batch is refused; a refusal is an answer too and is timed like a plan
-  (``M=0`` in the report). It used to search for minutes.
+  ("refused" in the report). It used to search for minutes.
 * ``dyncp ...`` -- dynamic CP at the sizes issue 20 reported slow (fixed sizes, timed once per run): 16,384 GRPO
   samples over a pool of dp=64 x cp=4 with pp=4, and one 128k document among 9,999 short ones on dp=16 x cp=2
   with pp=4 (Llama-3.1-8B).
@@ -71,10 +74,10 @@ def _grpo(n: int, rng: np.random.Generator, max_len: int) -> np.ndarray:
 
 
 SHAPES: Tuple[Shape, ...] = (
-    Shape("half+1 spike", 1, lambda n, r: (np.full(n, BUDGET // 2 + 1), {})),
-    Shape("third+1", 2, lambda n, r: (np.full(n, BUDGET // 3 + 1), {})),
-    Shape("uniform 0.3-0.7", 1, lambda n, r: (r.integers(int(0.3 * BUDGET), int(0.7 * BUDGET), n), {})),
-    Shape("spike + pp8", 128, lambda n, r: (np.full(n, BUDGET // 2 + 1), {"parallel": {"pp": 8}})),
+    Shape("just over budget/2", 1, lambda n, r: (np.full(n, BUDGET // 2 + 1), {})),
+    Shape("just over budget/3", 2, lambda n, r: (np.full(n, BUDGET // 3 + 1), {})),
+    Shape("uniform 30-70% of budget", 1, lambda n, r: (r.integers(int(0.3 * BUDGET), int(0.7 * BUDGET), n), {})),
+    Shape("just over budget/2, pp8", 128, lambda n, r: (np.full(n, BUDGET // 2 + 1), {"parallel": {"pp": 8}})),
     Shape("GRPO pp4 (FLOPs)", 1024, lambda n, r: (_grpo(n, r, 16_384), {
         "parallel": {"pp": 4}, "model": "qwen3-8b", "max_tokens_per_gpu": 32_768})),
     Shape("GRPO MoE ep8 (FLOPs)", 1024, lambda n, r: (_grpo(n, r, 16_384), {

@@ -40,6 +40,7 @@ from ..core.errors import DynBatchConfigError, OversizeSampleWarning
 from ..core.parallel import ParallelConfig
 from ..core.planner import score_assignment
 from .baselines import BaselineContext, BaselineInfeasible, get_baseline, roll_layout, structural_problems
+from .table import aligned
 from .workloads import Workload
 
 __all__ = ["DROPIN_TRAINERS", "DropinRow", "format_dropins", "run_dropins"]
@@ -232,26 +233,25 @@ def run_dropins(workloads: Sequence[Workload], seeds: int = 1,
 
 def format_dropins(rows: Sequence[DropinRow]) -> str:
     """A table: mean over seeds of the modelled step time, the ratio to the trainer's own algorithm and the cap
-    violations (summed), per workload, trainer and algorithm."""
+    violations (summed), per workload, trainer and algorithm (columns as wide as their widest cell)."""
     groups: Dict[Tuple[str, str, str], List[DropinRow]] = {}
     for r in rows:
         groups.setdefault((r.workload, r.trainer, r.algorithm), []).append(r)
-    head = f"{'workload':<24} {'trainer':<8} {'algorithm':<14} {'step s':>8} {'vs own':>7} {'over cap':>8} " \
-           f"{'mbs':>4} {'imbal':>6}  notes"
-    lines = ["Drop-ins vs each trainer's own batching (MODELLED step time, same cost model; over cap = micro-batches "
-             "over max_tokens_per_gpu x cp with the trainer's own padding)", head, "-" * len(head)]
+    cells = [["workload", "trainer", "algorithm", "step s", "vs own", "over cap", "mbs", "imbal", "notes"]]
     for (wl, tr, algo), rs in groups.items():
         ok = [r for r in rs if r.error is None]
         if not ok:
-            lines.append(f"{wl:<24} {tr:<8} {algo:<14} {'--':>8} {'':>7} {'':>8} {'':>4} {'':>6}  "
-                         f"stops: {rs[0].error[:70]}")
+            cells.append([wl, tr, algo, "--", "", "", "", "", f"stops: {rs[0].error[:70]}"])
             continue
         t = float(np.mean([r.step_time_s for r in ok]))
         v = [r.vs_own for r in ok if np.isfinite(r.vs_own)]
         notes = sorted({n for r in ok for n in r.notes})
-        lines.append(f"{wl:<24} {tr:<8} {algo:<14} {t:8.3f} {(np.mean(v) if v else float('nan')):7.3f} "
-                     f"{sum(r.cap_violations for r in ok):8d} {max(r.microbatches for r in ok):4d} "
-                     f"{np.mean([r.imbalance for r in ok]):6.3f}  {'; '.join(notes)}")
+        cells.append([wl, tr, algo, f"{t:.3f}", f"{(np.mean(v) if v else float('nan')):.3f}",
+                      str(sum(r.cap_violations for r in ok)), str(max(r.microbatches for r in ok)),
+                      f"{np.mean([r.imbalance for r in ok]):.3f}", "; ".join(notes)])
+    lines = ["Drop-ins vs each trainer's own batching (MODELLED step time, same cost model; over cap = micro-batches "
+             "over max_tokens_per_gpu x cp with the trainer's own padding)",
+             *aligned(cells, "<<<>>>>><", rule=True)]
     lines.append("")
     lines.append(_summary(rows))
     return "\n".join(lines)
@@ -262,13 +262,15 @@ def _summary(rows: Sequence[DropinRow]) -> str:
     out = ["Per trainer (geometric mean of step time vs the trainer's own algorithm, where both ran):"]
     keys = sorted(dict.fromkeys((r.trainer, r.algorithm) for r in rows),
                   key=lambda k: list(DROPIN_TRAINERS).index(k[0]))  # stable: own algorithm first
+    cells = []
     for tr, algo in keys:
         rs = [r for r in rows if r.trainer == tr and r.algorithm == algo]
         ratios = [r.vs_own for r in rs if r.error is None and np.isfinite(r.vs_own) and r.vs_own > 0]
         gm = float(np.exp(np.mean(np.log(ratios)))) if ratios else float("nan")
         stops = sum(1 for r in rs if r.error is not None)
-        out.append(f"  {tr:<8} {algo:<14} vs own {gm:6.3f} over {len(ratios)} batches; over-cap micro-batches "
-                   f"{sum(r.cap_violations for r in rs)}; stopped {stops}")
+        cells.append([tr, algo, f"vs own {gm:.3f}", f"over {len(ratios)} batches;",
+                      f"over-cap micro-batches {sum(r.cap_violations for r in rs)};", f"stopped {stops}"])
+    out += ["  " + ln for ln in aligned(cells, "<<<<<<", gap=" ")]
     return "\n".join(out)
 
 

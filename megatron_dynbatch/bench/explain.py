@@ -24,6 +24,7 @@ import numpy as np
 from .baselines import BASELINES
 from .hybrid_cp import NAME as HYBRID_CP, PROVENANCE as HYBRID_PROVENANCE
 from .runner import DYNBATCH_VARIANTS, PRIMARY, BenchResult, Row
+from .table import LEVEL, standing
 
 #: The baseline "how much faster" is measured against: Megatron-LM's default fixed-size, padded micro-batches.
 REFERENCE = "fixed_padded"
@@ -91,14 +92,18 @@ def _speedup_vs_reference(data: Dict[str, Dict[int, Dict[str, Row]]]) -> Optiona
 
 
 def _versus_best_peer(data: Dict[str, Dict[int, Dict[str, Row]]]) -> Optional[str]:
-    ahead, gains = 0, []
+    """Where the planner stands against the fastest baseline, per workload over every seed: ahead, level (within
+    :data:`~.table.LEVEL`, the rule of the verdict lines) or behind."""
+    counts = {"ahead": 0, "level": 0, "behind": 0}
+    gains = []
     for seeds in data.values():
         runs = [(s[PRIMARY], [b for b in s.values() if b.family == "baseline" and b.ok]) for s in seeds.values()
                 if PRIMARY in s and s[PRIMARY].ok]
         runs = [(mine, bases) for mine, bases in runs if bases]
         if not runs:
             continue
-        ahead += all(b.step_time_s >= mine.step_time_s * (1 - 1e-9) for mine, bases in runs for b in bases)
+        found = {standing(mine.step_time_s, b.step_time_s) for mine, bases in runs for b in bases}
+        counts["behind" if "behind" in found else "level" if "level" in found else "ahead"] += 1
         gains.append(100 * (1 - float(np.mean([mine.vs_best_baseline for mine, _ in runs]))))
     if not gains:
         return None
@@ -108,7 +113,10 @@ def _versus_best_peer(data: Dict[str, Dict[int, Dict[str, Row]]]) -> Optional[st
             f"its step time {lo:.2f}% below that peer's"
     else:
         by = f"its step time from {-lo:.2f}% above to {hi:.1f}% below that peer's"
-    return f"vs the fastest baseline on each batch: ahead on {ahead} of {_n(len(gains), 'workload')}, every seed ({by})"
+    rest = "".join(f"; {label} on {counts[key]}" for key, label in
+                   (("level", f"level (within {100 * LEVEL:g}%)"), ("behind", "behind")) if counts[key])
+    return (f"vs the fastest baseline on each batch: ahead on {counts['ahead']} of {_n(len(gains), 'workload')}, every "
+            f"seed ({by}){rest}")
 
 
 def _versus_upstream(data: Dict[str, Dict[int, Dict[str, Row]]]) -> Optional[str]:

@@ -13,6 +13,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from .runner import PRIMARY, BenchResult, Row
+from .table import LEVEL, aligned, gap_text, standing
 
 COLUMNS: Tuple[Tuple[str, str], ...] = (
     ("workload", "<"), ("algorithm", "<"), ("step s", ">"), ("x LB", ">"), ("x best base", ">"),
@@ -60,39 +61,38 @@ def table_rows(result: BenchResult) -> List[List[str]]:
 def format_table(result: BenchResult) -> str:
     """The aligned plain-text results table (a blank line between workloads)."""
     body = table_rows(result)
-    header = [c for c, _ in COLUMNS]
-    widths = [max(len(header[i]), *(len(r[i]) for r in body)) if body else len(header[i])
-              for i in range(len(header))]
-    widths[-1] = len(header[-1])  # notes are not padded
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [f"{c:{a}{w}}" for c, (_, a), w in zip(cells, COLUMNS, widths)]
-        return "  ".join(parts).rstrip()
-
-    out = [line(header), line(["-" * w for w in widths])]
+    lines = aligned([[c for c, _ in COLUMNS], *body], [a for _, a in COLUMNS], rule=True)
+    out = lines[:2]
     prev = None
-    for r in body:
+    for r, text in zip(body, lines[2:]):
         if prev is not None and r[0] != prev:
             out.append("")
-        out.append(line(r))
+        out.append(text)
         prev = r[0]
     return "\n".join(out)
 
 
 def format_speed(result: BenchResult) -> str:
+    """The planning-speed list: one aligned row per timed case (its input shape: :mod:`.adversarial`), what the
+    timed plan was (micro-batches per rank, or refused) and whether it meets its target, then a legend."""
     if not result.speed:
         return ""
     load, cpus = result.meta.get("load_avg"), result.meta.get("cpus")
     busy = load is not None and cpus and load > 0.75 * cpus
     where = f"; load average {load:.1f} on {cpus} CPU(s) during the run" if load is not None and cpus else ""
     lines = [f"planning speed (plan_global_batch, median of runs, single process{where}):"]
+    rows = []
     for s in result.speed:
         runs = ", ".join(f"{x:.1f}" for x in s.runs_ms)
         verdict = "meets" if s.meets_target else \
             "MISSES (the machine was busy, which slows even CPU time: rerun when idle)" if busy else "MISSES"
-        shape = f"{s.shape:<22} " if s.shape != "GRPO" else f"{'GRPO':<22} "
-        lines.append(f"  {shape}{s.samples:>6} samples / {s.dp:>5} DP ranks: {s.median_ms:8.1f} ms {s.clock:<4} "
-                     f"(runs {runs}; M={s.microbatches}; target < {s.target_ms:g} ms: {verdict})")
+        m = s.microbatches
+        plan = f"{m} micro-batch{'' if m == 1 else 'es'} per rank" if m else "refused (no valid plan)"
+        rows.append([s.shape, str(s.samples), "samples /", str(s.dp), "DP ranks:", f"{s.median_ms:.1f}",
+                     f"ms {s.clock}", f"(runs {runs}; {plan}; target < {s.target_ms:g} ms: {verdict})"])
+    lines += ["  " + ln for ln in aligned(rows, "<><><><<", gap=" ")]
+    lines.append("(ms cpu: CPU time of the planning process, ms wall: elapsed time; runs: each timed run; the shapes "
+                 "other than GRPO are adversarial inputs: docs/benchmarks.md, \"Planning time on adversarial inputs\")")
     return "\n".join(lines)
 
 
@@ -112,15 +112,25 @@ def verdicts(result: BenchResult, variants: Sequence[str] = (PRIMARY,)) -> List[
             if failed:
                 lines.append(f"{w}: {variant} FAILED: {failed[0].error}")
                 continue
-            losers = []
+            found: Dict[str, List[str]] = {"level": [], "behind": []}
             for r in rows:
-                if r.family == "baseline" and r.ok and r.step_time_s < mine[r.seed].step_time_s * (1 - 1e-9):
-                    cap = f", {r.cap_violations} micro-batches over the cap" if r.cap_violations else ", within the cap"
-                    losers.append(f"{r.algorithm} on seed {r.seed} ({r.algorithm} {r.step_time_s:.4f} s, {variant} "
-                                  f"{mine[r.seed].step_time_s:.4f} s{cap})")
+                if r.family != "baseline" or not r.ok or r.seed not in mine:
+                    continue
+                ours = mine[r.seed].step_time_s
+                where = standing(ours, r.step_time_s)
+                if where != "ahead":
+                    cap = (f"with {r.cap_violations} micro-batches over the cap" if r.cap_violations
+                           else "within the cap")
+                    found[where].append(f"{r.algorithm} on seed {r.seed} ({r.algorithm} {r.step_time_s:.4f} s {cap}, "
+                                        f"{variant} {ours:.4f} s: {gap_text(ours, r.step_time_s)} slower)")
             worst = max(r.vs_best_baseline for r in mine.values())
             lb = max(r.vs_lower_bound for r in mine.values())
-            head = "ahead of every baseline" if not losers else "BEHIND " + "; ".join(losers)
+            parts = []
+            if found["behind"]:
+                parts.append("BEHIND " + "; ".join(found["behind"]))
+            if found["level"]:
+                parts.append(f"level (within {100 * LEVEL:g}%) with " + "; ".join(found["level"]))
+            head = ", ".join(parts) + (", ahead of every other baseline" if parts else "ahead of every baseline")
             lines.append(f"{w}: {variant} {head} over {len(mine)} seed(s); worst x best baseline {worst:.4f}, "
                          f"worst x lower bound {lb:.4f}{' (> 1%)' if lb > 1.01 else ''}")
     v = result.dynbatch_cap_violations
@@ -147,16 +157,19 @@ def dyncp_verdicts(result: BenchResult, variant: str = "dynbatch-dyncp", fixed: 
                 return "n/a"
             return f"{min(ratios):.3f}x" if len(ratios) == 1 else f"{min(ratios):.3f}x-{max(ratios):.3f}x"
 
-        behind: dict = {}
+        found: Dict[str, Dict[str, int]] = {"level": {}, "behind": {}}
         for r in rows:
-            if r.ok and r.algorithm != variant and r.seed in mine and \
-                    r.step_time_s < mine[r.seed].step_time_s * (1 - 1e-9):
-                behind[r.algorithm] = behind.get(r.algorithm, 0) + r.cap_violations
+            if r.ok and r.algorithm != variant and r.seed in mine:
+                where = standing(mine[r.seed].step_time_s, r.step_time_s)
+                if where != "ahead":
+                    found[where][r.algorithm] = found[where].get(r.algorithm, 0) + r.cap_violations
         viol = sum(r.cap_violations for r in mine.values())
+        parts = [label + ", ".join(f"{a} ({v} micro-batches over the budget)" for a, v in sorted(found[key].items()))
+                 for key, label in (("behind", "BEHIND "), ("level", f"level (within {100 * LEVEL:g}%) with "))
+                 if found[key]]
         lines.append(f"{w}: {variant} {speedup(fixed)} faster than fixed CP ({fixed}), {speedup(upstream)} than "
                      f"{upstream} (range over {len(mine)} seed(s)); "
-                     + ("ahead of every algorithm" if not behind else "BEHIND " + ", ".join(
-                         f"{a} ({v} micro-batches over the budget)" for a, v in sorted(behind.items())))
+                     + ("; ".join(parts) + ", ahead of every other algorithm" if parts else "ahead of every algorithm")
                      + f"; {viol} of its micro-batches over the budget")
     return lines
 

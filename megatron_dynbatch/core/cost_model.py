@@ -49,7 +49,7 @@ import functools
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -449,14 +449,81 @@ def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, fie
         from .model_spec import ModelSpec
 
         spec = ModelSpec.from_any(model)  # the model is checked before the profile, as from_model(profile=key) does
-        return CostModel.from_model(spec, parallel,
-                                    profile=CostProfile.from_dict(data["profile"], where=f"{key}: profile"))
+        profile = CostProfile.from_dict(data["profile"], where=f"{key}: profile")
+        check_fitted_for(data, spec, key, field=field, transfers=True)
+        return CostModel.from_model(spec, parallel, profile=profile)
     if not is_cost_model_choice(key):  # not a profile name here, so: not a file
         raise DynBatchConfigError(field, key, "is neither a cost profile nor a file",
                                   f"use one of {sorted(PROFILES)} or the path of a cost-model JSON file")
     if unreadable is not None:
         raise _unreadable_cost_file(key, unreadable) from None
-    return _cost_model_from_file_data(key, data).with_layout(parallel)
+    cm = _cost_model_from_file_data(key, data)
+    if model is not None:
+        check_fitted_for(data, model, key, field=field, transfers=False)
+    return cm.with_layout(parallel)
+
+
+class CostModelMismatchWarning(UserWarning):
+    """A cost-model file is used for a model other than the one it was fitted for (:func:`check_fitted_for`)."""
+
+
+#: the model fields that set the shapes of a layer's kernels: what a calibration measured, and what a file's
+#: ``fitted_for`` is compared on (layer count and vocabulary do not change a per-layer profile)
+WIDTH_FIELDS = ("hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size", "swiglu",
+                "num_experts", "moe_ffn_hidden_size", "multi_latent_attention")
+
+
+def fitted_for(model: Any, *, device: str, device_type: str, dtype: str, tp: int) -> Dict[str, Any]:
+    """What a calibrated cost-model file records it was fitted on (its ``"fit": {"fitted_for": ...}``): the model
+    timed (name and :data:`WIDTH_FIELDS`), its tensor-parallel widths, the device (its name and ``"cpu"`` /
+    ``"cuda"``) and the dtype."""
+    from .model_spec import ModelSpec
+
+    spec = ModelSpec.from_any(model)
+    return {"model": spec.name or "custom", "widths": {k: getattr(spec, k) for k in WIDTH_FIELDS}, "tp": int(tp),
+            "device": str(device), "device_type": str(device_type), "dtype": str(dtype)}
+
+
+def _describe_widths(name: str, w: Mapping[str, Any]) -> str:
+    moe = f", {w['num_experts']} experts" if w.get("num_experts") else ""
+    return (f"{name} (hidden {w.get('hidden_size')}, {w.get('num_attention_heads')} heads, FFN "
+            f"{w.get('ffn_hidden_size')}{moe})")
+
+
+def check_fitted_for(data: Any, model: Any, path: Any, *, field: str = "cost_model", transfers: bool) -> None:
+    """Check a cost-model file's ``fitted_for`` record (:func:`fitted_for`) against the ``model`` it is about to
+    be used for. Same widths, or no record (a hand-written or older file): nothing. Other widths: when the file's
+    ``"profile"`` is applied (``transfers``) a :class:`CostModelMismatchWarning` naming what it was fitted for
+    and on which device -- a profile transfers by design (``bench --cost-model`` applies one to every
+    workload's model), but the efficiencies of one model's kernels on one device are only a guess for other
+    widths, and a CPU-fitted one predicts CPU speed; when only its coefficients would be used (no profile: they
+    are per-token seconds of the model it was fitted for, nothing of them transfers) a ``DynBatchConfigError``.
+    ``docs/cost_model.md`` ("A file fitted for another model") says the same."""
+    import warnings
+
+    from .model_spec import ModelSpec
+
+    fit = data.get("fit") if isinstance(data, Mapping) else None
+    record = fit.get("fitted_for") if isinstance(fit, Mapping) else None
+    if not isinstance(record, Mapping) or not isinstance(record.get("widths"), Mapping):
+        return
+    spec = ModelSpec.from_any(model)
+    mine = {k: getattr(spec, k) for k in WIDTH_FIELDS}
+    theirs = dict(record["widths"])
+    if all(theirs.get(k) == v for k, v in mine.items()):
+        return
+    was = _describe_widths(str(record.get("model", "custom")), theirs)
+    now = _describe_widths(spec.name or "this model", mine)
+    device = str(record.get("device", "an unrecorded device"))
+    fix = (f"calibrate {spec.name or 'this model'} on the device you train on (megatron-dynbatch calibrate --model "
+           f"{spec.name or 'FILE'} ...), or plan {record.get('model', 'the model it was fitted for')} with it")
+    if not transfers:
+        raise DynBatchConfigError(field, str(path), f"holds the per-token seconds of {was}, timed on {device}; "
+                                  f"they do not apply to {now} (the file has no 'profile' section to transfer)", fix)
+    guess = ("it predicts the speed of a CPU" if record.get("device_type") == "cpu"
+             else "its step times are only a guess for other widths")
+    warnings.warn(f"{field}={str(path)!r} was fitted for {was} on {device}, not for {now}: {guess}. "
+                  f"Fix: {fix}", CostModelMismatchWarning, stacklevel=3)
 
 
 def _read_json(path) -> Any:
@@ -473,7 +540,9 @@ class FitReport:
     """How well a fitted ``CostModel`` reproduces the measurements it was fitted on. :func:`.cost_fit.fit_records`
     also fills ``per_group`` (group size -> ``n``, ``mean_rel_error`` (bias), ``mean_abs_rel_error``,
     ``p95_abs_rel_error``), ``uncertainty`` (the mean over group sizes of ``mean_abs_rel_error``) and
-    ``profile`` (the fitted :class:`~.cost_profiles.CostProfile` as a dict, which transfers to other layouts)."""
+    ``profile`` (the fitted :class:`~.cost_profiles.CostProfile` as a dict, which transfers to other layouts);
+    ``megatron-dynbatch calibrate`` adds ``fitted_for`` (:func:`fitted_for`: the model and device timed), which
+    :func:`resolve_cost_model` checks against the model a file is used for."""
 
     num_measurements: int
     rel_rms_error: float
@@ -481,6 +550,7 @@ class FitReport:
     per_group: Dict[int, Dict[str, float]] = field(default_factory=dict)
     uncertainty: Optional[float] = None
     profile: Optional[Dict[str, Any]] = None
+    fitted_for: Optional[Dict[str, Any]] = None
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -12,11 +12,19 @@ so both accept and refuse the same keys with the same words): Megatron's long na
 (``tensor_model_parallel_size``, ...), ``world_size`` instead of ``dp`` (``dp = world_size / (tp*pp*cp)``), and
 ``etp`` / ``expert_tensor_parallel_size`` (Megatron's expert tensor-parallel size: a launch setting that does
 not change the plan; :class:`~megatron_dynbatch.core.run_config.RunConfig` keeps it for the Megatron flags).
+
+An unknown key is refused with what the user most likely meant (:func:`layout_key_meaning`): the key is read as
+words (``tensor_parallel_size``, ``TensorParallelSize``, ``tp-size``, misspelt words like ``paralel``), and the
+words that name a dimension -- ``tensor`` / ``tp``, ``pipeline``, ``context`` / ``ulysses``, ``expert``, ``data``,
+``virtual``, ``sequence``, GPUs per node, world size -- say which field, so ``tensor_parallel_size`` suggests
+``tp`` (Megatron: ``tensor_model_parallel_size``), never the nearer string ``expert_tensor_parallel_size``;
+a key with no such word falls back to the closest spellings.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -102,8 +110,93 @@ def _known_keys() -> List[str]:
     return [f.name for f in fields(ParallelConfig)] + list(EXTRA_KEYS)
 
 
+#: words a layout key is read as (misspellings are matched to them, :func:`_words`)
+_VOCABULARY = ("tensor", "pipeline", "context", "expert", "data", "virtual", "sequence", "parallel", "parallelism",
+               "model", "size", "degree", "world", "gpus", "gpu", "devices", "device", "node", "nodes", "ranks",
+               "microbatch", "micro", "batch", "group", "stage", "ulysses", "interleaved", "chunks", "procs")
+#: short words that name a dimension outright
+_SHORT = {"tp": "tp", "mp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "dp": "dp", "vp": "vpp",
+          "vpp": "vpp", "etp": "etp", "sp": "sequence_parallel", "ws": "world_size"}
+#: how :func:`layout_key_meaning` names each field in a suggestion: its short name and Megatron's
+_SAID_AS = {"tp": ("tp", "tensor_model_parallel_size"), "pp": ("pp", "pipeline_model_parallel_size"),
+            "cp": ("cp", "context_parallel_size"), "ep": ("ep", "expert_model_parallel_size"),
+            "dp": ("dp", "data_parallel_size"), "vpp": ("vpp", "virtual_pipeline_model_parallel_size"),
+            "etp": ("etp", "expert_tensor_parallel_size")}
+#: common short forms of the words
+_ABBREVIATIONS = {"seq": "sequence", "ctx": "context", "pipe": "pipeline", "exp": "expert", "virt": "virtual",
+                  "par": "parallel", "nproc": "procs", "nprocs": "procs"}
+
+
+def _words(key: str) -> List[str]:
+    """``key`` as lower-case words: split at ``_ - . space`` and camelCase, each long word replaced by the
+    :data:`_VOCABULARY` word it is a likely misspelling of (``paralel`` -> ``parallel``)."""
+    out = []
+    for part in re.split(r"[^A-Za-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key)):
+        word = _ABBREVIATIONS.get(part.lower(), part.lower())
+        if len(word) >= 4 and word not in _VOCABULARY:
+            close = difflib.get_close_matches(word, _VOCABULARY, n=1, cutoff=0.75)
+            word = close[0] if close else word
+        if word:
+            out.append(word)
+    return out
+
+
+def layout_key_meaning(key: Any, *, outside: bool = False) -> List[str]:
+    """The layout keys (:func:`parallel_from_mapping`'s) that ``key`` most likely means, best first, from the
+    words it is made of (module docstring): ``tensor_parallel_size`` -> ``["tp"]``, ``expert_tensor_parallel``
+    -> ``["etp"]``, ``sequence_parallel_size`` (DeepSpeed's / verl's Ulysses degree) -> ``["cp",
+    "sequence_parallel"]``; ``[]`` when no word names a dimension. ``outside``: the key is not under
+    ``parallel:`` (a run preset's top level), so it counts only when it says parallelism outright (``parallel``
+    or a short name such as ``tp``) -- ``max_seq_len`` there is a misspelt run field, not a layout key."""
+    if not isinstance(key, str):
+        return []
+    words = _words(key)
+    has = set(words).__contains__
+    short = [_SHORT[w] for w in words if w in _SHORT]
+    parallel = has("parallel") or has("parallelism")
+    if outside and not (parallel or short):
+        return []
+    if (has("expert") or "ep" in short) and (has("tensor") or "tp" in short) or "etp" in short:
+        return ["etp"]
+    if has("micro") or has("microbatch") or (has("group") and (has("stage") or "vpp" in short)):
+        return ["microbatch_group_size_per_vp_stage"]
+    if has("virtual") or has("interleaved") or has("chunks") or "vpp" in short:
+        return ["vpp"]
+    if has("tensor") or "tp" in short:
+        return ["tp"]
+    if has("pipeline") or "pp" in short:
+        return ["pp"]
+    if has("context") or has("ulysses") or "cp" in short:
+        return ["cp"]
+    if has("expert") or "ep" in short or (has("moe") and parallel):
+        return ["ep"]
+    if has("data") or "dp" in short:
+        return ["dp"]
+    if (has("sequence") and parallel) or "sequence_parallel" in short:
+        sized = has("size") or has("degree") or any(w.isdigit() for w in words)
+        return ["cp", "sequence_parallel"] if sized else ["sequence_parallel"]
+    per_node = has("node") or has("nodes")
+    if per_node and (has("gpus") or has("gpu") or has("devices") or has("device") or has("procs")):
+        return ["gpus_per_node"]
+    if per_node:  # a node count: the layout takes GPUs (world_size) and GPUs per node
+        return ["world_size", "gpus_per_node"]
+    if has("world") or "world_size" in short or has("gpus") or has("devices") or has("ranks"):
+        return ["world_size"]
+    if has("model") and parallel:  # Megatron's old --model-parallel-size: TP
+        return ["tp"]
+    return []
+
+
+def _said(name: str) -> str:
+    short, megatron = _SAID_AS.get(name, (name, None))
+    return f"{short!r} (Megatron: {megatron!r})" if megatron else repr(short)
+
+
 def _suggest(key: str, known: List[str]) -> str:
-    close = [k for k in difflib.get_close_matches(key, known, n=3, cutoff=0.6)]
+    meant = layout_key_meaning(key)
+    if meant:
+        return f"did you mean {' or '.join(_said(m) for m in meant)}?"
+    close = [k for k in difflib.get_close_matches(key, known + list(ALIASES), n=3, cutoff=0.6)]
     return f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {known}"
 
 

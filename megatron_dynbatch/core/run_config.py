@@ -37,7 +37,7 @@ from .planner.options import AUTO, BalanceBy, PlanOptions
 from .presets import available_presets, available_run_presets, load_run_mapping, resolve_run_preset, run_preset_dirs
 from .parallel import ALIASES as _PARALLEL_ALIASES
 from .parallel import EXTRA_KEYS as _PARALLEL_EXTRA
-from .parallel import DEFAULT_GPUS_PER_NODE, ParallelConfig, parallel_from_mapping
+from .parallel import DEFAULT_GPUS_PER_NODE, ParallelConfig, layout_key_meaning, parallel_from_mapping
 
 __all__ = ["RunConfig", "run_preset_dirs", "available_run_presets", "LOSS_MODES", "MOE_DISPATCHERS",
            "dynamic_cp_problem"]
@@ -516,8 +516,12 @@ class RunConfig:
         kwargs: Dict[str, Any] = {}
         for key, value in data.items():
             if key not in known:
+                meant = layout_key_meaning(key, outside=True)
                 if key in {f.name for f in fields(ParallelConfig)} or key in _PARALLEL_EXTRA:
                     fix = f"layout keys go under 'parallel:' (parallel: {{{key}: {value!r}}})"
+                elif key in _PARALLEL_ALIASES or meant:
+                    fix = f"layout keys go under 'parallel:' (parallel: {{{_PARALLEL_ALIASES.get(key, meant[0])}: " \
+                          f"{value!r}}})"
                 else:
                     fix = did_you_mean(key, known) or f"use only {', '.join(known)}"
                 raise DynBatchConfigError(str(key), value, "unknown run field", fix)

@@ -26,14 +26,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core.calibration.budget import STARTUP_S, point_seconds, projected_finish
 from ..core.calibration.grid import MIN_POINTS
 from ..core.calibration.setup import CalibrationSetup, plan_calibration
 from ..core.cost_fit import fit_records
-from ..core.cost_model import CostModel, FitReport, save_cost_model
+from ..core.cost_model import CostModel, FitReport, fitted_for, save_cost_model
 from ..core.errors import DynBatchConfigError
 from ..core.memory.fit import MemoryFit, fit_memory_records
 from .layout import SliceLayout
@@ -138,6 +138,7 @@ def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = N
     env = sl.environment()
     del sl
     cm, report = fit_setup(setup, records, name=f"calibrated on {env['device']}")
+    report = _with_fitted_for(report, setup, setup.model, env.get("device", setup.device))
     result = CalibrationResult(setup, records, cm, report, env, spec, note, stopped)
     if setup.memory or memory_reader is not None:
         elapsed = time.perf_counter() - t0
@@ -176,6 +177,16 @@ def fit_setup(setup: CalibrationSetup, records: List[Record], *, slice_model: An
     return CostModel.from_model(setup.model, setup.parallel, profile=_profile(report)), report
 
 
+def _with_fitted_for(report: FitReport, setup: CalibrationSetup, measured: Any, device: str,
+                     timed_on: Any = None) -> FitReport:
+    """``report`` with what it was fitted on (:func:`~megatron_dynbatch.core.cost_model.fitted_for`; ``timed_on``:
+    the torch device of the timings, default ``setup``'s): the file records it, and using the file for another
+    model warns or is refused (docs/cost_model.md)."""
+    kind = "cpu" if str(setup.device if timed_on is None else timed_on) == "cpu" else "cuda"
+    return replace(report, fitted_for=fitted_for(measured, device=str(device), device_type=kind, dtype=setup.dtype,
+                                                 tp=setup.tp))
+
+
 def _profile(report: FitReport) -> Any:
     from ..core.cost_profiles import CostProfile
 
@@ -195,10 +206,13 @@ def refit_from_file(setup: CalibrationSetup, path: str) -> Tuple[CostModel, FitR
         raise DynBatchConfigError("--from-records", path, "is not a calibrate records file (no 'slice' and "
                                   "'records')", "pass a file written by calibrate --records")
     sl = data["slice"]
+    env = data.get("environment") if isinstance(data.get("environment"), dict) else {}
+    device = env.get("device", "recorded timings")
+    timed_on = env.get("layout", {}).get("device") if isinstance(env.get("layout"), dict) else None
     cm, report = fit_setup(setup, data["records"], slice_model=sl.get("model"), slice_layers=sl.get("measured_layers"),
                            slice_tp=sl.get("tp", 1), slice_lm_head=sl.get("lm_head", False),
-                           name=f"calibrated on {data.get('environment', {}).get('device', 'recorded timings')}")
-    return cm, report, data
+                           name=f"calibrated on {device}")
+    return cm, _with_fitted_for(report, setup, sl.get("model") or setup.model, device, timed_on), data
 
 
 def refit_memory_from_data(setup: CalibrationSetup, data: Dict[str, Any]) -> Optional[MemoryFit]:
