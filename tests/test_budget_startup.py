@@ -486,3 +486,19 @@ def test_budget_warnings_can_be_silenced():
         assert nemo_rl.check_budget_memory(nemo_rl_config(), model=MODEL, gpu_memory_gb=CARD)
     assert not record
     assert math.isfinite(CARD)
+
+
+def test_docs_state_the_check_as_built():
+    """docs/migrating.md (each trainer's paragraph) and docs/tuning.md say the threshold the code uses and how to
+    silence the warning."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    silence = 'warnings.filterwarnings("ignore", category=BudgetWarning)'
+    tuning = (root / "docs" / "tuning.md").read_text(encoding="utf-8")
+    assert f"under {FAR_UNDER:.0%} of it" in tuning and silence in tuning
+    migrating = (root / "docs" / "migrating.md").read_text(encoding="utf-8")
+    sections = migrating.split("\n## ")
+    for title in ("slime", "verl", "NeMo-RL", "ROLL"):
+        text = next(s for s in sections if s.startswith(title)).replace("\n", " ")
+        assert f"under {FAR_UNDER:.0%} of it" in text and silence.replace("\n", " ") in text, title
