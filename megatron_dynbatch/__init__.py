@@ -19,8 +19,8 @@ from typing import Any
 
 from .core.alignment import Alignment
 from .core.cost_model import CostModel, fit_cost_model, fit_cp_comm, load_cost_model
-from .core.errors import (DropinAssertionError, DynBatchConfigError, OversizeAssertionError, OversizeSampleError,
-                          OversizeSampleWarning, UnknownOptionError)
+from .core.errors import (BudgetWarning, DropinAssertionError, DynBatchConfigError, OversizeAssertionError,
+                          OversizeSampleError, OversizeSampleWarning, UnknownOptionError)
 from .core.flops import FlopsCoefficients, calculate_fwd_flops, flops_coefficients, per_gpu_flops
 from .core.memory import estimate_max_tokens_per_gpu
 from .core.model_spec import ModelSpec
@@ -50,6 +50,7 @@ _LAZY = {
 __all__ = [
     "Alignment",
     "BalanceBy",
+    "BudgetWarning",
     "CostModel",
     "DropinAssertionError",
     "DynBatchConfigError",

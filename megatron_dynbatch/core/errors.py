@@ -49,6 +49,13 @@ class OversizeSampleWarning(UserWarning):
     """Emitted when ``oversize='alone'`` places an over-budget sample in a micro-batch of its own."""
 
 
+class BudgetWarning(UserWarning):
+    """A trainer's configured token budget against what the memory model says fits the card: over it (out of
+    memory ahead) or far under it (speed left behind) -- the drop-ins' start-up memory check
+    (:mod:`megatron_dynbatch.core.memory.check`). Silence it with
+    ``warnings.filterwarnings("ignore", category=BudgetWarning)``."""
+
+
 class DropinAssertionError(DynBatchConfigError, AssertionError):
     """A drop-in's refusal where the trainer's own function asserts (slime's ``build_dp_schedule``, verl's
     ``seqlen_balancing``, ROLL's ``dynamic_batching_shard``): field, value and fix like every

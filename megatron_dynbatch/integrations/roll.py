@@ -25,6 +25,14 @@ logger each call, as ROLL logs one (the module docstring of :mod:`~megatron_dynb
 they keep ROLL's count). Errors are :class:`~megatron_dynbatch.core.errors.DropinAssertionError` (ROLL asserts)
 naming ROLL's arguments.
 
+Memory at start-up: ``dynamic_batching_shard`` sees neither the layout nor which pass it serves, so the memory
+check is one call at start-up, :func:`check_budget_memory` on a ROLL worker config (``actor_train``,
+``reference``): ``max_tokens_per_microbatch_in_train`` / ``_in_infer`` (per micro-batch: ``cp`` x the per-GPU
+tokens) against what the memory model says fits the card, layout and memory settings from
+``strategy_args.strategy_config``, the model from a local ``model_args.model_name_or_path``: a
+:class:`~megatron_dynbatch.core.errors.BudgetWarning` when one is over it (out of memory ahead) or under 60% of it
+(speed left behind), naming the value to use; nothing when the card or the model is unknown.
+
 ``meta_info`` as ROLL's callers see it: ROLL slices the caller's batch (a slice shares the caller's
 ``meta_info``), cuts it into the ``dp`` shards and joins them with ``DataProto.concat``, then writes its keys
 into the joined batch's ``meta_info``. So does this drop-in, with the batch's own ``concat``: with ``dp_size=1``
@@ -46,12 +54,14 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from ..core.checks import as_int
+from ..core.dropin.budgets import roll_budgets
 from ..core.dropin.roll import roll_shard
 from ..core.dropin.words import ROLL_WORDS, speaks
 from ..core.errors import DynBatchConfigError, OversizeSampleWarning
+from ..core.memory.check import FAR_UNDER
 from ..core.planner.inputs import attention_mask_lengths
 
-__all__ = ["dynamic_batching_shard"]
+__all__ = ["check_budget_memory", "dynamic_batching_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +119,23 @@ def dynamic_batching_shard(origin_batch: Any, dp_size: int, max_tokens_per_micro
         f"{prefix}/removed_padding_ratio": (origin_tokens - padded_tokens) / origin_tokens if origin_tokens else 0.0,
     }
     return batch, metrics
+
+
+def check_budget_memory(worker_config: Any, *, role: str = "actor_train", model: Any = None,
+                        gpu_memory_gb: Any = None, settings: Any = None, profile: Any = None,
+                        far_under: Any = FAR_UNDER, dp_size: Optional[int] = None) -> list:
+    """A ROLL worker's configured budgets against what fits the card (module docstring): ``worker_config`` ROLL's
+    ``WorkerConfig`` (``pipeline_config.actor_train``, ``.reference``), ``role`` its name there (it names the
+    settings in the messages); the :class:`~megatron_dynbatch.core.memory.check.BudgetVerdict` of each budget its
+    dynamic batching uses, a ``BudgetWarning`` for those over what fits or far under it; ``[]`` when the card or
+    the model is unknown or the worker is not on Megatron. ``model`` (else a local ``model_args.
+    model_name_or_path``), ``gpu_memory_gb`` (else this process's GPU), ``settings`` (else what the strategy
+    config implies; a mapping changes those fields), ``profile``, ``far_under`` (the "speed left behind"
+    threshold; 0 turns it off), ``dp_size`` (else ``world_size / (tp x pp x cp)``). Bad input raises."""
+    from .budget_check import warn_configured_budgets
+
+    return warn_configured_budgets(roll_budgets(worker_config, role, dp_size), model=model,
+                                   gpu_memory_gb=gpu_memory_gb, settings=settings, profile=profile, far_under=far_under)
 
 
 def _lengths(origin_batch: Any) -> Tuple[np.ndarray, int]:

@@ -13,21 +13,30 @@ From ``train_parallel_config``: ``dp_size``, ``cp_size``, ``vpp_size``, ``microb
 Start-up check: on the first call for an ``args`` object, the longest sample slime can produce
 (``rollout_max_prompt_len + rollout_max_response_len``, else ``seq_length``) is checked against the budget
 (padding included): an error under ``dynbatch_oversize="error"``, a warning under slime's ``"alone"``.
-:func:`check_budget` runs the same check explicitly (e.g. at actor init). Pure Python: nothing is imported
-from slime or torch.
+Then, when the card and the model are known, ``--max-tokens-per-gpu`` and ``--log-probs-max-tokens-per-gpu``
+are judged against what the memory model says fits (:func:`check_budget_memory`): a
+:class:`~megatron_dynbatch.core.errors.BudgetWarning` when one is over it (out of memory ahead) or under 60% of it
+(speed left behind), naming the value to use. The model is the one ``args`` describe; the card is
+``args.dynbatch_gpu_memory_gb`` if set, else the GPU of this process when it already uses one (slime's rollout
+manager usually does not: call :func:`check_budget` at actor init, where it does). :func:`check_budget` runs the
+whole start-up check explicitly. Pure Python: nothing is imported from slime or torch.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, List, Optional, Tuple
 
 from ..core.checks import as_bool, as_int
 from ..core.checks import get_arg as _get
+from ..core.dropin.budgets import slime_budgets
 from ..core.dropin.slime import check_pad_budget, slime_parallel, slime_schedule
 from ..core.dropin.words import SLIME_WORDS, speaks
-from ..core.errors import DynBatchConfigError
+from ..core.errors import BudgetWarning, DynBatchConfigError
+from ..core.memory.check import FAR_UNDER
+from .budget_check import warn_configured_budgets
 
-__all__ = ["build_dp_schedule", "check_budget", "model_from_args"]
+__all__ = ["build_dp_schedule", "check_budget", "check_budget_memory", "model_from_args"]
 
 #: attribute set on slime's args once the start-up check ran
 _CHECKED = "_dynbatch_budget_checked"
@@ -64,10 +73,38 @@ def _parallel(args: Any, train_parallel_config: dict):
                                     minimum=1))
 
 
-def check_budget(args: Any, train_parallel_config: dict) -> Optional[bool]:
-    """The start-up check of the module docstring; ``None`` when neither a budget nor a length is configured."""
+def check_budget(args: Any, train_parallel_config: dict, *, gpu_memory_gb: Any = None) -> Optional[bool]:
+    """The start-up check of the module docstring: whether the longest sample fits (``None`` when neither a budget
+    nor a length is configured), then the memory check (:func:`check_budget_memory`; ``gpu_memory_gb``: the card
+    in GiB when this process cannot read it). The memory check never stops the run: a problem with its own input
+    becomes a :class:`~megatron_dynbatch.core.errors.BudgetWarning` saying it was skipped."""
     if not _get(args, "use_dynamic_batch_size", False) or _get(args, "max_tokens_per_gpu") is None:
         return None
+    fits = _check_longest(args, train_parallel_config)
+    try:
+        check_budget_memory(args, train_parallel_config, gpu_memory_gb=gpu_memory_gb)
+    except DynBatchConfigError as err:
+        warnings.warn(f"start-up memory check of --max-tokens-per-gpu skipped: {err}", BudgetWarning, stacklevel=2)
+    return fits
+
+
+def check_budget_memory(args: Any, train_parallel_config: dict, *, gpu_memory_gb: Any = None, model: Any = None,
+                        settings: Any = None, profile: Any = None, far_under: Any = FAR_UNDER) -> list:
+    """``--max-tokens-per-gpu`` and ``--log-probs-max-tokens-per-gpu`` against what fits the card (module
+    docstring): the :class:`~megatron_dynbatch.core.memory.check.BudgetVerdict` of each, a ``BudgetWarning`` for
+    those over it or far under it; ``[]`` when the card or the model is unknown. ``gpu_memory_gb`` (else
+    ``args.dynbatch_gpu_memory_gb``, else this process's GPU), ``model`` (else the one ``args`` describe),
+    ``settings`` (else what the Megatron flags imply; a mapping changes those fields), ``profile``, ``far_under``
+    (the "speed left behind" threshold; 0 turns it off): as
+    :func:`~megatron_dynbatch.integrations.budget_check.warn_configured_budgets` takes them. Bad input raises."""
+    card = gpu_memory_gb if gpu_memory_gb is not None else _get(args, "dynbatch_gpu_memory_gb")
+    par = _parallel(args, train_parallel_config)
+    return warn_configured_budgets(slime_budgets(args, par, model_from_args(args)), model=model,
+                                   gpu_memory_gb=card, settings=settings, profile=profile, far_under=far_under)
+
+
+def _check_longest(args: Any, train_parallel_config: dict) -> Optional[bool]:
+    """The longest sample slime can produce against the budget; ``None`` when no length is configured."""
     prompt, response = _get(args, "rollout_max_prompt_len"), _get(args, "rollout_max_response_len")
     both = prompt is not None and response is not None
     if both:

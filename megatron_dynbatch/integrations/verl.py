@@ -32,12 +32,21 @@ budget runs alone with a warning (verl's policy). Errors are ``AssertionError``s
 error, and with ``dp_group`` a failing rank still joins the count all-reduce so that no rank waits. Data types:
 TensorDict / DataProto as verl passes them (verl's own ``index_select_tensor_dict`` is used when verl is
 installed; plain dicts of tensors, lists and NumPy arrays work too); torch is imported lazily.
+
+Memory at start-up: :func:`check_budget_memory` judges ``ppo_max_token_len_per_gpu`` and the rollout's (and, with
+a reference policy, the ref's) ``log_prob_max_token_len_per_gpu`` against what the memory model says fits the
+card, from verl's own config (layout and optimizer from ``actor.megatron``, the model from a local
+``actor_rollout_ref.model.path``): a :class:`~megatron_dynbatch.core.errors.BudgetWarning` when one is over it
+(out of memory ahead) or under 60% of it (speed left behind), naming the value to use; nothing when the card or
+the model is unknown. ``trainer_balance_batch`` runs it once per trainer (verl's driver has no GPU: there it
+speaks only with ``gpu_memory_gb``, so call it from a worker or pass the card).
 """
 
 from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from itertools import chain
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -45,12 +54,15 @@ import numpy as np
 
 from ..core.checks import as_int
 from ..core.dropin import verl as core
+from ..core.dropin.budgets import verl_budgets
 from ..core.dropin.words import VERL_WORDS, trainer_terms
-from ..core.errors import DropinAssertionError, DynBatchConfigError, OversizeSampleError
+from ..core.errors import BudgetWarning, DropinAssertionError, DynBatchConfigError, OversizeSampleError
+from ..core.memory.check import FAR_UNDER
 from ..core.planner.inputs import attention_mask_lengths, check_lengths
 
 __all__ = [
-    "balance_batch", "calculate_workload", "ceildiv", "check_budget", "get_group_balanced_partitions",
+    "balance_batch", "calculate_workload", "ceildiv", "check_budget", "check_budget_memory",
+    "get_group_balanced_partitions",
     "get_reverse_idx", "get_seqlen_balanced_partitions", "log_seqlen_unbalance", "prepare_dynamic_batch",
     "rearrange_micro_batches", "restore_dynamic_batch", "roundup_divisible", "trainer_balance_batch",
 ]
@@ -131,6 +143,25 @@ def check_budget(max_token_len: int, max_seq_len: int, *, tp_size: Optional[int]
     return check_max_seq_len_fits(max_seq_len, max_tokens_per_gpu=max(1, int(max_token_len) // cp),
                                   parallel={"tp": tp, "cp": cp}, sequence_pad_multiple=pad,
                                   length_field="max_seq_len", budget_field="max_token_len")
+
+
+def check_budget_memory(config: Any, *, model: Any = None, gpu_memory_gb: Any = None, settings: Any = None,
+                        profile: Any = None, far_under: Any = FAR_UNDER, dp_size: Optional[int] = None) -> list:
+    """verl's configured budgets against what fits the card (module docstring): ``config`` verl's trainer config
+    (or its ``actor_rollout_ref``); the :class:`~megatron_dynbatch.core.memory.check.BudgetVerdict` of each budget,
+    a ``BudgetWarning`` for those over what fits or far under it; ``[]`` when the card or the model is unknown or
+    the actor is not on Megatron. ``model`` (else the config's local ``model.path``), ``gpu_memory_gb`` (else this
+    process's GPU), ``settings`` (else what ``actor.megatron`` implies; a mapping changes those fields),
+    ``profile``, ``far_under`` (the "speed left behind" threshold; 0 turns it off), ``dp_size`` (else
+    ``trainer.n_gpus_per_node x nnodes / (tp x pp x cp)``). Bad input raises."""
+    from .budget_check import warn_configured_budgets
+
+    return warn_configured_budgets(verl_budgets(config, dp_size), model=model, gpu_memory_gb=gpu_memory_gb,
+                                   settings=settings, profile=profile, far_under=far_under)
+
+
+#: attribute set on verl's trainer once the start-up memory check ran
+_CHECKED = "_dynbatch_budget_checked"
 
 
 # ----------------------------------------------------------------------------------------- data types
@@ -307,7 +338,18 @@ def balance_batch(batch: Any, dp_size: int, metrics: Optional[dict] = None, logg
 def trainer_balance_batch(self: Any, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
                           keep_minibatch: bool = False) -> None:
     """``RayPPOTrainer._balance_batch`` replacement (assign it to the class): reads the DP size, mini-batch size,
-    token budget and context-parallel size from the trainer the way verl does, then :func:`balance_batch`."""
+    token budget and context-parallel size from the trainer the way verl does, then :func:`balance_batch`. On its
+    first call for a trainer it runs :func:`check_budget_memory` on the trainer's config."""
+    if not getattr(self, _CHECKED, False):  # the start-up memory check, once per trainer; it never stops the run
+        try:
+            check_budget_memory(self.config)
+        except DynBatchConfigError as err:
+            warnings.warn(f"start-up memory check of verl's token budgets skipped: {err}", BudgetWarning,
+                          stacklevel=2)
+        try:
+            setattr(self, _CHECKED, True)
+        except AttributeError:
+            pass
     dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
     actor = self.config.actor_rollout_ref.actor
     minibatch = actor.get("ppo_mini_batch_size") if keep_minibatch else None

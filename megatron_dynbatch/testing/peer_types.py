@@ -9,7 +9,12 @@ NeMo-RL are not installable here). Written from their public interfaces -- only 
   prompt group, like the rollouts both trainers hand to their batching;
 * :func:`slime_args`: a namespace with the fields slime's ``build_dp_schedule`` reads;
 * :class:`NemoRLSequencePacker`: NeMo-RL's abstract ``SequencePacker`` (``nemo_rl/data/packing/algorithms.py``),
-  the base class its ``get_packer`` returns instances of and its tests check with ``isinstance``.
+  the base class its ``get_packer`` returns instances of and its tests check with ``isinstance``;
+* the trainers' configs as their start-up memory checks read them (the keys the drop-ins read, with the
+  trainers' defaults, read Aug 2026): :func:`verl_config` (verl's PPO Megatron trainer config, an OmegaConf
+  ``DictConfig`` there: keys and attributes -- :class:`AttrDict`), :func:`roll_worker_config` (a ROLL
+  ``WorkerConfig``: attributes, its ``strategy_config`` a dict), :func:`nemo_rl_config` (NeMo-RL's master config,
+  plain dicts as NeMo-RL passes them); ``overrides`` by dotted path.
 """
 
 from __future__ import annotations
@@ -154,3 +159,87 @@ class NemoRLSequencePacker(abc.ABC):
 
     def pack(self, sequence_lengths: Sequence[int]) -> list:
         return self._pack_implementation(sequence_lengths)
+
+
+# ------------------------------------------------------------------------------------- trainer configs
+class AttrDict(dict):
+    """A dict whose keys are attributes too, as an OmegaConf ``DictConfig`` reads."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+def _attr(value: Any) -> Any:
+    return AttrDict({k: _attr(v) for k, v in value.items()}) if isinstance(value, dict) else value
+
+
+def _override(root: Any, overrides: Optional[Dict[str, Any]]) -> Any:
+    for path, value in (overrides or {}).items():
+        *parents, last = path.split(".")
+        node = root
+        for key in parents:
+            node = node[key] if isinstance(node, dict) else getattr(node, key)
+        if isinstance(node, dict):
+            node[last] = _attr(value)
+        else:
+            setattr(node, last, value)
+    return root
+
+
+def verl_config(overrides: Optional[Dict[str, Any]] = None) -> AttrDict:
+    """verl's PPO trainer config on the Megatron backend, dynamic batch size on (verl's defaults otherwise:
+    ``ppo_max_token_len_per_gpu`` 16384, the log-prob budgets equal to it, the distributed optimizer, no
+    recompute, bf16, 1 node of 8 GPUs)."""
+    megatron = {"param_offload": False, "grad_offload": False, "optimizer_offload": False,
+                "tensor_model_parallel_size": 1, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None,
+                "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+                "context_parallel_size": 1, "sequence_parallel": True, "use_distributed_optimizer": True,
+                "override_transformer_config": {"recompute_granularity": None, "recompute_method": None,
+                                                "recompute_num_layers": None},
+                "dtype": "bfloat16"}
+    log_prob = {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 16384}
+    cfg = {"actor_rollout_ref": {
+        "actor": {"strategy": "megatron", "megatron": megatron, "use_dynamic_bsz": True,
+                  "ppo_max_token_len_per_gpu": 16384, "ppo_mini_batch_size": 256, "use_kl_loss": False},
+        "ref": {"strategy": "megatron", **log_prob, "megatron": dict(megatron)},
+        "rollout": dict(log_prob), "model": {"path": "~/models/deepseek-llm-7b-chat"}},
+        "algorithm": {"use_kl_in_reward": False},
+        "data": {"max_prompt_length": 512, "max_response_length": 512},
+        "trainer": {"n_gpus_per_node": 8, "nnodes": 1}}
+    return _override(_attr(cfg), overrides)
+
+
+def roll_worker_config(overrides: Optional[Dict[str, Any]] = None) -> SimpleNamespace:
+    """A ROLL ``actor_train`` worker config on Megatron with dynamic batching in training and inference (ROLL's
+    Dynamic Batching guide's example budgets: 8192 in training, 16384 in inference), 8 workers."""
+    cfg = SimpleNamespace(
+        use_dynamic_batching_in_train=True, max_tokens_per_microbatch_in_train=8192,
+        sequence_length_round_in_train=64, use_dynamic_batching_in_infer=True,
+        max_tokens_per_microbatch_in_infer=16384, sequence_length_round_in_infer=64, world_size=8,
+        model_args=SimpleNamespace(model_name_or_path="Qwen/Qwen2.5-7B-Instruct", dtype="bf16"),
+        strategy_args=SimpleNamespace(strategy_name="megatron_train", strategy_config={
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+            "expert_model_parallel_size": 1, "use_distributed_optimizer": True,
+            "recompute_granularity": "full", "sequence_parallel": True}))
+    return _override(cfg, overrides)
+
+
+def nemo_rl_config(overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """NeMo-RL's master config (``policy``, ``cluster``) with a Megatron policy and sequence packing on, 1 node of 8
+    GPUs."""
+    cfg = {"policy": {
+        "model_name": "Qwen/Qwen3-8B", "precision": "bfloat16", "max_total_sequence_length": 8192,
+        "megatron_cfg": {"enabled": True, "activation_checkpointing": False, "tensor_model_parallel_size": 1,
+                         "pipeline_model_parallel_size": 1, "context_parallel_size": 1, "sequence_parallel": False,
+                         "expert_tensor_parallel_size": 1, "expert_model_parallel_size": 1,
+                         "optimizer": {"use_distributed_optimizer": True, "optimizer_cpu_offload": False,
+                                       "bf16": True, "fp16": False},
+                         "distributed_data_parallel_config": {"grad_reduce_in_fp32": False}},
+        "sequence_packing": {"enabled": True, "train_mb_tokens": 16384, "logprob_mb_tokens": 16384,
+                             "algorithm": "modified_first_fit_decreasing"},
+        "dynamic_batching": {"enabled": False}},
+        "cluster": {"gpus_per_node": 8, "num_nodes": 1}}
+    return _override(cfg, overrides)
