@@ -122,6 +122,7 @@ def _target(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any
 
 def cmd_budget(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any]) -> int:
     from .core.memory import choose_budget, peak_memory, trainer_settings
+    from .core.memory.check import FAR_UNDER  # the drop-ins' start-up check says "speed left behind" below it too
     from .core.model_spec import ModelSpec
 
     if args.gpu_memory_gb is None:
@@ -163,7 +164,7 @@ def cmd_budget(args: argparse.Namespace, layout: Callable[[argparse.Namespace], 
         print()
         usable = train.usable_bytes / 2 ** 30
         for name, c in configured.items():
-            verdict = (f"fits, {c['of_auto']:.0%} of the auto budget" + ("" if c["of_auto"] >= 0.75 else
+            verdict = (f"fits, {c['of_auto']:.0%} of the auto budget" + ("" if c["of_auto"] >= FAR_UNDER else
                                                                          ": speed left behind")
                        if c["fits"] else f"over the {usable:.1f} GiB usable: out of memory ahead")
             print(f"the preset's {name} {c['tokens']}: predicted peak {c['predicted_peak_gb']:.1f} GiB ({verdict})")

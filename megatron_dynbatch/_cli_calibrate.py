@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import sys
-import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, TextIO
 

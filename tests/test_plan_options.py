@@ -482,3 +482,16 @@ def test_plan_command_prints_the_auto_budgets_breakdown(tmp_path, capsys):
     assert main(["plan", "--lengths", "examples/grpo_lengths.txt", "--model", "qwen3-8b", "--dp", "8",
                  "--max-tokens-per-gpu", "auto"]) == 2
     assert "--gpu-memory-gb" in capsys.readouterr().err
+
+
+def test_auto_in_a_trainers_own_budget_setting_says_how_to_get_the_number():
+    """'auto' is this package's options' word; a trainer's own setting (read by the trainer too) needs a number."""
+    pytest.importorskip("torch")
+    from megatron_dynbatch.integrations import nemo_rl, verl
+
+    for call, field in ((lambda: verl.check_budget("auto", 100), "max_token_len"),
+                        (lambda: nemo_rl.get_packer("modified_first_fit_decreasing", bin_capacity="auto"),
+                         "bin_capacity")):
+        with pytest.raises(DynBatchConfigError) as info:
+            call()
+        assert info.value.field == field and "megatron-dynbatch budget" in info.value.fix

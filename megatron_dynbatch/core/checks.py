@@ -121,6 +121,19 @@ def as_int(value: Any, field: str, *, minimum: Optional[int] = None, maximum: Op
     return out
 
 
+def as_budget(value: Any, field: str, *, trainer: str, fix: str = "") -> int:
+    """A trainer's own token-budget setting (verl's ``max_token_len``, ROLL's ``max_tokens_per_microbatch``, ...):
+    a whole number >= 1 (:func:`as_int`). ``"auto"`` is refused with the way to get the number: only this
+    package's own options (``max_tokens_per_gpu="auto"``) choose a budget themselves; a trainer's setting is read
+    by the trainer too."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        raise DynBatchConfigError(field, value, f"{trainer} takes its budget as a number of tokens; only this "
+                                  "package's own options (max_tokens_per_gpu='auto') choose one themselves",
+                                  f"run `megatron-dynbatch budget --model NAME --gpu-memory-gb G ...` and paste its "
+                                  f"line for {trainer}")
+    return as_int(value, field, minimum=1, fix=fix)
+
+
 def as_float(value: Any, field: str, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
              fix: str = "") -> float:
     """A finite real number (Python or NumPy; ``bool`` refused) as a Python float, within ``[minimum, maximum]``,

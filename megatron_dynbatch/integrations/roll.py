@@ -53,7 +53,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from ..core.checks import as_int
+from ..core.checks import as_budget, as_int
 from ..core.dropin.budgets import roll_budgets
 from ..core.dropin.roll import roll_shard
 from ..core.dropin.words import ROLL_WORDS, speaks
@@ -75,7 +75,7 @@ def dynamic_batching_shard(origin_batch: Any, dp_size: int, max_tokens_per_micro
     """ROLL's ``dynamic_batching_shard`` with this project's guarantees (see the module docstring)."""
     import torch
 
-    max_tokens_per_microbatch = as_int(max_tokens_per_microbatch, "max_tokens_per_microbatch", minimum=1,
+    max_tokens_per_microbatch = as_budget(max_tokens_per_microbatch, "max_tokens_per_microbatch", trainer="ROLL",
                                        fix="pass max_tokens_per_microbatch_in_train")
     rnd = as_int(sequence_length_round, "sequence_length_round", minimum=1,
                  fix="pass sequence_length_round_in_train (e.g. 64)")

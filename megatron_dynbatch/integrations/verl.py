@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..core.checks import as_int
+from ..core.checks import as_budget, as_int
 from ..core.dropin import verl as core
 from ..core.dropin.budgets import verl_budgets
 from ..core.dropin.words import VERL_WORDS, trainer_terms
@@ -140,7 +140,8 @@ def check_budget(max_token_len: int, max_seq_len: int, *, tp_size: Optional[int]
 
     tp, cp, _ = _layout(tp_size, cp_size, 1)
     pad = core.verl_sequence_pad_multiple(tp, cp) if sequence_pad_multiple is None else sequence_pad_multiple
-    return check_max_seq_len_fits(max_seq_len, max_tokens_per_gpu=max(1, int(max_token_len) // cp),
+    budget = as_budget(max_token_len, "max_token_len", trainer="verl")
+    return check_max_seq_len_fits(max_seq_len, max_tokens_per_gpu=max(1, budget // cp),
                                   parallel={"tp": tp, "cp": cp}, sequence_pad_multiple=pad,
                                   length_field="max_seq_len", budget_field="max_token_len")
 

@@ -19,7 +19,7 @@ buffers, master weights, Adam state) -- what a fake memory reader reports as res
 from __future__ import annotations
 
 import gc
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..checks import as_array, as_bool, as_int
+from ..checks import as_budget, as_array, as_bool, as_int
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from ..planner import plan_global_batch
@@ -60,7 +60,7 @@ class DynBatchSequencePacker:
                  bin_count_multiple: Optional[int] = None, *, algorithm: str = "modified_first_fit_decreasing",
                  parallel: Any = None, model: Any = None, cost_model: Any = None,
                  max_seq_len: Optional[int] = None) -> None:
-        self.bin_capacity = as_int(bin_capacity, "bin_capacity", minimum=1,
+        self.bin_capacity = as_budget(bin_capacity, "bin_capacity", trainer="NeMo-RL",
                                    fix="pass the token capacity of one bin (train_mb_tokens)")
         self.collect_metrics = as_bool(collect_metrics, "collect_metrics")
         if min_bin_count is not None:

@@ -40,7 +40,7 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from ..checks import as_int
+from ..checks import as_budget, as_int
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError, OversizeSampleError
 from ..parallel import ParallelConfig
@@ -90,7 +90,7 @@ def roll_shard(lengths, dp: int, max_tokens_per_microbatch: int, sequence_length
     lets the count grow while ``ceil(M / ga_steps)`` (the optimizer steps) stays ROLL's; ``None``: ROLL's count."""
     lens = check_lengths(lengths)
     dp = as_int(dp, "dp_size", minimum=1)
-    cap = as_int(max_tokens_per_microbatch, "max_tokens_per_microbatch", minimum=1)
+    cap = as_budget(max_tokens_per_microbatch, "max_tokens_per_microbatch", trainer="ROLL")
     rnd = as_int(sequence_length_round, "sequence_length_round", minimum=1)
     if lens.size % dp:
         raise DynBatchConfigError("dp_size", dp, f"the batch of {lens.size} samples does not split into {dp} equal "

@@ -32,7 +32,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from ..alignment import Alignment
-from ..checks import as_bool, as_int
+from ..checks import as_budget, as_bool, as_int
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from ..partitioning import karmarkar_karp
@@ -98,7 +98,7 @@ def check_pad_budget(max_tokens_per_gpu: Any, parallel: ParallelConfig, data_pad
     after checking that ``--max-tokens-per-gpu`` holds one such multiple; the error says where the multiple comes
     from (``assumed``: ``args`` has no ``data_pad_size_multiplier``, so slime's default 128 was taken) and how to
     change it."""
-    budget = as_int(max_tokens_per_gpu, "--max-tokens-per-gpu", minimum=1, fix="pass --max-tokens-per-gpu")
+    budget = as_budget(max_tokens_per_gpu, "--max-tokens-per-gpu", trainer="slime", fix="pass --max-tokens-per-gpu")
     mult = as_int(data_pad_size_multiplier, "data_pad_size_multiplier", minimum=1,
                   fix="pass slime's --data-pad-size-multiplier (default 128; 1 turns the padding off)")
     pad = mult * parallel.tp

@@ -40,7 +40,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from ..alignment import Alignment
-from ..checks import as_array, as_bool, as_int, scalar
+from ..checks import as_budget, as_array, as_bool, as_int, scalar
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from ..parallel import ParallelConfig
@@ -159,7 +159,7 @@ def _planner_kwargs(lens: np.ndarray, max_token_len: int, *, tp: int, cp: int, p
     """``plan_global_batch`` arguments for one rank's micro-batches under verl's semantics, after checking that
     every sample fits ``max_token_len`` with verl's padding (verl's own assert is on the padded width; a sample
     over the cap is an error, a ``force_group_size`` group over it runs alone -- see :func:`local_plan`)."""
-    cap = as_int(max_token_len, "max_token_len", minimum=1, fix="pass the token budget of one micro-batch")
+    cap = as_budget(max_token_len, "max_token_len", trainer="verl", fix="pass the token budget of one micro-batch")
     par = ParallelConfig(dp=1, tp=tp, cp=cp, pp=pp)
     if cap // cp < 1:
         raise DynBatchConfigError("max_token_len", cap, f"smaller than the context-parallel size {cp}",
@@ -276,7 +276,7 @@ def balance_partitions(lengths: Sequence[int], dp: int, *, minibatch_size: Optio
         align = Alignment.for_layout(par, None, pad)
         budget = -(-(int(align.seq_len(lens).sum()) + align.total_multiple) // cp)
     else:
-        budget = max(1, as_int(max_token_len, "max_token_len", minimum=1) // cp)
+        budget = max(1, as_budget(max_token_len, "max_token_len", trainer="verl") // cp)
     kw: dict = dict(parallel=par, max_tokens_per_gpu=budget, equal_samples_per_rank=True, oversize="alone",
                     samples_per_step=minibatch_size, group_ids=uids, sequence_pad_multiple=pad)
     kw.update(_balance_kwargs(model, cost_model, par))
