@@ -71,6 +71,7 @@ def test_a_step_over_the_headroom_lowers_the_budget_before_the_next_step():
     assert change.measured_peak_bytes > g.usable_bytes and change.measured_tokens == 8192
     assert lines[-1].startswith("dynbatch memory guard | step 1 | budget 8192 -> ")
     assert "measured peak" in lines[-1] and "GiB usable" in lines[-1] and "x the memory model" in lines[-1]
+    assert f"measured peak {change.measured_peak_bytes / GiB:.2f} GiB at 8192 tokens per GPU on stage 0" in lines[-1]
     # the planner keeps the new budget as a hard limit
     opts = g.options(PlanOptions(max_tokens_per_gpu=8192, parallel={"dp": 2}))
     assert opts.max_tokens_per_gpu == g.budget

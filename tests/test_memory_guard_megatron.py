@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -155,6 +156,8 @@ def test_both_ranks_lower_the_budget_alike_to_what_the_heaviest_rank_fits(ranks)
         assert a["steps"][s]["budget_used"] == 64 and a["steps"][s]["max_mb"] <= 64
     assert a["lines"] == b["lines"] and len(a["lines"]) == 1
     assert a["lines"][0].startswith("dynbatch memory guard | step 1 | budget 96 -> 64 tokens per GPU (lowered)")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tuning.md").read_text(encoding="utf-8")
+    assert a["lines"][0] in doc.splitlines()  # docs/tuning.md quotes this run's line exactly
 
 
 @pytest.mark.multiprocess

@@ -159,6 +159,14 @@ def stage_tokens(plan: Any, num_layers: int, step: Optional[int] = None) -> List
     return out
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps a figure >= 1 (GiB on a GPU, MiB / KiB for tiny CPU models)."""
+    for unit, scale in (("GiB", GiB), ("MiB", float(1 << 20)), ("KiB", 1024.0)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 @dataclass(frozen=True)
 class GuardChange:
     """One budget change (or, ``reason == "floor"``, a change the floor stopped). ``step``: the optimizer steps
@@ -186,12 +194,12 @@ class GuardChange:
         parts = [f"dynbatch memory guard | {when} | budget {self.old_budget} -> {self.new_budget} tokens per GPU "
                  f"({what})"]
         if self.measured_peak_bytes is not None:
-            parts.append(f"measured peak {self.measured_peak_bytes / GiB:.2f} GiB at {self.measured_tokens} tokens "
-                         f"per GPU on stage {self.measured_stage}")
+            parts.append(f"measured peak {_size(self.measured_peak_bytes)} at {self.measured_tokens} tokens per GPU "
+                         f"on stage {self.measured_stage}")
         else:
             parts.append("no step measured yet: the memory model's prediction")
-        parts.append(f"predicted peak {self.predicted_peak_bytes / GiB:.2f} GiB of {self.usable_bytes / GiB:.2f} "
-                     f"GiB usable on stage {self.stage} | per-token slope {self.scale:.3g}x the memory model")
+        parts.append(f"predicted peak {_size(self.predicted_peak_bytes)} of {_size(self.usable_bytes)} usable on "
+                     f"stage {self.stage} | per-token slope {self.scale:.3g}x the memory model")
         return " | ".join(parts)
 
     def to_dict(self) -> Dict[str, Any]:
