@@ -196,6 +196,18 @@ def test_stage_tokens_are_the_tokens_in_flight_never_more_than_the_largest_micro
     assert stage_tokens(pool, 28) == [pool.max_microbatch_tokens]  # a pool plan's tokens are per GPU already
 
 
+def test_stage_tokens_refuse_what_is_not_a_plan_or_a_step_of_it():
+    plan = plan_global_batch([100, 200, 300, 400], parallel={"dp": 2}, max_tokens_per_gpu=512,
+                             balance_by_flops=False)
+    for bad_plan in (None, "plan", {"microbatch_tokens": [[1]]}):
+        with pytest.raises(DynBatchConfigError, match="is not a plan"):
+            stage_tokens(bad_plan, 4)
+    with pytest.raises(DynBatchConfigError, match="num_layers"):
+        stage_tokens(plan, 0)
+    with pytest.raises(DynBatchConfigError, match="step"):
+        stage_tokens(plan, 4, step=1)
+
+
 def rows_of(plan, step):
     start = sum(plan.microbatches_per_step[:step])
     return [r[start:start + plan.microbatches_per_step[step]] for r in plan.microbatch_tokens]

@@ -341,6 +341,16 @@ def test_no_card_size_known_on_a_machine_without_cuda():
         StepMemoryGuard(64, 80 * 2 ** 30, model="tiny-gpt")
     with pytest.raises(DynBatchConfigError, match="measure"):
         StepMemoryGuard(64, 80 * 2 ** 30, model="tiny-gpt", reader=object())
+    from megatron_dynbatch.megatron.memory_guard import MemoryRecorder
+
+    with pytest.raises(DynBatchConfigError, match="measure"):
+        MemoryRecorder(reader=object())
+    with pytest.raises(DynBatchConfigError, match="CUDA"):
+        MemoryRecorder()
+    from megatron_dynbatch.integrations.ray import update_memory_guard
+
+    with pytest.raises(DynBatchConfigError, match="RolloutPlan"):
+        update_memory_guard(None, [], rollout="a plan")
 
 
 def test_the_floor_is_what_the_longest_sample_needs():
