@@ -30,6 +30,9 @@ flag                                        meaning
                                             (default: the cost model's uncertainty; ``docs/cost_model.md``)
 ``--dynbatch-online-calibration``           time every micro-batch while training and refit the cost model
                                             every ``--dynbatch-calibration-interval N`` steps (default 50)
+``--dynbatch-memory-guard``                 read every training step's peak memory (max over ranks) and lower the
+                                            budget before a step predicted to cross the headroom; raise it back
+                                            only as far as measured steps support (``docs/tuning.md``)
 ``--dynbatch-gpus-per-node N``              GPUs per node (default ``$LOCAL_WORLD_SIZE``, else 8): which CP
                                             groups cross nodes
 ``--dynbatch-max-seq-length N``             the longest sample the run can produce (default ``--seq-length``);
@@ -126,6 +129,12 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
                         "with the same refitted model (one small all-reduce). Never changes the loss.")
     g.add_argument("--dynbatch-calibration-interval", type=int, default=None, metavar="N",
                    help="Optimizer steps between online refits (default 50); needs --dynbatch-online-calibration.")
+    g.add_argument("--dynbatch-memory-guard", action="store_true", default=False,
+                   help="Online memory guard: read every training step's peak memory (CUDA allocator, max over the "
+                        "ranks: one small all-reduce), refit the memory model's bytes per token from it, and lower "
+                        "--max-tokens-per-gpu before a step whose predicted peak would cross the headroom; raise it "
+                        "back (never above --max-tokens-per-gpu) only as far as measured steps support. Every rank "
+                        "plans with the same budget; every change is logged. Never changes the loss.")
     g.add_argument("--dynbatch-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node (default: $LOCAL_WORLD_SIZE as torchrun sets it, else 8); with Megatron's rank "
                         "order it tells which CP groups cross nodes.")
@@ -262,6 +271,9 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
         raise DynBatchConfigError("--dynbatch-cost-model", cost_model, "is neither a cost profile nor a file",
                                   f"pass one of {sorted(PROFILES)} or the path of a cost-model JSON file, or drop the flag")
     _check_online_calibration(args, use)
+    if getattr(args, "dynbatch_memory_guard", False) and not use:
+        raise DynBatchConfigError("--dynbatch-memory-guard", True, "only applies to dynamic batching",
+                                  "add --use-dynamic-batch-size (and --max-tokens-per-gpu), or drop the flag")
     gpus_per_node_from_args(args)
     resolved = fp8_alignment_from_args(args)
     args.dynbatch_fp8_alignment = "none" if resolved is None else resolved  # stays resolved on re-reading

@@ -20,6 +20,7 @@ log-probs ``log p(labels[j] | tokens[:j+1])`` of each sample's real positions.
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
@@ -51,6 +52,11 @@ class DynamicStepResult:
     ``None`` elsewhere, or the local partial sum when ``reduce_loss=False``). ``per_sample``: collected outputs
     of this rank's samples in ORIGINAL order (``sample_indices``), or of ALL samples in global order with
     ``gather_outputs=True``; ``None`` when nothing was collected or on a non-last pipeline stage.
+    ``step``: the optimizer step of the plan that ran (``None``: a forward-only pass over all of them);
+    ``seconds``: the schedule call's wall time when it was measured (synchronised: with a memory guard, or on a
+    CPU), else ``None``; ``peak_bytes`` / ``predicted_peak_bytes``: with a memory guard, the step's measured
+    allocator peak (the largest over the ranks) and the guard's prediction for the plan before it ran.
+    :meth:`metrics` gives the step's ``dynbatch/...`` figures.
     """
 
     loss: Optional[float]
@@ -60,6 +66,19 @@ class DynamicStepResult:
     num_microbatches: int
     iterator: DynamicBatchIterator
     forward_data_store: List[Any] = field(default_factory=list, repr=False)
+    step: Optional[int] = None
+    seconds: Optional[float] = None
+    peak_bytes: Optional[float] = None
+    predicted_peak_bytes: Optional[float] = None
+
+    def metrics(self, prefix: str = "dynbatch/") -> dict:
+        """The step's figures as ``{"dynbatch/...": float}`` (:func:`megatron_dynbatch.core.metrics.step_metrics`:
+        micro-batches, imbalance, padding, budget, predicted step time; measured time and peak when known)."""
+        from ..core.metrics import step_metrics
+
+        return step_metrics(self.iterator.plan, step=self.step, measured_step_s=self.seconds,
+                            measured_peak_bytes=self.peak_bytes, predicted_peak_bytes=self.predicted_peak_bytes,
+                            prefix=prefix)
 
 
 # ----------------------------------------------------------------------------------- helpers for users
@@ -195,6 +214,7 @@ def dynamic_forward_backward(
     device: Any = None,
     forward_backward_func: Optional[Callable[..., Any]] = None,
     calibrator: Any = None,
+    memory_guard: Any = None,
     **fb_kwargs: Any,
 ) -> DynamicStepResult:
     """Run one optimizer step (or a forward-only pass) over a global batch with dynamic micro-batches.
@@ -225,6 +245,11 @@ def dynamic_forward_backward(
             calibration): a training step's micro-batches are timed, every ``interval`` steps the cost model is
             refitted (one all-reduce: call this on every rank), and plans made here from ``plan_or_options`` use
             the refitted model (pass ``calibrator.cost_model`` yourself when you plan). Never changes the loss.
+        memory_guard: a :class:`~megatron_dynbatch.megatron.memory_guard.StepMemoryGuard` (online memory guard): a
+            training step planned here from ``plan_or_options`` uses the guard's budget; the step's peak memory is
+            read (CUDA allocator peak, reset per step), merged over the ranks (one all-reduce: call this on every
+            rank) and the guard chooses the next step's budget. With a ready ``Plan`` / iterator the step is only
+            measured (plan later steps with ``memory_guard.options(options)``). Never changes the loss.
         **fb_kwargs: passed on to ``forward_backward_func`` (e.g. ``first_val_step``).
     """
     import torch
@@ -250,6 +275,8 @@ def dynamic_forward_backward(
         options = _options_for_model(plan_or_options, config)
         if calibrator is not None and calibrator.cost_model is not None:
             options = options.replace(cost_model=calibrator.cost_model)
+        if memory_guard is not None and not forward_only:
+            options = memory_guard.options(options)
         it = DynamicBatchIterator(samples, None, loss_mode=loss_mode, group_reduce=group_reduce,
                                   pad_token_id=pad_token_id, device=device, options=options)
     else:
@@ -292,8 +319,11 @@ def dynamic_forward_backward(
     fb = forward_backward_func or get_forward_backward_func()
     data_iterator = it.data_iterator(run_step, num_model_chunks=len(chunks))
     timing = calibrator.step(model, it, run_step) if calibrator is not None and not forward_only else nullcontext()
-    with timing:
-        store = fb(
+    guarded = memory_guard is not None and not forward_only
+    predicted = memory_guard.predict_plan(it.plan, run_step) if guarded else None
+
+    def schedule() -> Any:
+        return fb(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
             model=model,
@@ -303,6 +333,11 @@ def dynamic_forward_backward(
             forward_only=forward_only,
             **fb_kwargs,
         )
+
+    t0 = time.perf_counter()
+    with timing:
+        store = memory_guard.run(schedule, model, it, run_step) if guarded else schedule()
+    seconds = memory_guard.last_seconds if guarded else (time.perf_counter() - t0 if _synchronous() else None)
 
     results: List[MicroBatchResult] = [d[RESULT_KEY] for d in (store or [])
                                        if isinstance(d, Mapping) and isinstance(d.get(RESULT_KEY), MicroBatchResult)]
@@ -343,8 +378,12 @@ def dynamic_forward_backward(
         sample_indices = it.sample_indices(run_step)
     if calibrator is not None and not forward_only:
         calibrator.end_step(it.plan, it.lengths, options)
+    if guarded:
+        memory_guard.end_step(it.plan, run_step)
     return DynamicStepResult(loss=loss, local_loss_sum=local, per_sample=per_sample, sample_indices=sample_indices,
-                             num_microbatches=num_mb, iterator=it, forward_data_store=store or [])
+                             num_microbatches=num_mb, iterator=it, forward_data_store=store or [], step=run_step,
+                             seconds=seconds, peak_bytes=memory_guard.peak_bytes if guarded else None,
+                             predicted_peak_bytes=predicted)
 
 
 def forward_log_probs(
@@ -361,6 +400,13 @@ def forward_log_probs(
 
 
 # ------------------------------------------------------------------------------------------ internal
+def _synchronous() -> bool:
+    """Whether a wall clock around the schedule measures its work: no CUDA device, so no asynchronous stream."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _comm_device() -> Any:
     import torch
 

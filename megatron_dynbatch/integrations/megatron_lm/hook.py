@@ -27,6 +27,19 @@ timed (CUDA events, read once after the step's last backward), every ``--dynbatc
 cost model is refitted and merged with one small all-reduce, and the following steps are planned with it on every
 rank alike; the refit line (``dynbatch calibration | step N | ...``) is printed on global rank 0.
 
+With ``--dynbatch-memory-guard`` it keeps one :class:`~megatron_dynbatch.megatron.memory_guard.StepMemoryGuard` per
+rank (:func:`~megatron_dynbatch.megatron.memory_guard.memory_guard_from_args`): every step's peak memory is read
+(the CUDA allocator's peak, reset per step), merged with one small all-reduce (MAX), and the next step is planned
+with the budget the guard chooses, on every rank alike; each change is one line (``dynbatch memory guard | step N
+| budget A -> B tokens per GPU ...``) on global rank 0.
+
+What the user sees per step: on the iterations Megatron writes its TensorBoard / W&B scalars
+(``--tensorboard-log-interval``), the step's figures (:func:`megatron_dynbatch.core.metrics.step_metrics`:
+``dynbatch/microbatches``, ``dynbatch/imbalance``, ``dynbatch/padding_tokens``, ``dynbatch/max_tokens_per_gpu``,
+``dynbatch/predicted_step_time_s``, and with the guard the measured step time and peak memory) go to Megatron-LM's
+own writers (``get_tensorboard_writer()`` / ``get_wandb_writer()``, fetched lazily and used only where they
+exist: Megatron makes them on the last rank when logging is on); ``last_metrics`` holds them on every rank.
+
 Caveats: Megatron's own ``get_num_microbatches()`` still drives bookkeeping that does not touch the data: with
 ``--micro-batch-size 1 --global-batch-size N`` its sample counter and learning-rate schedule count N samples
 per step, which is exact; MoE auxiliary-loss *logging* divides by that count instead of the planned one.
@@ -35,7 +48,7 @@ Evaluation is not wired: pass ``--eval-iters 0``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -117,7 +130,8 @@ class DynamicForwardBackward:
     dynamic-batching plan. ``inner`` is Megatron's real schedule; ``args`` Megatron's parsed args."""
 
     def __init__(self, inner: Callable[..., Any], args: Any, *, run_step: Optional[Callable[..., Any]] = None,
-                 plan_options: Optional[Callable[[Any], Any]] = None, device: Any = None) -> None:
+                 plan_options: Optional[Callable[[Any], Any]] = None, device: Any = None,
+                 memory_guard: Any = None, writers: Optional[Callable[[], Tuple[Any, Any]]] = None) -> None:
         self.inner = inner
         self.args = args
         self.run_step = run_step
@@ -127,6 +141,9 @@ class DynamicForwardBackward:
         self.last_lengths: List[int] = []
         self.last_model: Any = None
         self.calibrator: Any = None  # online calibration (--dynbatch-online-calibration), made on the first step
+        self.memory_guard = memory_guard  # --dynbatch-memory-guard: made on the first step unless given
+        self.writers = writers  # () -> (TensorBoard writer, W&B writer); default: Megatron-LM's own
+        self.last_metrics: Dict[str, float] = {}
 
     def __call__(self, *, data_iterator: Any, model: Any, forward_only: bool = False,
                  **kwargs: Any) -> List[Dict[str, Any]]:
@@ -155,6 +172,8 @@ class DynamicForwardBackward:
         passthrough = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
         if getattr(self.args, "dynbatch_online_calibration", False):
             passthrough["calibrator"] = self._calibrator(opts)
+        if self.memory_guard is not None or getattr(self.args, "dynbatch_memory_guard", False):
+            passthrough["memory_guard"] = self._memory_guard(opts)
         result = run_step(model, samples, opts, forward_backward_func=self.inner,
                           loss_mode=getattr(self.args, "dynbatch_loss_mode", "token_mean") or "token_mean",
                           group_reduce=getattr(self.args, "dynbatch_group_reduce", "token") or "token",
@@ -167,6 +186,9 @@ class DynamicForwardBackward:
         if plan is not None:
             stats[STAT_KEYS[1]] = float(sum(sum(r) for r in plan.microbatch_tokens))
             self._log_plan(plan)
+        metrics = getattr(result, "metrics", None)
+        self.last_metrics = metrics() if callable(metrics) and plan is not None else {}
+        self._write_metrics(self.last_metrics)
         return megatron_loss_dicts(result.loss, result.num_microbatches, device=self.device, stats=stats)
 
     def _calibrator(self, options: Any) -> Any:
@@ -182,6 +204,33 @@ class DynamicForwardBackward:
                                                base=getattr(self.args, "dynbatch_cost_model", None),
                                                device=self.device)
         return self.calibrator
+
+    def _memory_guard(self, options: Any) -> Any:
+        """The rank's :class:`~megatron_dynbatch.megatron.memory_guard.StepMemoryGuard` (made from the launch's
+        flags on the first step, :func:`~megatron_dynbatch.megatron.memory_guard.memory_guard_from_args`)."""
+        if self.memory_guard is None:
+            from ...megatron.memory_guard import memory_guard_from_args
+
+            self.memory_guard = memory_guard_from_args(self.args, options, device=self.device)
+        return self.memory_guard
+
+    def _write_metrics(self, metrics: Mapping[str, float]) -> None:
+        """``metrics`` to Megatron-LM's TensorBoard (``add_scalar``) and W&B (``log``) writers, on the iterations
+        Megatron writes its own scalars (``--tensorboard-log-interval``), where the writers exist."""
+        if not metrics:
+            return
+        iteration = int(getattr(self.args, "curr_iteration", 0) or 0) + 1
+        interval = int(getattr(self.args, "tensorboard_log_interval", None) or 1)
+        if iteration % interval:
+            return
+        from .training import megatron_writers
+
+        tensorboard, wandb = (self.writers or megatron_writers)()
+        if tensorboard is not None:
+            for name, value in metrics.items():
+                tensorboard.add_scalar(name, value, iteration)
+        if wandb is not None:
+            wandb.log(dict(metrics), iteration)
 
     def _log_plan(self, plan: Any) -> None:
         """One ``dynbatch plan | iteration N | ...`` line (:func:`plan_log_line`) on global rank 0, on the

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Tuple
 
-__all__ = ["MISSING_MEGATRON_LM", "MegatronLMNotFoundError", "import_megatron_training", "megatron_args"]
+__all__ = ["MISSING_MEGATRON_LM", "MegatronLMNotFoundError", "import_megatron_training", "megatron_args",
+           "megatron_writers"]
 
 MISSING_MEGATRON_LM = (
     "the Megatron-LM integration (megatron_dynbatch.integrations.megatron_lm, scripts/pretrain_gpt_dynbatch.py) needs "
@@ -46,3 +47,18 @@ def import_megatron_training() -> Any:
 def megatron_args() -> Any:
     """Megatron-LM's parsed arguments (``megatron.training.get_args()``)."""
     return import_megatron_training().get_args()
+
+
+def megatron_writers() -> Tuple[Any, Any]:
+    """Megatron-LM's TensorBoard and W&B writers (``megatron.training.global_vars.get_tensorboard_writer()`` /
+    ``get_wandb_writer()``), each ``None`` where it does not exist: logging off, a rank that does not write
+    (Megatron-LM makes them on the last rank only), a Megatron-LM without that getter, or no Megatron-LM at all."""
+    try:
+        from megatron.training import global_vars
+    except ImportError:
+        return None, None
+    out = []
+    for name in ("get_tensorboard_writer", "get_wandb_writer"):
+        getter = getattr(global_vars, name, None)
+        out.append(getter() if callable(getter) else None)
+    return out[0], out[1]

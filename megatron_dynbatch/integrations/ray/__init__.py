@@ -16,6 +16,9 @@ Data flow (see ``docs/ray.md``)::
              update_calibration(cal, ...) online calibration: the actors' micro-batch times (train_on_shard(...,
                                           record_timings=True)) refit the model the next plan_rollout(...,
                                           calibration=cal) uses
+             update_memory_guard(guard, ...)  the memory guard: the actors' peak readings (train_on_shard(...,
+                                          record_memory=True)) choose the budget the next plan_rollout(...,
+                                          memory_guard=guard) plans with
 
 The driver never holds more than what it already had (the rollout samples, or only their refs and metadata); each
 sample's bytes travel once, from the object store to the actors of the one DP rank that runs it. The loss stays
@@ -29,7 +32,8 @@ Modules: :mod:`.shards` (the data types), :mod:`.driver` (planning, gathering), 
 """
 
 from .actor import DynBatchActorMixin, log_probs_on_shard, shard_iterator, train_on_shard
-from .driver import dp_rank_of, gather_in_order, plan_log_probs, plan_rollout, step_loss, update_calibration
+from .driver import (dp_rank_of, gather_in_order, plan_log_probs, plan_rollout, step_loss, update_calibration,
+                     update_memory_guard)
 from .shards import RankShard, RolloutPlan, ShardResult
 
 __all__ = [
@@ -45,5 +49,6 @@ __all__ = [
     "gather_in_order",
     "step_loss",
     "update_calibration",
+    "update_memory_guard",
     "DynBatchActorMixin",
 ]

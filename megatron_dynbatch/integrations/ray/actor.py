@@ -63,6 +63,8 @@ def train_on_shard(
     pad_token_id: int = 0,
     device: Any = None,
     record_timings: bool = False,
+    record_memory: bool = False,
+    memory_reader: Any = None,
     **kwargs: Any,
 ) -> ShardResult:
     """One optimizer step's forward/backward over this rank's share of ``shard`` (through
@@ -71,8 +73,11 @@ def train_on_shard(
     ``per_token_loss`` / ``collect``: as for ``dynamic_forward_backward``; collected per-sample outputs come back
     on the output rank. ``record_timings``: time each micro-batch (CUDA events read once after the step) and send
     the records back in ``ShardResult.timings`` for the driver's online calibration
-    (:func:`~.driver.update_calibration`). ``kwargs`` go to ``dynamic_forward_backward`` (``config``,
-    ``forward_step_func``, ...)."""
+    (:func:`~.driver.update_calibration`). ``record_memory``: read the step's peak memory (``memory_reader``,
+    default the CUDA allocator's peak, reset for the step) and send it back in ``ShardResult.memory`` for the
+    driver's memory guard (:func:`~.driver.update_memory_guard`). ``ShardResult.metrics`` holds the step's
+    ``dynbatch/...`` figures. ``kwargs`` go to ``dynamic_forward_backward`` (``config``, ``forward_step_func``,
+    ...)."""
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward
 
     t0 = time.perf_counter()
@@ -86,9 +91,16 @@ def train_on_shard(
         par = shard.plan.parallel
         recorder = TimingRecorder(pp=par.pp, tp=par.tp, device=device)
         kwargs["calibrator"] = recorder
+    memory = None
+    if record_memory:
+        from megatron_dynbatch.megatron.memory_guard import MemoryRecorder
+
+        memory = MemoryRecorder(pp=shard.plan.parallel.pp, reader=memory_reader, device=device)
+        kwargs["memory_guard"] = memory
     res = dynamic_forward_backward(model, it, per_token_loss=per_token_loss, collect=collect, step=step, **kwargs)
     out = _result(shard, "train", step, res, it, t0, return_outputs, loss=res.loss)
     out.timings = recorder.payload() if recorder is not None else None
+    out.memory = memory.vector.tolist() if memory is not None and memory.vector is not None else None
     return out
 
 
@@ -230,8 +242,10 @@ def _result(shard: RankShard, kind: str, step: Optional[int], res: Any, it: Dyna
     per_sample = None
     if return_outputs and out and res.per_sample is not None:
         per_sample = [_to_cpu(v) for v in res.per_sample]
+    metrics = res.metrics() if callable(getattr(res, "metrics", None)) else {}
     return ShardResult(
         batch_id=shard.batch_id, dp_rank=shard.dp_rank, kind=kind, step=step,
         sample_indices=list(res.sample_indices), per_sample=per_sample, loss=loss,
         local_loss_sum=res.local_loss_sum, num_microbatches=int(res.num_microbatches), is_output_rank=out,
-        seconds=time.perf_counter() - t0, local_tokens=int(it.lengths[it.sample_indices(step)].sum()))
+        seconds=time.perf_counter() - t0, local_tokens=int(it.lengths[it.sample_indices(step)].sum()),
+        metrics=metrics)

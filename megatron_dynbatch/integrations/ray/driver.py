@@ -22,7 +22,8 @@ from ...core.planner.vpp import is_valid_microbatch_count, next_valid_microbatch
 from ...megatron.loss import LOSS_MODES, loss_mask_stats
 from .shards import RankShard, RolloutPlan, ShardResult, _ray_initialized
 
-__all__ = ["plan_rollout", "plan_log_probs", "dp_rank_of", "gather_in_order", "step_loss", "update_calibration"]
+__all__ = ["plan_rollout", "plan_log_probs", "dp_rank_of", "gather_in_order", "step_loss", "update_calibration",
+           "update_memory_guard"]
 
 
 def plan_rollout(
@@ -43,6 +44,7 @@ def plan_rollout(
     put: Optional[bool] = None,
     batch_id: Optional[str] = None,
     calibration: Any = None,
+    memory_guard: Any = None,
     **option_kwargs: Any,
 ) -> RolloutPlan:
     """Plan one rollout batch on the driver and cut it into one :class:`RankShard` per DP rank.
@@ -66,6 +68,10 @@ def plan_rollout(
     across batches (``OnlineCalibration.from_run_config(run_config)``): both plans use its current model (the
     latest refit) unless ``cost_model=`` is given; feed it the actors' timings with :func:`update_calibration`. A
     ``run_config`` with ``online_calibration: true`` needs it.
+
+    ``memory_guard``: a :class:`~megatron_dynbatch.core.memory.guard.MemoryGuard` kept by the driver across
+    batches: the training plan uses its budget (unless ``max_tokens_per_gpu=`` is given); feed it the actors'
+    peak readings (``train_on_shard(..., record_memory=True)``) with :func:`update_memory_guard`.
     """
     t0 = time.perf_counter()
     if (samples is None) == (sample_refs is None):
@@ -83,6 +89,8 @@ def plan_rollout(
             raise DynBatchConfigError("options", "given with run_config", "both say how to plan",
                                       "pass run_config=... or options=..., with keywords for what differs")
         options = rc.plan_options()
+    if memory_guard is not None and "max_tokens_per_gpu" not in option_kwargs:
+        option_kwargs["max_tokens_per_gpu"] = memory_guard.budget
     if options is None and "max_tokens_per_gpu" not in option_kwargs:
         raise DynBatchConfigError("max_tokens_per_gpu", None, "needed to plan the rollout batch",
                                   "pass max_tokens_per_gpu=<per-GPU token budget> or run_config=RunConfig/preset")
@@ -330,6 +338,30 @@ def update_calibration(calibration: Any, results: Iterable[Optional[ShardResult]
     plan = rollout.plan if isinstance(rollout, RolloutPlan) else None
     lengths = rollout.shards[0].lengths if plan is not None else None
     return calibration.end_step(plan, lengths)
+
+
+def update_memory_guard(guard: Any, results: Iterable[Optional[ShardResult]], rollout: RolloutPlan, *,
+                        step: Optional[int] = None) -> Any:
+    """The memory guard on the driver: merge every actor's peak reading of one training step
+    (``ShardResult.memory`` of ``train_on_shard(..., record_memory=True)``; the maximum over the actors of each
+    pipeline stage) and observe it with the step's plan -- the next :func:`plan_rollout` with ``memory_guard=``
+    plans with the budget it chooses. ``step``: the training step of the plan (default: the results'). Returns the
+    budget change (:class:`~megatron_dynbatch.core.memory.guard.GuardChange`) or ``None``. The driver is the only
+    planner, so the decision needs no communication."""
+    from ...core.memory.guard import merge_readings
+
+    results = [r for r in results if r is not None]
+    if not isinstance(rollout, RolloutPlan):
+        raise DynBatchConfigError("rollout", type(rollout).__name__, "must be the RolloutPlan the step ran",
+                                  "pass plan_rollout(...)'s result")
+    vectors = [r.memory for r in results if r.memory is not None]
+    if not vectors:
+        raise DynBatchConfigError("results", f"{len(results)} results", "carry no memory reading",
+                                  "run train_on_shard(..., record_memory=True) on the actors")
+    if step is None:
+        steps = {r.step for r in results if r.memory is not None}
+        step = steps.pop() if len(steps) == 1 else None
+    return guard.observe(merge_readings(vectors), rollout.plan, step=step)
 
 
 def step_loss(results: Iterable[Optional[ShardResult]]) -> Optional[float]:

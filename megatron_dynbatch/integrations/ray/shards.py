@@ -148,6 +148,17 @@ class RolloutPlan:
             self._shard_refs = [ray.put(s) for s in self.shards]
         return [self._shard_refs[int(r)] for r in actor_dp_ranks]
 
+    def metrics(self, prefix: str = "dynbatch/") -> Dict[str, float]:
+        """The training plan's figures as ``{"dynbatch/...": float}`` (:func:`megatron_dynbatch.core.metrics.
+        step_metrics`: micro-batches, imbalance, padding, budget, predicted step time), and the log-prob plan's
+        under ``dynbatch/log_probs/...``: what a driver logs per rollout batch."""
+        from ...core.metrics import step_metrics
+
+        out = step_metrics(self.plan, prefix=prefix)
+        if self.log_probs_plan is not None:
+            out.update(step_metrics(self.log_probs_plan, prefix=f"{prefix}log_probs/"))
+        return out
+
     def summary(self) -> Dict[str, Any]:
         """JSON-friendly headline numbers of both plans and the per-rank shares."""
         out: Dict[str, Any] = {
@@ -173,7 +184,11 @@ class ShardResult:
     TP / CP ranks only rank 0 sends them, the others hold copies). ``loss``: the step's exact loss ``L`` (all
     DP ranks, training passes, last pipeline stage), else ``None``. ``timings``: with ``train_on_shard(...,
     record_timings=True)``, this actor's micro-batch times ``{"slice": {...}, "records": [...]}`` for the driver's
-    online calibration (:func:`~.driver.update_calibration`), else ``None``."""
+    online calibration (:func:`~.driver.update_calibration`), else ``None``. ``memory``: with
+    ``train_on_shard(..., record_memory=True)``, this actor's peak-memory reading vector
+    (:func:`~megatron_dynbatch.core.memory.guard.reading_vector`) for the driver's memory guard
+    (:func:`~.driver.update_memory_guard`), else ``None``. ``metrics``: the pass's ``dynbatch/...`` figures
+    (:func:`~megatron_dynbatch.core.metrics.step_metrics`; measured time, and this actor's peak when read)."""
 
     batch_id: str
     dp_rank: int
@@ -189,6 +204,8 @@ class ShardResult:
     local_tokens: int
     extra: Dict[str, Any] = field(default_factory=dict)
     timings: Optional[Dict[str, Any]] = None
+    memory: Optional[List[float]] = None
+    metrics: Dict[str, float] = field(default_factory=dict)
 
 
 def _ray_initialized() -> bool:
