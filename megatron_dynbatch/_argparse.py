@@ -14,11 +14,11 @@ status 2, on stderr, as before.
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
 import sys
 from typing import Dict, List, NoReturn, Optional, Sequence
 
+from .core.checks import close_matches
 from .core.parallel import layout_key_meaning
 
 __all__ = ["SuggestingArgumentParser", "help_hint", "suggestions"]
@@ -47,7 +47,7 @@ def suggestions(parser: argparse.ArgumentParser, argv: Sequence[str], message: s
     choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
     if choice:
         options = [o.strip().strip("'\"") for o in choice.group(2).split(",")]  # quoted before Python 3.12.8
-        close = difflib.get_close_matches(choice.group(1), options, n=1, cutoff=0.6)
+        close = close_matches(choice.group(1), options, n=1, cutoff=0.6)
         if close:
             hints.append(f"'{close[0]}'")
         return hints
@@ -57,7 +57,7 @@ def suggestions(parser: argparse.ArgumentParser, argv: Sequence[str], message: s
         if not flag.startswith("--") or flag in known or any(k.startswith(flag) for k in known):
             continue  # a known flag, or an unambiguous abbreviation argparse accepts
         meant = [f"--{m.replace('_', '-')}" for m in layout_key_meaning(flag[2:], outside=True)]
-        close = [m for m in meant if m in known][:1] or difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        close = [m for m in meant if m in known][:1] or close_matches(flag, known, n=1, cutoff=0.75)
         if close:
             hints.append(f"{close[0]} for {flag}")
     return hints

@@ -23,12 +23,11 @@ a key with no such word falls back to the closest spellings.
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from .checks import as_bool, as_int, is_int
+from .checks import as_bool, as_int, close_matches, did_you_mean, is_int
 from .errors import DynBatchConfigError
 
 #: GPUs per node when the layout does not say (an HGX/DGX H100 or H200 node: 8 GPUs on one NVLink switch fabric)
@@ -134,7 +133,7 @@ def _words(key: str) -> List[str]:
     for part in re.split(r"[^A-Za-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key)):
         word = _ABBREVIATIONS.get(part.lower(), part.lower())
         if len(word) >= 4 and word not in _VOCABULARY:
-            close = difflib.get_close_matches(word, _VOCABULARY, n=1, cutoff=0.75)
+            close = close_matches(word, _VOCABULARY, n=1, cutoff=0.75)
             word = close[0] if close else word
         if word:
             out.append(word)
@@ -196,8 +195,7 @@ def _suggest(key: str, known: List[str]) -> str:
     meant = layout_key_meaning(key)
     if meant:
         return f"did you mean {' or '.join(_said(m) for m in meant)}?"
-    close = [k for k in difflib.get_close_matches(key, known + list(ALIASES), n=3, cutoff=0.6)]
-    return f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"use only {known}"
+    return did_you_mean(key, known + list(ALIASES)) or f"use only {known}"
 
 
 def parallel_from_mapping(parallel: Any) -> Tuple[ParallelConfig, Optional[int]]:
