@@ -13,6 +13,10 @@ times. The bounds here are all valid (no packing can use fewer bins) and take ``
   ``ceil(count / j)`` bins (``j = 2`` catches "every sample just over a third of the budget").
 
 Samples over the budget (``oversize='alone'``) run alone: each adds one bin and is not packed with others.
+
+The opposite direction -- the MOST micro-batches every rank can fill -- is a covering question when samples come
+in groups that must share a rank (:func:`max_covered_count`): every rank needs ``M`` items, so the groups must
+cover ``dp`` ranks with at least ``M`` items each.
 """
 
 from __future__ import annotations
@@ -51,6 +55,38 @@ def min_bins(sizes: np.ndarray, cap: int, n_alone: int = 0) -> int:
             break
         best = max(best, -(-count // j))
     return best + int(n_alone)
+
+
+def max_covered_count(unit_counts: np.ndarray, dp: int, hi: int) -> int:
+    """An upper bound (at most ``hi``) on the micro-batches per rank a step of units (groups that stay on one
+    rank, ``unit_counts`` items each) can fill: every rank needs ``M`` items, so ``dp`` ranks must each be
+    covered by whole units holding ``>= M`` items. :func:`_ranks_covered` bounds how many ranks ``M`` can cover;
+    a count whose bound is below ``dp`` certainly fails, and so does every larger count (a rank holding ``M + 1``
+    items holds ``M``), so the bisection's first failure bounds every feasible count: ``0`` when even ``M = 1``
+    fails."""
+    desc = np.sort(np.asarray(unit_counts, dtype=np.int64))[::-1]
+    prefix = np.concatenate(([0], np.cumsum(desc)))
+    lo, top = 0, int(hi) + 1  # covered(lo) holds (or lo == 0), covered(top) fails
+    while top - lo > 1:
+        mid = (lo + top) // 2
+        if _ranks_covered(desc, prefix, mid) >= dp:
+            lo = mid
+        else:
+            top = mid
+    return lo
+
+
+def _ranks_covered(desc: np.ndarray, prefix: np.ndarray, m: int) -> int:
+    """A bound on the ranks that units of ``desc`` items (decreasing; ``prefix``: its running sums) can give
+    ``m`` items each: a unit of ``>= m`` items covers one rank alone; the smaller units cover at most
+    ``floor(sum / m)`` ranks, each with at least ``c`` of them, ``c`` the fewest units whose items reach ``m``
+    (the largest ``c``)."""
+    big = int(desc.size - np.searchsorted(desc[::-1], m, side="left"))  # units of >= m items
+    small_sum = int(prefix[-1] - prefix[big])
+    if small_sum < m:
+        return big
+    c = int(np.searchsorted(prefix[big:] - prefix[big], m, side="left"))  # fewest small units reaching m
+    return big + min(small_sum // m, (desc.size - big) // c)
 
 
 def _martello_toth_l2(desc: np.ndarray, cap: int) -> int:

@@ -33,7 +33,7 @@ from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from ..smallops import is_small
-from .bounds import min_bins
+from .bounds import max_covered_count, min_bins
 from .fallback import SearchBudget, feasible_packing
 from .ordering import TimingMemo, order_and_time, polish_pipeline
 from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins, split_bins
@@ -319,16 +319,25 @@ def _max_count(inp: StepInput, dp: int) -> int:
     """Most micro-batches every rank can fill: a micro-batch needs an item and a unit sits on one rank, so for
     every ``j < dp`` the ``dp - j`` ranks holding none of the ``j`` largest units share what the others leave:
     ``M <= (items - top_j) // (dp - j)``. ``j = 0`` is the plain ``items // dp``; larger ``j`` refuse at once a
-    step whose one giant group leaves the other ranks too few items (which used to search for minutes)."""
+    step whose one giant group leaves the other ranks too few items (which used to search for minutes).
+
+    With groups, also the covering bound (:func:`.bounds.max_covered_count`): whole groups must give every rank
+    ``M`` items, so four groups of 12, 16, 16 and 16 samples fill at most 16 micro-batches on each of 3 ranks
+    (not 20): no count above it is tried, and the count search, which gallops upwards, cannot jump over the few
+    counts that pack into ones no grouping can fill."""
     if is_small(inp.unit_count.size):  # the same integers in plain Python
         c = sorted(inp.unit_lists[2], reverse=True)
         total = sum(c)
         tops = itertools.accumulate([0] + c)  # the j largest
-        return min((total - top) // (dp - j) for j, top in zip(range(min(dp, len(c))), tops))
-    c = np.sort(inp.unit_count)[::-1]
-    j = np.arange(min(dp, c.size))
-    top = np.concatenate(([0], np.cumsum(c)))[j]
-    return int(((int(c.sum()) - top) // (dp - j)).min())
+        bound = min((total - top) // (dp - j) for j, top in zip(range(min(dp, len(c))), tops))
+    else:
+        c = np.sort(inp.unit_count)[::-1]
+        j = np.arange(min(dp, c.size))
+        top = np.concatenate(([0], np.cumsum(c)))[j]
+        bound = int(((int(c.sum()) - top) // (dp - j)).min())
+    if inp.singletons or bound < 1:  # one item per unit: the covering bound is items // dp, as above
+        return bound
+    return max_covered_count(inp.unit_count, dp, bound)
 
 
 def _too_few_samples(par: ParallelConfig, n: int, m: int, m_max: int, budget: int,
