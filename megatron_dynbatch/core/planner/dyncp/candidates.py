@@ -5,10 +5,12 @@ forced slot count and the refinement rounds) and returns zero or more complete :
 s; :func:`candidates` runs the :data:`FAMILY` in order. The orchestration (:mod:`.orchestrate`) scores them all by
 simulation and keeps the fastest, the earliest on a tie -- so the order below is part of the result.
 
-* ``fixed-cp`` (:func:`fixed_cp`) -- the fixed-layout planner's plan (:func:`..search.plan_step` on the layout's
-  alignment), every micro-batch on its DP rank's ``cp`` GPUs, in that planner's order. Having it in the family
-  is what makes dynamic CP never slower than fixed CP *in the model*. None when the fixed layout cannot hold a
-  sample or has fewer samples than DP ranks.
+* ``fixed-cp`` (:func:`fixed_cp`) -- the plan plain ``plan_global_batch`` makes for the same layout and
+  arguments (:func:`..search.plan_step` on the layout's alignment, with the plain planner's balancing weight,
+  refinement rounds and shared bin-search budget: :class:`~.step.FixedLayout`), every micro-batch on its DP
+  rank's ``cp`` GPUs, in that planner's order. Having it in the family is what makes dynamic CP never slower
+  than the plain planner's plan *in the model*. None when the fixed layout cannot hold a sample or has fewer
+  samples than DP ranks.
 * ``tree-<x>`` and ``cp<cp>-tree-<x>`` (:func:`tree_candidates`) -- every sample gets a group size: ``s_min``,
   widened along the tree sizes while its solo time exceeds ``x`` times the mean per-GPU load and the wider
   group is faster (:data:`THRESHOLDS`, ``mem``: memory only; with ``pp > 1`` also :data:`PIPELINE_THRESHOLDS`,
@@ -67,11 +69,13 @@ def fixed_cp(step: StepData) -> List[Schedule]:
     own = step.sizes[par.cp]  # the DP ranks' groups: the layout's own alignment and cap
     if (~own.fits).any() or step.n < par.dp:
         return []
-    inp = StepInput(aligned=own.aligned, weight=step.cm.work(own.aligned, step.sq),
-                    oversize=np.zeros(step.n, dtype=bool), units=None, cap=own.cap)
+    how = step.fixed
+    weight = own.aligned.astype(np.float64) if how.by_tokens else step.cm.work(own.aligned, step.sq)
+    inp = StepInput(aligned=own.aligned, weight=weight, oversize=np.zeros(step.n, dtype=bool), units=None,
+                    cap=own.cap)
     try:
-        bins, _ = plan_step(inp, par, step.cm, step.sq, step.forced, step.rounds, own.align, step.budget,
-                            margin=step.margin)
+        bins, _ = plan_step(inp, par, step.cm, step.sq, step.forced, how.rounds, own.align, step.budget,
+                            search=how.search, margin=step.margin)
     except DynBatchConfigError:
         return []
     if any(len(r) != len(bins[0]) for r in bins):  # pragma: no cover - the fixed planner's counts are equal

@@ -10,8 +10,8 @@ waits. Vectorised over the pool (``numpy.maximum.reduceat`` over each slot's gro
   dependency order, forward a third and backward two thirds of ``time / pp`` per stage; every stage holds the
   same plan), each forward and backward operation of a slot synchronised over the slot's group on its stage;
 * ``vpp > 1``: the synchronised ``pp == 1`` chain of per-stage times plus the interleaved bubble
-  ``(pp - 1) / vpp * mean(stage time)`` of each GPU (an approximation; the interleaved schedule is not
-  simulated operation by operation);
+  ``(pp - 1) / vpp * mean(stage time)`` of each GPU, stage times as they run (expert lockstep applied; an
+  approximation; the interleaved schedule is not simulated operation by operation);
 * expert parallelism (``ep > 1``): the ``ep`` DP ranks of an EP group (``ep * cp`` consecutive pool GPUs)
   meet in every MoE layer, so each slot also starts at the EP block's latest member and lasts its longest
   micro-batch.
@@ -71,10 +71,12 @@ def simulate_pool(times: np.ndarray, blocks: Sequence[np.ndarray], cm: CostModel
     if cm.pp == 1 or cm.vpp > 1:
         stage = t if cm.pp == 1 else t / cm.pp
         finish = np.zeros(pool)
+        locked = []
         for j in range(m):
-            finish = sync(finish, j) + dur(stage[j])
-        if cm.pp > 1:
-            finish = finish + (cm.pp - 1) / cm.vpp * stage.mean(axis=0)
+            locked.append(dur(stage[j]))
+            finish = sync(finish, j) + locked[-1]
+        if cm.pp > 1:  # the bubble of the stage times as they run (expert lockstep applied), as cost_model's
+            finish = finish + (cm.pp - 1) / cm.vpp * np.stack(locked).mean(axis=0)
         return finish
     stage = t / cm.pp
     per_gpu = np.stack([dur(stage[j]) for j in range(m)], axis=1)  # [pool, slots], expert lockstep applied

@@ -7,7 +7,8 @@ max_tokens_per_gpu``, i.e. slot length <= the group's effective cap) and its sol
 exchange -- at the inter-node numbers when groups of size ``s`` cross nodes (:func:`~...topology.spans_by_size`);
 no overhead, no floor). ``s_min(i)`` is the smallest size from which on the sample fits every larger size too.
 The step also carries the search limits every candidate obeys -- a forced slot count, the refinement rounds --
-and the decision margin the orchestration applies.
+the decision margin the orchestration applies, and how the fixed-CP candidate plans (:class:`FixedLayout`:
+exactly as plain ``plan_global_batch`` on the same layout would).
 
 Everything here is computed once per step and only read afterwards; samples are step-local indices
 ``0 .. n-1`` (:meth:`~.schedule.Schedule.slots` maps them back to the batch).
@@ -25,10 +26,23 @@ from ...cost_model import CostModel
 from ...parallel import ParallelConfig
 from ...topology import spans_by_size
 from ..ordering import mb_sums
+from ..fallback import SearchBudget
 from ..packer import StepInput, best_fit_bin_count, pack_rank
 from .pool import PoolTree, group_alignment
 
 Bins = List[List[int]]
+
+
+@dataclass
+class FixedLayout:
+    """What makes the fixed-CP candidate the plan plain ``plan_global_batch`` makes for the same layout and
+    arguments: its default refinement rounds (``4 * dp``, not the pool's ``4 * dp * cp``), its balancing
+    weight (without a model the plain planner balances tokens), and one bin-search budget shared by every
+    optimizer step of the batch, as the plain planner shares it."""
+
+    rounds: int
+    by_tokens: bool = False
+    search: SearchBudget = field(default_factory=SearchBudget)
 
 
 @dataclass
@@ -59,9 +73,10 @@ class StepData:
 
     def __init__(self, lens: np.ndarray, tree: PoolTree, cm: CostModel, par: ParallelConfig, budget: int,
                  tile: int, oversize: np.ndarray, forced: Optional[int] = None, rounds: int = 0,
-                 margin: float = 0.0) -> None:
+                 margin: float = 0.0, fixed: Optional[FixedLayout] = None) -> None:
         self.lens, self.tree, self.cm, self.par, self.budget = lens, tree, cm, par, budget
         self.forced, self.rounds, self.margin = forced, rounds, margin
+        self.fixed = fixed if fixed is not None else FixedLayout(rounds=4 * par.dp)
         self.sq = lens.astype(np.float64) ** 2
         self.oversize = oversize
         self.n = int(lens.size)
@@ -115,4 +130,4 @@ class StepData:
         return out
 
 
-__all__ = ["Bins", "GroupSize", "StepData"]
+__all__ = ["Bins", "FixedLayout", "GroupSize", "StepData"]
