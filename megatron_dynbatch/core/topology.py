@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 from typing import Dict, Iterable, Tuple
 
+import numpy as np
+
 from .parallel import ParallelConfig
 
 
@@ -37,6 +39,17 @@ def group_spans_nodes(start: int, size: int, par: ParallelConfig) -> bool:
     n = par.gpus_per_node
     first, last = par.tp * int(start), par.tp * (int(start) + int(size)) - 1
     return any((first + off) // n != (last + off) // n for off in _stage_offsets(par))
+
+
+def groups_span_nodes(starts, sizes, par: ParallelConfig) -> np.ndarray:
+    """:func:`group_spans_nodes` of many groups at once (``starts``, ``sizes``: arrays of pool GPUs)."""
+    n = par.gpus_per_node
+    first = par.tp * np.asarray(starts, dtype=np.int64)
+    last = par.tp * (np.asarray(starts, dtype=np.int64) + np.asarray(sizes, dtype=np.int64)) - 1
+    out = np.zeros(first.shape, dtype=bool)
+    for off in _stage_offsets(par):
+        out |= (first + off) // n != (last + off) // n
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -59,4 +72,4 @@ def fixed_cp_spans_nodes(par: ParallelConfig) -> bool:
     return any(group_spans_nodes(r * par.cp, par.cp, par) for r in range(min(par.dp, par.gpus_per_node)))
 
 
-__all__ = ["group_spans_nodes", "spans_by_size", "fixed_cp_spans_nodes"]
+__all__ = ["group_spans_nodes", "groups_span_nodes", "spans_by_size", "fixed_cp_spans_nodes"]

@@ -171,8 +171,8 @@ def _tree_schedules(step: StepData, name: str, cls: np.ndarray, extra_counts: in
     ``floor``: the smallest groups, which the remaining samples are dealt over -- single GPUs (1), or the DP
     ranks' own CP groups (``cp``)."""
     tree, par = step.tree, step.par
-    units = list(tree.leaf_of) if floor == 1 else [tree.dp_rank_node(r).index for r in range(par.dp)]
-    starts = np.asarray([tree.nodes[u].start for u in units], dtype=np.int64)
+    units = tree.leaves if floor == 1 else np.asarray([tree.dp_rank_node(r).index for r in range(par.dp)])
+    starts = tree.starts[units]
     node_bins: Dict[int, Bins] = {}
     for v, samples in place_wide(step, cls, floor).items():
         bins = step.pack(tree.nodes[v].size, samples)
@@ -202,7 +202,7 @@ def _tree_schedules(step: StepData, name: str, cls: np.ndarray, extra_counts: in
         if leaves is None:
             return None
         bins = dict(node_bins)
-        for u, leaf in enumerate(units):
+        for u, leaf in enumerate(units.tolist()):
             need = int(m - inherited[u])
             if need:
                 packed = step.pack(floor, leaves[u], need)

@@ -69,7 +69,7 @@ from ...alignment import fp8_multiple
 from ...checks import as_int
 from ...cost_model import CostModel
 from ...errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
-from ...parallel import ParallelConfig
+from ...parallel import MAX_RANKS, ParallelConfig
 from .assembly import StepSlots, assemble, cp_comm_cost_model
 from .candidates import FIXED_CP, candidates
 from .plan import DynamicCPPlan
@@ -109,6 +109,11 @@ def plan_dynamic_cp(
         raise DynBatchConfigError(
             "group_ids", "given", "dynamic CP spreads a sample over CP groups that span several DP ranks, so "
             "'a group stays on one DP rank' has no meaning there", "drop group_ids, or plan with dynamic_cp=False")
+    if par.dp * par.cp > MAX_RANKS:
+        raise DynBatchConfigError(
+            "parallel", f"dp={par.dp} x cp={par.cp}", f"dynamic CP plans every GPU of the dp x cp pool, and this one "
+            f"has {par.dp * par.cp:,} (at most {MAX_RANKS:,}: a plan lists each GPU's micro-batches)",
+            "check dp and cp (their product is the GPUs of one pipeline stage), or plan with dynamic_cp=False")
     if par.pp == 2 and par.vpp > 1:
         raise DynBatchConfigError(
             "parallel.vpp", par.vpp, "dynamic CP with pp=2 and interleaving needs one micro-batch length per "

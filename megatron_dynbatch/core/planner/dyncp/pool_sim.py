@@ -43,6 +43,15 @@ def _sizes(starts: np.ndarray, pool: int) -> np.ndarray:
     return np.diff(np.append(starts, pool))
 
 
+def _sync_flat(x: np.ndarray, starts: np.ndarray, sizes: np.ndarray, ep_starts, ep_sizes) -> np.ndarray:
+    """``[rows, pool]`` start times, each row's groups (``starts``/``sizes`` over the rows laid end to end) and
+    expert-parallel blocks moved to their latest member."""
+    flat = np.repeat(np.maximum.reduceat(x.ravel(), starts), sizes)
+    if ep_starts is not None:
+        flat = np.repeat(np.maximum.reduceat(flat, ep_starts), ep_sizes)
+    return flat.reshape(x.shape)
+
+
 def simulate_pool(times: np.ndarray, blocks: Sequence[np.ndarray], cm: CostModel, ep_width: int = 1) -> np.ndarray:
     """Finish time of every pool GPU. ``times[j, i]``: seconds of GPU ``i``'s slot-``j`` micro-batch (the whole
     pipeline depth, as :meth:`CostModel.group_microbatch_time` gives it); ``blocks[j]``: first GPUs of slot
@@ -57,7 +66,13 @@ def simulate_pool(times: np.ndarray, blocks: Sequence[np.ndarray], cm: CostModel
     ep_starts = np.arange(0, pool, ep_width) if ep_width > 1 and pool % ep_width == 0 else None
     ep_sizes = _sizes(ep_starts, pool) if ep_starts is not None else None
 
-    def sync(x: np.ndarray, j: int) -> np.ndarray:
+    def sync(x: np.ndarray, j) -> np.ndarray:
+        if x.ndim == 2:  # row r is slot j[r] (the compressed 1F1B form): one reduction over the rows laid end to end
+            rows = np.arange(x.shape[0]) * pool
+            return _sync_flat(x, np.concatenate([blocks[s] + r for s, r in zip(j.tolist(), rows.tolist())]),
+                              np.concatenate([sizes[s] for s in j.tolist()]),
+                              None if ep_starts is None else (ep_starts[None, :] + rows[:, None]).ravel(),
+                              None if ep_starts is None else np.tile(ep_sizes, x.shape[0]))
         x = np.repeat(np.maximum.reduceat(x, blocks[j]), sizes[j])
         if ep_starts is not None:
             x = np.repeat(np.maximum.reduceat(x, ep_starts), ep_sizes)

@@ -4,7 +4,7 @@ For each group size ``s`` of the pool tree and each sample: its slot length (a m
 :func:`~.pool.group_alignment`), whether it fits a GPU's budget there (``padded_total / s <=
 max_tokens_per_gpu``, i.e. slot length <= the group's effective cap) and its solo time ``tau(i, s)``
 (:meth:`CostModel.group_work`: linear and attention work over ``s`` GPUs with the CP-member terms, the exposed K/V
-exchange -- at the inter-node numbers when groups of size ``s`` cross nodes (:func:`~...topology.spans_by_size`);
+exchange -- at the inter-node numbers when groups of size ``s`` cross nodes (:meth:`~.pool.PoolTree.spans_by_size`);
 no overhead, no floor). ``s_min(i)`` is the smallest size from which on the sample fits every larger size too.
 The step also carries the search limits every candidate obeys -- a forced slot count, the refinement rounds --
 the decision margin the orchestration applies, and how the fixed-CP candidate plans (:class:`FixedLayout`:
@@ -24,7 +24,6 @@ import numpy as np
 from ...alignment import Alignment
 from ...cost_model import CostModel
 from ...parallel import ParallelConfig
-from ...topology import spans_by_size
 from ..ordering import mb_sums
 from ..fallback import SearchBudget
 from ..packer import StepInput, best_fit_bin_count, pack_rank
@@ -81,7 +80,7 @@ class StepData:
         self.oversize = oversize
         self.n = int(lens.size)
         #: group size -> whether its groups cross nodes (priced at the inter-node numbers)
-        self.spans: Dict[int, bool] = spans_by_size(par, ((n.start, n.size) for n in tree.nodes))
+        self.spans: Dict[int, bool] = tree.spans_by_size(par)
         self.sizes: Dict[int, GroupSize] = {}
         for s in tree.sizes:
             align = group_alignment(par, s, tile)
