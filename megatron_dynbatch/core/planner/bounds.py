@@ -35,12 +35,14 @@ MAX_J = 8
 
 def min_bins(sizes: np.ndarray, cap: int, n_alone: int = 0) -> int:
     """A lower bound on the bins of capacity ``cap`` that items of ``sizes`` (each ``<= cap``) need, plus
-    ``n_alone`` items that must each have a bin of their own. At least 1 when there is anything to place."""
+    ``n_alone`` items that must each have a bin of their own: the largest of L1, L2 and the cardinality bounds
+    (module docstring). At least 1 when there is anything to place. A few sizes take the plain-Python twin
+    :func:`_min_bins_lists` (below), the rest NumPy (:func:`_martello_toth_l2`): the same integers."""
     s = np.asarray(sizes, dtype=np.int64)
     if s.size == 0:
         return int(n_alone)
     if is_small(s.size):  # a few sizes: NumPy's per-call overhead would dominate
-        return _min_bins_py(sorted(s.tolist()), int(cap)) + int(n_alone)
+        return _min_bins_lists(sorted(s.tolist()), int(cap)) + int(n_alone)
     s = np.sort(s)[::-1]  # descending
     n = int(s.size)
     cap = int(cap)
@@ -55,6 +57,59 @@ def min_bins(sizes: np.ndarray, cap: int, n_alone: int = 0) -> int:
             break
         best = max(best, -(-count // j))
     return best + int(n_alone)
+
+
+def _min_bins_lists(asc: List[int], cap: int) -> int:
+    """:func:`min_bins` of a few sizes (ascending, non-empty) in plain Python, its twin for small steps: the same
+    bounds by the same integer arithmetic, with ``bisect`` for ``searchsorted`` and running sums for ``cumsum``
+    (exact: all integers)."""
+    n = len(asc)
+    prefix = list(itertools.accumulate(asc, initial=0))  # prefix[i] = sum of the i smallest
+    best = max(1, -(-prefix[n] // cap))
+    # Martello-Toth L2 for every distinct k <= cap/2 (see _martello_toth_l2); with no item over cap/2 every k
+    # gives ceil(sum of the items >= k / cap), at most the token bound above, so the loop is skipped
+    n_small = bisect.bisect_right(asc, cap // 2)  # s <= cap/2
+    n_gt_half = n - n_small
+    sum_gt_half = prefix[n] - prefix[n_small]
+    for k in sorted(set([0] + asc[:n_small])) if n_gt_half else ():
+        idx = bisect.bisect_right(asc, cap - k)  # s > cap - k: J1
+        j1 = n - idx
+        j2 = n_gt_half - j1
+        sum_j2 = sum_gt_half - (prefix[n] - prefix[idx])
+        sum_j3 = prefix[n_small] - prefix[bisect.bisect_left(asc, k)]
+        extra = max(0, -(-(sum_j3 - (j2 * cap - sum_j2)) // cap))
+        best = max(best, j1 + j2 + extra)
+    for j in range(2, MAX_J + 1):
+        count = n - bisect.bisect_right(asc, cap // (j + 1))
+        if count == 0:
+            break
+        best = max(best, -(-count // j))
+    return best
+
+
+def _martello_toth_l2(desc: np.ndarray, cap: int) -> int:
+    """Martello-Toth L2 for sizes sorted in decreasing order, every distinct ``k <= cap/2`` tried at once."""
+    asc = desc[::-1]
+    prefix = np.concatenate(([0], np.cumsum(asc)))  # prefix[i] = sum of the i smallest
+    n = asc.size
+    half = cap // 2  # "s <= cap/2" for integers is "s <= half" (cap even) or "s <= half" (cap odd: s < cap/2)
+    ks = np.unique(np.concatenate(([0], asc[asc <= half])))
+    # counts by threshold, via the ascending array
+    n_gt_half = n - int(np.searchsorted(asc, half, side="right"))          # s > cap/2
+    sum_gt_half = int(prefix[n] - prefix[n - n_gt_half])
+    idx_gt_cap_minus_k = np.searchsorted(asc, cap - ks, side="right")        # s > cap - k  (J1)
+    j1 = n - idx_gt_cap_minus_k
+    # J2: cap/2 < s <= cap - k
+    j2 = n_gt_half - j1
+    sum_j1 = prefix[n] - prefix[idx_gt_cap_minus_k]
+    sum_j2 = sum_gt_half - sum_j1
+    # J3: k <= s <= cap/2
+    lo = np.searchsorted(asc, ks, side="left")
+    hi = n - n_gt_half
+    sum_j3 = prefix[hi] - prefix[lo]
+    room = j2 * cap - sum_j2
+    extra = np.maximum(0, -(-(sum_j3 - room) // cap))
+    return int((j1 + j2 + extra).max())
 
 
 def max_covered_count(unit_counts: np.ndarray, dp: int, hi: int) -> int:
@@ -87,55 +142,3 @@ def _ranks_covered(desc: np.ndarray, prefix: np.ndarray, m: int) -> int:
         return big
     c = int(np.searchsorted(prefix[big:] - prefix[big], m, side="left"))  # fewest small units reaching m
     return big + min(small_sum // m, (desc.size - big) // c)
-
-
-def _martello_toth_l2(desc: np.ndarray, cap: int) -> int:
-    """Martello-Toth L2 for sizes sorted in decreasing order, every distinct ``k <= cap/2`` tried at once."""
-    asc = desc[::-1]
-    prefix = np.concatenate(([0], np.cumsum(asc)))  # prefix[i] = sum of the i smallest
-    n = asc.size
-    half = cap // 2  # "s <= cap/2" for integers is "s <= half" (cap even) or "s <= half" (cap odd: s < cap/2)
-    ks = np.unique(np.concatenate(([0], asc[asc <= half])))
-    # counts by threshold, via the ascending array
-    n_gt_half = n - int(np.searchsorted(asc, half, side="right"))          # s > cap/2
-    sum_gt_half = int(prefix[n] - prefix[n - n_gt_half])
-    idx_gt_cap_minus_k = np.searchsorted(asc, cap - ks, side="right")        # s > cap - k  (J1)
-    j1 = n - idx_gt_cap_minus_k
-    # J2: cap/2 < s <= cap - k
-    j2 = n_gt_half - j1
-    sum_j1 = prefix[n] - prefix[idx_gt_cap_minus_k]
-    sum_j2 = sum_gt_half - sum_j1
-    # J3: k <= s <= cap/2
-    lo = np.searchsorted(asc, ks, side="left")
-    hi = n - n_gt_half
-    sum_j3 = prefix[hi] - prefix[lo]
-    room = j2 * cap - sum_j2
-    extra = np.maximum(0, -(-(sum_j3 - room) // cap))
-    return int((j1 + j2 + extra).max())
-
-
-def _min_bins_py(asc: List[int], cap: int) -> int:
-    """:func:`min_bins` of a few sizes (ascending, non-empty) in plain Python: the same bounds by the same integer
-    arithmetic, with ``bisect`` for ``searchsorted`` and running sums for ``cumsum`` (exact: all integers)."""
-    n = len(asc)
-    prefix = list(itertools.accumulate(asc, initial=0))  # prefix[i] = sum of the i smallest
-    best = max(1, -(-prefix[n] // cap))
-    # Martello-Toth L2 for every distinct k <= cap/2 (see _martello_toth_l2); with no item over cap/2 every k
-    # gives ceil(sum of the items >= k / cap), at most the token bound above, so the loop is skipped
-    n_small = bisect.bisect_right(asc, cap // 2)  # s <= cap/2
-    n_gt_half = n - n_small
-    sum_gt_half = prefix[n] - prefix[n_small]
-    for k in sorted(set([0] + asc[:n_small])) if n_gt_half else ():
-        idx = bisect.bisect_right(asc, cap - k)  # s > cap - k: J1
-        j1 = n - idx
-        j2 = n_gt_half - j1
-        sum_j2 = sum_gt_half - (prefix[n] - prefix[idx])
-        sum_j3 = prefix[n_small] - prefix[bisect.bisect_left(asc, k)]
-        extra = max(0, -(-(sum_j3 - (j2 * cap - sum_j2)) // cap))
-        best = max(best, j1 + j2 + extra)
-    for j in range(2, MAX_J + 1):
-        count = n - bisect.bisect_right(asc, cap // (j + 1))
-        if count == 0:
-            break
-        best = max(best, -(-count // j))
-    return best

@@ -314,7 +314,7 @@ def _units_best_fit(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
                 break
         if not placed:
             return None
-    return bins if all(_fill_empty(rank, inp) for rank in bins) else None
+    return bins if all(_fill_empty_bins(rank) for rank in bins) else None
 
 
 def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optional[Bins]:
@@ -448,20 +448,6 @@ def _rank_bin_search(inp: StepInput, members, m: int, budget: SearchBudget) -> O
                     units=None, cap=inp.cap)
     found = search_bins(sub, m, budget)
     return None if found is None else [[int(members[i]) for i in b] for b in found]
-
-
-def _fill_empty(rank: List[List[int]], inp: StepInput) -> bool:
-    """In place: give every empty micro-batch one sample from a micro-batch with several (never an oversize
-    sample's own); ``False`` if the rank has too few samples."""
-    for k in range(len(rank)):
-        if rank[k]:
-            continue
-        donors = [d for d in range(len(rank)) if len(rank[d]) > 1]
-        if not donors:
-            return False
-        d = max(donors, key=lambda j: (len(rank[j]), -j))
-        rank[k].append(rank[d].pop())
-    return True
 
 
 def _exact(inp: StepInput, dp: int, m: int) -> Optional[Bins]:

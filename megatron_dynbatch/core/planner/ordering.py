@@ -31,7 +31,9 @@ FAST_FORM_POLISH_SHARE = 16
 
 
 def arrangement(times: np.ndarray, pattern: str) -> np.ndarray:
-    """Permutation of micro-batch indices for ``pattern`` (ties broken by index: deterministic)."""
+    """Permutation of micro-batch indices for ``pattern`` (ties broken by index: deterministic): ``desc`` longest
+    first, ``asc`` its reverse, ``valley`` the even positions of ``asc`` then its odd ones reversed (small at
+    both ends). Its plain-Python twin for small steps is :func:`arrangements_of`, right below."""
     idx = np.arange(times.size)
     desc = np.lexsort((idx, -times))
     if pattern == "desc":
@@ -42,6 +44,19 @@ def arrangement(times: np.ndarray, pattern: str) -> np.ndarray:
     return np.concatenate([asc[0::2], asc[1::2][::-1]])
 
 
+def arrangements_of(times: List[float]) -> Tuple[List[int], ...]:
+    """:func:`arrangement` of a list of Python floats for every pattern of :data:`PATTERNS`, in plain Python (the
+    same permutations)."""
+    desc = descending(times)
+    asc = desc[::-1]
+    return desc, asc, asc[0::2] + asc[1::2][::-1]
+
+
+def descending(times: List[float]) -> List[int]:
+    """The positions of ``times`` longest first, ties in index order: the "desc" arrangement."""
+    return sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in index order
+
+
 def mb_sums(rank_bins: List[List[int]], values: np.ndarray) -> np.ndarray:
     """Per-micro-batch sums of ``values`` over one rank's (non-empty) micro-batches, in one NumPy call."""
     if not rank_bins:
@@ -49,6 +64,11 @@ def mb_sums(rank_bins: List[List[int]], values: np.ndarray) -> np.ndarray:
     flat = [i for mb in rank_bins for i in mb]
     starts = np.cumsum([0] + [len(mb) for mb in rank_bins[:-1]])
     return np.add.reduceat(values[flat], starts)
+
+
+def segment_sum(values: List[float]) -> float:
+    """``np.add.reduceat``'s sum of one non-empty segment: its first value plus NumPy's sum of the rest."""
+    return values[0] if len(values) == 1 else values[0] + np_sum(values[1:])
 
 
 def _per_rank_sums(bins: List[List[List[int]]], values: np.ndarray) -> List[np.ndarray]:
@@ -140,6 +160,20 @@ class RankTimes:
         self.slots[a], self.sqs[a], self.slots[b], self.sqs[b] = moved
 
 
+def best_of_list(times: List[float], cm: CostModel) -> Tuple[float, str, List[int]]:
+    """:meth:`RankTimes.best_of` of a list of Python floats, in plain Python (the same time and arrangement),
+    with the arrangement's permutation (the one of :func:`arrangements_of`)."""
+    if cm.pp == 1:
+        return cm.rank_time_of(times), "desc", descending(times)
+    best = None
+    stage = [t / cm.pp for t in times]
+    for pattern, perm in zip(PATTERNS, arrangements_of(times)):
+        t = cm.pipeline_time_of([stage[i] for i in perm])
+        if best is None or t < best[0] - 1e-15:
+            best = (t, pattern, perm)
+    return best
+
+
 class TimingMemo:
     """What one step's plans already computed: for small plans (:class:`SmallRankTimes`) a micro-batch's slot
     tokens and squared tokens by its items, its time by those two sums, a rank's best arrangement by its
@@ -229,38 +263,6 @@ class SmallRankTimes(RankTimes):
         return best
 
 
-def best_of_list(times: List[float], cm: CostModel) -> Tuple[float, str, List[int]]:
-    """:meth:`RankTimes.best_of` of a list of Python floats, in plain Python (the same time and arrangement),
-    with the arrangement's permutation (the one of :func:`arrangements_of`)."""
-    if cm.pp == 1:
-        return cm.rank_time_of(times), "desc", descending(times)
-    best = None
-    stage = [t / cm.pp for t in times]
-    for pattern, perm in zip(PATTERNS, arrangements_of(times)):
-        t = cm.pipeline_time_of([stage[i] for i in perm])
-        if best is None or t < best[0] - 1e-15:
-            best = (t, pattern, perm)
-    return best
-
-
-def segment_sum(values: List[float]) -> float:
-    """``np.add.reduceat``'s sum of one non-empty segment: its first value plus NumPy's sum of the rest."""
-    return values[0] if len(values) == 1 else values[0] + np_sum(values[1:])
-
-
-def arrangements_of(times: List[float]) -> Tuple[List[int], ...]:
-    """:func:`arrangement` of a list of Python floats for every pattern of :data:`PATTERNS`, in plain Python (the
-    same permutations)."""
-    desc = descending(times)
-    asc = desc[::-1]
-    return desc, asc, asc[0::2] + asc[1::2][::-1]
-
-
-def descending(times: List[float]) -> List[int]:
-    """The positions of ``times`` longest first, ties in index order: the "desc" arrangement."""
-    return sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in index order
-
-
 def best_arrangements(times: List[np.ndarray], cm: CostModel,
                       memo: Optional[dict] = None) -> Tuple[np.ndarray, List[np.ndarray]]:
     """Each rank's best arrangement (as :meth:`RankTimes.best_rank_time` picks it) and its time; ranks with
@@ -321,9 +323,10 @@ def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int
     Only for ``pp > 1`` without expert lockstep and without groups (the caller decides). A move never empties a
     micro-batch and never breaks the cap; the work is bounded by ``max_evals`` evaluations and ``max_ops``
     simulated pipeline operations (:func:`~..pipeline_sim.simulated_steps`; 1/16 of it in the compressed form),
-    whichever comes first -- the operations strictly (a round runs only if it fits). Returns the evaluations spent, counting from
-    ``start_evals``: the polish is a deterministic greedy walk, so a second call with a larger budget and the
-    first call's return value as ``start_evals`` continues exactly as one call with the larger budget would.
+    whichever comes first -- the operations strictly (a round runs only if it fits). Returns the evaluations
+    spent, counting from ``start_evals``: the polish is a deterministic greedy walk, so a second call with a
+    larger budget and the first call's return value as ``start_evals`` continues exactly as one call with the
+    larger budget would.
     ``memo``: the step's :class:`TimingMemo`, for small steps.
     """
     rt = RankTimes.build(bins, aligned, sq, cm, align, memo)

@@ -344,7 +344,7 @@ def _max_count(inp: StepInput, dp: int) -> int:
     (not 20): no count above it is tried, and the count search, which gallops upwards, cannot jump over the few
     counts that pack into ones no grouping can fill."""
     if is_small(inp.unit_count.size):  # the same integers in plain Python
-        c = sorted(inp.unit_lists[2], reverse=True)
+        c = sorted(inp.unit_lists.items, reverse=True)
         total = sum(c)
         tops = itertools.accumulate([0] + c)  # the j largest
         bound = min((total - top) // (dp - j) for j, top in zip(range(min(dp, len(c))), tops))
