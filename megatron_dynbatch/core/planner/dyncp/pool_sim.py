@@ -63,14 +63,22 @@ def simulate_pool(times: np.ndarray, blocks: Sequence[np.ndarray], cm: CostModel
     if m == 0:
         return np.zeros(pool)
     sizes = [_sizes(b, pool) for b in blocks]
+    # every slot's group starts and sizes in one padded table (-1: no group), for the row-wise synchronisation
+    widest = max(b.size for b in blocks)
+    start_table = np.full((m, widest), -1, dtype=np.int64)
+    size_table = np.zeros((m, widest), dtype=np.int64)
+    for j, b in enumerate(blocks):
+        start_table[j, :b.size] = b
+        size_table[j, :b.size] = sizes[j]
     ep_starts = np.arange(0, pool, ep_width) if ep_width > 1 and pool % ep_width == 0 else None
     ep_sizes = _sizes(ep_starts, pool) if ep_starts is not None else None
 
     def sync(x: np.ndarray, j) -> np.ndarray:
         if x.ndim == 2:  # row r is slot j[r] (the compressed 1F1B form): one reduction over the rows laid end to end
-            rows = np.arange(x.shape[0]) * pool
-            return _sync_flat(x, np.concatenate([blocks[s] + r for s, r in zip(j.tolist(), rows.tolist())]),
-                              np.concatenate([sizes[s] for s in j.tolist()]),
+            rows = np.arange(x.shape[0], dtype=np.int64) * pool
+            table = start_table[j]
+            real = table >= 0
+            return _sync_flat(x, (table + rows[:, None])[real], size_table[j][real],
                               None if ep_starts is None else (ep_starts[None, :] + rows[:, None]).ravel(),
                               None if ep_starts is None else np.tile(ep_sizes, x.shape[0]))
         x = np.repeat(np.maximum.reduceat(x, blocks[j]), sizes[j])
