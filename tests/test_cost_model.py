@@ -24,6 +24,81 @@ def test_1f1b_one_large_microbatch_costs_more_than_its_share():
     assert lumpy > small
 
 
+def reference_1f1b(times, pp):
+    """1F1B written out stage by stage (the definition in pipeline_sim's docstring), run until no stage can move."""
+    f = [x / 3.0 for x in times]
+    b = [x - x / 3.0 for x in times]
+    m = len(times)
+    seqs = []
+    for s in range(pp):
+        w = min(pp - s - 1, m)
+        ops = [("F", j) for j in range(w)]
+        for i in range(m - w):
+            ops += [("F", w + i), ("B", i)]
+        seqs.append(ops + [("B", j) for j in range(m - w, m)])
+    end, pos, clock, moved = {}, [0] * pp, [0.0] * pp, True
+    while moved:
+        moved = False
+        for s in range(pp):
+            while pos[s] < len(seqs[s]):
+                kind, j = seqs[s][pos[s]]
+                if kind == "F":
+                    dep = (s - 1, "F", j) if s > 0 else None
+                else:
+                    dep = (s + 1, "B", j) if s < pp - 1 else (s, "F", j)
+                if dep is not None and dep not in end:
+                    break
+                start = max(clock[s], end[dep] if dep is not None else 0.0)
+                clock[s] = end[(s, kind, j)] = start + (f[j] if kind == "F" else b[j])
+                pos[s] += 1
+                moved = True
+    return max(end.values())
+
+
+@pytest.mark.parametrize("m,pp", [(1, 1), (3, 2), (5, 4), (8, 8), (4, 9), (12, 3), (7, 70), (3, 130), (40, 30),
+                                  (130, 8), (200, 2), (20, 200)])
+def test_1f1b_simulation_is_the_schedule_written_out(m, pp):
+    """Both forms (operation by operation; compressed for long, full pipelines: issue 28's pp=4096 took 6 s)
+    against the schedule simulated stage by stage."""
+    from megatron_dynbatch.core.pipeline_sim import simulate_1f1b_batch, uses_fast_form
+
+    rng = np.random.default_rng(m * 1000 + pp)
+    rows = rng.uniform(0.0, 1.0, (3, m)) * (rng.random((3, m)) < 0.9)
+    want = [reference_1f1b(r.tolist(), pp) for r in rows]
+    batch = simulate_1f1b_batch(rows, pp)
+    single = [simulate_1f1b(r.tolist(), pp) for r in rows]
+    np.testing.assert_allclose(batch, want, rtol=1e-12)
+    assert single == batch.tolist()  # one rank and many give the same value, in either form
+    if not uses_fast_form(m, pp):
+        assert single == want  # operation by operation: the same arithmetic, bit for bit
+
+
+def test_1f1b_compressed_form_agrees_with_the_operations_on_huge_pipelines():
+    from megatron_dynbatch.core import pipeline_sim
+
+    rng = np.random.default_rng(0)
+    for m, pp in [(5, 4096), (64, 4096), (300, 100), (2, 2 ** 20)]:
+        rows = rng.uniform(0.0, 1.0, (2, m))
+        assert pipeline_sim.uses_fast_form(m, pp)
+        ops = pipeline_sim._ops_batch(rows, pp, None) if m * pp <= 2 ** 19 else None
+        got = pipeline_sim.simulate_1f1b_batch(rows, pp)
+        if ops is not None:
+            np.testing.assert_allclose(got, ops, rtol=1e-12)
+        head = pp - m  # the first stages run every forward, then every backward: a long chain of the largest
+        assert (got >= head * rows.max(axis=1) / 3.0 * (1 - 1e-12)).all()
+
+
+def test_1f1b_schedule_lists_every_operation_once_in_dependency_order():
+    from megatron_dynbatch.core.pipeline_sim import _schedule_1f1b
+
+    for m, pp in [(1, 1), (4, 3), (3, 7), (9, 4)]:
+        order = _schedule_1f1b(m, pp)
+        assert len(order) == 2 * m * pp
+        assert all(prev < k and dep < k for k, (_, _, prev, dep) in enumerate(order))
+        assert sorted((j, is_b) for j, is_b, _, _ in order) == sorted((j, b) for j in range(m) for b in (False, True)
+                                                                      for _ in range(pp))
+
+
 def test_rank_time_pp1_is_sum_and_vpp_closed_form():
     cm = CostModel(1e-6, 0.0, overhead_s=0.0)
     assert cm.rank_time([1.0, 2.0]) == pytest.approx(3.0)

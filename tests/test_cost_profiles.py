@@ -86,6 +86,32 @@ def test_megatron_rank_order_decides_which_groups_cross_nodes():
     assert spans_by_size(odd, [(0, 6), (0, 4), (4, 2), (0, 2), (2, 2)]) == {2: False, 4: True, 6: True}
 
 
+def test_node_crossing_is_the_stage_by_stage_definition_for_any_number_of_stages():
+    """Which groups cross nodes, by the closed form over the stages' offsets (issue 28: with pp and gpus_per_node
+    both 2 ** 20 the stage-by-stage loop ran a million times per group), against that loop."""
+    from megatron_dynbatch.core.topology import groups_span_nodes
+
+    def by_stage(start, size, par):
+        n, width = par.gpus_per_node, par.tp * par.cp * par.dp
+        first, last = par.tp * start, par.tp * (start + size) - 1
+        return any((first + s * width % n) // n != (last + s * width % n) // n for s in range(min(par.pp, n)))
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        par = ParallelConfig(dp=int(rng.integers(1, 9)), tp=int(rng.choice([1, 2, 3, 4])),
+                             cp=int(rng.choice([1, 2, 3, 4])), pp=int(rng.integers(1, 12)),
+                             gpus_per_node=int(rng.choice([1, 2, 4, 6, 8, 16])))
+        start = int(rng.integers(0, par.dp * par.cp))
+        size = int(rng.integers(1, par.dp * par.cp - start + 1))
+        assert group_spans_nodes(start, size, par) == by_stage(start, size, par)
+    huge = ParallelConfig(dp=3, cp=2, pp=2 ** 20, gpus_per_node=2 ** 20)  # stages start at every even rank
+    offsets = np.unique(np.arange(2 ** 20, dtype=np.int64) * 6 % 2 ** 20)
+    for start, size in [(0, 1), (0, 2), (0, 3), (1, 2), (5, 1), (0, 6)]:
+        want = bool((((start + offsets) // 2 ** 20) != ((start + size - 1 + offsets) // 2 ** 20)).any())
+        assert group_spans_nodes(start, size, huge) == want
+    assert groups_span_nodes(np.arange(6), np.ones(6, dtype=np.int64), huge).tolist() == [False] * 6
+
+
 def test_crossing_nodes_prices_the_ring_at_the_inter_node_numbers():
     cm = CostModel.from_model("qwen3-8b", ParallelConfig(dp=4, tp=2, cp=4))
     tok = np.array([8192.0])

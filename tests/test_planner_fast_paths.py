@@ -255,14 +255,17 @@ def test_exchange_searches_agree(case):
             gap = loads[a] - loads[b]
             if a == b or gap <= 0:
                 continue
-            args = (ranks[a], ranks[b], gap, used[a], used[b], counts[a], counts[b], capacity, m)
-            assert packer._pair_py(*args, w, tok, cnt, smp) == packer._pair_np(*args, *arrays, smp_arr)
+            query = dict(gap=gap, used_a=used[a], used_b=used[b], items_a=counts[a], items_b=counts[b],
+                         capacity=capacity, m=m)
+            assert (packer._pair_lists(ranks[a], ranks[b], **query, cols=packer.UnitColumns(w, tok, cnt, smp))
+                    == packer._pair_arrays(ranks[a], ranks[b], **query, cols=packer.UnitColumns(*arrays, smp_arr)))
         if ranks[a]:
             bound = loads[a] * (1 - 1e-12)
-            state = (ranks, a, bound)
-            got = packer._global_py(*state, loads, used, counts, capacity, m, w, tok, cnt, smp)
-            want = packer._global_np(*state, np.array(loads), np.array(used), np.array(counts), capacity, m, *arrays,
-                                     smp_arr)
+            got = packer._global_lists(ranks, a, bound, load=loads, used=used, items=counts, capacity=capacity, m=m,
+                                       cols=packer.UnitColumns(w, tok, cnt, smp))
+            want = packer._global_arrays(ranks, a, bound, load=np.array(loads), used=np.array(used),
+                                         items=np.array(counts), capacity=capacity, m=m,
+                                         cols=packer.UnitColumns(*arrays, smp_arr))
             assert got == want
 
 

@@ -497,3 +497,82 @@ def test_microbatch_group_over_the_cap_names_the_group():
     with pytest.raises(OversizeSampleError, match="micro-batch group 'pair-1'"):
         plan_global_batch([300, 300, 600, 600], parallel={"dp": 1}, max_tokens_per_gpu=1000,
                           balance_by_flops=False, microbatch_group_ids=["pair-0", "pair-0", "pair-1", "pair-1"])
+
+
+# ---------------------------------------------------------------------- grouped batches that have a packing
+def test_grouped_batch_whose_counts_pack_only_in_a_window_is_planned():
+    """Issue 28, item 5: four prompt groups of 12, 16, 16 and 16 samples just over half the budget each (two per
+    micro-batch) over dp=3. One rank must take two groups (28 samples: >= 14 micro-batches), the others hold 16
+    each (<= 16 micro-batches): only 14..16 pack. The count search galloped from the token bound (10) over that
+    window to 17 and refused the batch."""
+    groups = ["prompt-1"] * 12 + ["prompt-2"] * 16 + ["prompt-3"] * 16 + ["prompt-4"] * 16
+    plan = plan_global_batch([2049] * 60, parallel={"dp": 3}, max_tokens_per_gpu=4128, group_ids=groups,
+                             balance_by_flops=False)
+    check_invariants(plan, [2049] * 60, {"dp": 3}, groups)
+    assert plan.num_microbatches == 14
+    assert sorted(len(plan.rank_samples(r)) for r in range(3)) == [16, 16, 28]
+
+
+def test_grouped_batch_whose_groups_must_split_exactly_is_planned():
+    """Every rank needs exactly M=9 samples (one per micro-batch) and the groups (6, 9, 4, 5, 5, 2, 3, 2) split
+    into four sets of 9 only a few ways: no greedy order finds one; the unit search (fallback.py) does."""
+    sizes = [6, 9, 4, 5, 5, 2, 3, 2]
+    groups = [g for g, k in enumerate(sizes) for _ in range(k)]
+    plan = plan_global_batch([51] * 36, parallel={"dp": 4}, max_tokens_per_gpu=100, group_ids=groups,
+                             balance_by_flops=False)
+    check_invariants(plan, [51] * 36, {"dp": 4}, groups)
+    assert plan.num_microbatches == 9
+
+
+def feasible_grouped_batch(rng: np.random.Generator, dp: int, m: int, cap: int):
+    """A batch built from a packing: ``dp`` ranks of ``m`` micro-batches, each filled to 20-100% of ``cap``
+    (90-100% when tight) with 1-4 samples -- or with 1..k-1 samples of one size just over ``cap / k`` -- and each
+    rank's samples cut into groups (a few large ones, or many small), groups and samples then shuffled."""
+    tight, equal = rng.random() < 0.5, rng.random() < 0.4
+    k = int(rng.integers(2, 5))
+    size = cap // k + 1
+    groups = []
+    for _ in range(dp):
+        items: list = []
+        for _ in range(m):
+            if equal:
+                items += [size] * int(rng.integers(1, k))
+                continue
+            fill = max(1, int(cap * (rng.uniform(0.9, 1.0) if tight else rng.uniform(0.2, 1.0))))
+            pieces = min(int(rng.integers(1, 3 if rng.random() < 0.5 else 5)), fill)
+            cuts = np.sort(rng.choice(np.arange(1, fill), size=pieces - 1, replace=False)) if pieces > 1 else []
+            items += np.diff(np.concatenate(([0], cuts, [fill]))).astype(int).tolist()
+        rng.shuffle(items)
+        if rng.random() < 0.5:  # a few large groups: the counts that pack form a narrow window
+            cuts = sorted(rng.choice(np.arange(1, len(items)), size=min(int(rng.integers(0, 3)), len(items) - 1),
+                                     replace=False).tolist())
+            groups += [items[a:b] for a, b in zip([0] + cuts, cuts + [len(items)])]
+        else:
+            at = 0
+            while at < len(items):
+                step = int(rng.integers(1, max(2, len(items) // int(rng.integers(1, 4))) + 1))
+                groups.append(items[at:at + step])
+                at += step
+    lengths, ids = [], []
+    for g in rng.permutation(len(groups)).tolist():
+        lengths += groups[g]
+        ids += [f"group-{g}"] * len(groups[g])
+    perm = rng.permutation(len(lengths)).tolist()
+    return [lengths[p] for p in perm], [ids[p] for p in perm]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 24), st.sampled_from([64, 100, 1000, 4096]), st.integers(0, 2 ** 31 - 1),
+       st.sampled_from(["tokens", "time", "time pp3"]))
+def test_a_grouped_batch_that_packs_is_never_refused(dp, m, cap, seed, balance):
+    """Grouped batches feasible by construction (:func:`feasible_grouped_batch`) always get a plan, within the
+    planning bound (2 s of CPU time)."""
+    import time
+
+    lengths, ids = feasible_grouped_batch(np.random.default_rng(seed), dp, m, cap)
+    layout = {"dp": dp, "pp": 3} if balance == "time pp3" else {"dp": dp}
+    kw = {"balance_by_flops": False} if balance == "tokens" else {"model": "qwen3-8b"}
+    t0 = time.process_time()
+    plan = plan_global_batch(lengths, parallel=layout, max_tokens_per_gpu=cap, group_ids=ids, **kw)
+    assert time.process_time() - t0 < 2.0
+    check_invariants(plan, lengths, layout, ids)

@@ -24,7 +24,12 @@ Each :class:`Shape` builds one batch (deterministic) and the planner arguments f
   ("refused" in the report). It used to search for minutes.
 * ``dyncp ...`` -- dynamic CP at the sizes issue 20 reported slow (fixed sizes, timed once per run): 16,384 GRPO
   samples over a pool of dp=64 x cp=4 with pp=4, and one 128k document among 9,999 short ones on dp=16 x cp=2
-  with pp=4 (Llama-3.1-8B).
+  with pp=4 (Llama-3.1-8B); and issue 28's: 8 samples over a pool of dp=1,024 x cp=1,024 (a million GPUs:
+  the plan lists each one; it took 10 s -- a tree of two million groups built node by node, each GPU's entry
+  appended one by one);
+* ``GRPO pp4096 (FLOPs)`` -- a pipeline far deeper than any model (issue 28: 6 s): the 1F1B simulation is
+  compressed (the stages whose warm-up covers every micro-batch are a flow shop in closed form), and the
+  planner, which scores more micro-batches the deeper the pipeline, stops where one simulation gets expensive.
 
 The default ``megatron-dynbatch bench`` times them at 4,096 samples; ``bench --adversarial`` at 65,536 samples
 over up to 1,024 ranks, where the target is < 2 s on one core, and at 4,096 / 16,384 / 65,536 samples to show the
@@ -60,10 +65,11 @@ class Shape:
     samples: Optional[int] = None
 
     def build(self, n: int) -> Tuple[np.ndarray, Dict[str, Any]]:
-        """The batch of ``n`` samples and the planner arguments (``dp`` shrinks with ``n`` to keep >= 4 each)."""
+        """The batch of ``n`` samples and the planner arguments (``dp`` shrinks with ``n`` to keep >= 64 samples
+        per rank, except in a fixed-size shape)."""
         n = self.samples or n
         lengths, kwargs = self.make(n, np.random.default_rng(n))
-        dp = max(1, min(self.dp, n // 64))
+        dp = self.dp if self.samples else max(1, min(self.dp, n // 64))  # a fixed-size shape keeps its layout
         par = dict(kwargs.pop("parallel", {}), dp=dp)
         kwargs = {"max_tokens_per_gpu": BUDGET, **kwargs, "parallel": par}  # balance_by: time with a model
         return np.asarray(lengths, dtype=np.int64), kwargs
@@ -100,6 +106,11 @@ SHAPES: Tuple[Shape, ...] = (
     Shape("dyncp 128k doc + short, dp16xcp2 pp4", 16, lambda n, r: (np.append(131_072, _grpo(n - 1, r, 16_384)), {
         "parallel": {"cp": 2, "pp": 4}, "model": "llama-3.1-8b", "max_tokens_per_gpu": 65_536, "dynamic_cp": True}),
         samples=10_000),
+    Shape("GRPO pp4096 (FLOPs)", 64, lambda n, r: (_grpo(n, r, 16_384), {
+        "parallel": {"pp": 4096}, "model": "qwen3-8b", "max_tokens_per_gpu": 32_768})),
+    Shape("dyncp 8 samples, pool dp1024 x cp1024", 1024, lambda n, r: (_grpo(n, r, 16_384), {
+        "parallel": {"cp": 1024}, "model": "llama-3.1-8b", "max_tokens_per_gpu": 8192, "dynamic_cp": True}),
+        samples=8),
 )
 
 

@@ -193,7 +193,7 @@ class CostModel:
     def tokens_only(cls, parallel: Optional[ParallelConfig] = None, overhead_s: float = 2.0e-3) -> "CostModel":
         """A model-free cost (1 us per token, no attention term) for planning without a ``ModelSpec``."""
         p = parallel or ParallelConfig()
-        return cls(1e-6 / (p.tp * p.cp), 0.0, overhead_s, pp=p.pp, vpp=p.vpp, ep_group=max(1, p.ep))
+        return cls(1e-6 / (p.tp * p.cp), 0.0, overhead_s, pp=p.pp, vpp=p.vpp, ep_group=max(1, p.ep), cp=p.cp)
 
     def with_layout(self, parallel: ParallelConfig) -> "CostModel":
         d = asdict(self)

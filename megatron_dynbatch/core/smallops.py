@@ -6,6 +6,21 @@ overhead on arrays of a handful of elements; the planner's fast paths (``planner
 methods run such steps in plain Python instead. Elementwise float64 arithmetic is the same in Python (IEEE
 doubles), and so are comparisons; what differs is summation order, which this module pins down.
 ``tests/test_planner_fast_paths.py`` checks every twin against NumPy.
+
+Where the pairs are (each rule defined once, in the docstring of the function callers use; its plain-Python twin
+right next to it):
+
+* sums: :func:`np_sum` (``np.sum``); ``ordering.segment_sum`` (``ordering.mb_sums``, ``np.add.reduceat``);
+* bounds: ``bounds.min_bins`` -> ``_min_bins_lists`` / ``_martello_toth_l2``;
+* packing (``packer``): ``_desc_order_of`` (``_desc_order``), ``_units_heaviest_first`` and
+  ``_items_heaviest_first`` (both branches in one function), the exchange searches ``pair_exchange`` ->
+  ``_pair_lists`` / ``_pair_arrays`` and ``global_exchange`` -> ``_global_lists`` / ``_global_arrays`` (named
+  parameters, ``UnitColumns`` / ``RankState``), ``refine_ranks`` (rank loads as lists or arrays);
+* the count search: ``search._max_count`` (both branches in one function);
+* timing: ``ordering.SmallRankTimes`` (``RankTimes``), ``arrangements_of`` / ``descending`` (``arrangement``),
+  ``best_of_list`` (``RankTimes.best_of``), ``timing.rank_times_of``; ``CostModel.microbatch_time_of`` shares
+  ``_one_size_compute`` with ``microbatch_time`` (derived, not copied), ``rank_time_of`` / ``pipeline_time_of``
+  pair with ``rank_time``.
 """
 
 from __future__ import annotations

@@ -20,23 +20,45 @@ Pure functions of the layout; no torch.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Dict, Iterable, Tuple
+
+import numpy as np
 
 from .parallel import ParallelConfig
 
 
-def _stage_offsets(par: ParallelConfig) -> Tuple[int, ...]:
-    """The distinct rank offsets of the pipeline stages modulo a node (at most ``gpus_per_node`` of them)."""
-    width = par.tp * par.cp * par.dp
-    return tuple(sorted({(s * width) % par.gpus_per_node for s in range(min(par.pp, par.gpus_per_node))}))
+@functools.lru_cache(maxsize=256)
+def _stage_offsets(width: int, n: int, pp: int) -> np.ndarray:
+    """The distinct rank offsets ``(s * width) % n`` of the pipeline stages modulo a node of ``n`` ranks, sorted:
+    every multiple of ``gcd(width, n)`` once the stages go round the whole period, else the stages' own."""
+    g = math.gcd(width, n)
+    if min(pp, n) >= n // g:
+        return np.arange(0, n, g, dtype=np.int64)
+    return np.unique(np.arange(min(pp, n), dtype=np.int64) * width % n)
 
 
 def group_spans_nodes(start: int, size: int, par: ParallelConfig) -> bool:
     """Whether the CP group of pool GPUs ``start .. start + size - 1`` (module docstring) crosses a node boundary
     in some pipeline stage."""
+    return bool(groups_span_nodes(np.asarray([start]), np.asarray([size]), par)[0])
+
+
+def groups_span_nodes(starts, sizes, par: ParallelConfig) -> np.ndarray:
+    """:func:`group_spans_nodes` of many groups at once (``starts``, ``sizes``: arrays of pool GPUs). A group of
+    ``L = tp * size`` ranks starting at position ``p`` of its node in some stage crosses a boundary iff ``p + L >
+    n``; the largest position over the stages is the largest offset that does not wrap (found by a binary search
+    over the sorted offsets) or, wrapped, the largest offset: ``O(groups log offsets)``, however many stages."""
     n = par.gpus_per_node
-    first, last = par.tp * int(start), par.tp * (int(start) + int(size)) - 1
-    return any((first + off) // n != (last + off) // n for off in _stage_offsets(par))
+    first = par.tp * np.asarray(starts, dtype=np.int64)
+    span = par.tp * np.asarray(sizes, dtype=np.int64)
+    offsets = _stage_offsets(par.tp * par.cp * par.dp, n, par.pp)
+    pos = first % n
+    below = np.searchsorted(offsets, n - pos, side="left") - 1  # the largest offset with pos + off < n
+    best = np.where(below >= 0, pos + offsets[np.maximum(below, 0)], -1)
+    wrapped = pos + offsets[-1] - n  # with the largest offset, if that one wraps
+    best = np.maximum(best, np.where(pos + offsets[-1] >= n, wrapped, -1))
+    return (span > n) | (best + span > n)
 
 
 @functools.lru_cache(maxsize=256)
@@ -59,4 +81,4 @@ def fixed_cp_spans_nodes(par: ParallelConfig) -> bool:
     return any(group_spans_nodes(r * par.cp, par.cp, par) for r in range(min(par.dp, par.gpus_per_node)))
 
 
-__all__ = ["group_spans_nodes", "spans_by_size", "fixed_cp_spans_nodes"]
+__all__ = ["group_spans_nodes", "groups_span_nodes", "spans_by_size", "fixed_cp_spans_nodes"]

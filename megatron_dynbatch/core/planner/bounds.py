@@ -13,6 +13,10 @@ times. The bounds here are all valid (no packing can use fewer bins) and take ``
   ``ceil(count / j)`` bins (``j = 2`` catches "every sample just over a third of the budget").
 
 Samples over the budget (``oversize='alone'``) run alone: each adds one bin and is not packed with others.
+
+The opposite direction -- the MOST micro-batches every rank can fill -- is a covering question when samples come
+in groups that must share a rank (:func:`max_covered_count`): every rank needs ``M`` items, so the groups must
+cover ``dp`` ranks with at least ``M`` items each.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ MAX_J = 8
 
 def min_bins(sizes: np.ndarray, cap: int, n_alone: int = 0) -> int:
     """A lower bound on the bins of capacity ``cap`` that items of ``sizes`` (each ``<= cap``) need, plus
-    ``n_alone`` items that must each have a bin of their own. At least 1 when there is anything to place."""
+    ``n_alone`` items that must each have a bin of their own: the largest of L1, L2 and the cardinality bounds
+    (module docstring). At least 1 when there is anything to place. A few sizes take the plain-Python twin
+    :func:`_min_bins_lists` (below), the rest NumPy (:func:`_martello_toth_l2`): the same integers."""
     s = np.asarray(sizes, dtype=np.int64)
     if s.size == 0:
         return int(n_alone)
     if is_small(s.size):  # a few sizes: NumPy's per-call overhead would dominate
-        return _min_bins_py(sorted(s.tolist()), int(cap)) + int(n_alone)
+        return _min_bins_lists(sorted(s.tolist()), int(cap)) + int(n_alone)
     s = np.sort(s)[::-1]  # descending
     n = int(s.size)
     cap = int(cap)
@@ -51,6 +57,34 @@ def min_bins(sizes: np.ndarray, cap: int, n_alone: int = 0) -> int:
             break
         best = max(best, -(-count // j))
     return best + int(n_alone)
+
+
+def _min_bins_lists(asc: List[int], cap: int) -> int:
+    """:func:`min_bins` of a few sizes (ascending, non-empty) in plain Python, its twin for small steps: the same
+    bounds by the same integer arithmetic, with ``bisect`` for ``searchsorted`` and running sums for ``cumsum``
+    (exact: all integers)."""
+    n = len(asc)
+    prefix = list(itertools.accumulate(asc, initial=0))  # prefix[i] = sum of the i smallest
+    best = max(1, -(-prefix[n] // cap))
+    # Martello-Toth L2 for every distinct k <= cap/2 (see _martello_toth_l2); with no item over cap/2 every k
+    # gives ceil(sum of the items >= k / cap), at most the token bound above, so the loop is skipped
+    n_small = bisect.bisect_right(asc, cap // 2)  # s <= cap/2
+    n_gt_half = n - n_small
+    sum_gt_half = prefix[n] - prefix[n_small]
+    for k in sorted(set([0] + asc[:n_small])) if n_gt_half else ():
+        idx = bisect.bisect_right(asc, cap - k)  # s > cap - k: J1
+        j1 = n - idx
+        j2 = n_gt_half - j1
+        sum_j2 = sum_gt_half - (prefix[n] - prefix[idx])
+        sum_j3 = prefix[n_small] - prefix[bisect.bisect_left(asc, k)]
+        extra = max(0, -(-(sum_j3 - (j2 * cap - sum_j2)) // cap))
+        best = max(best, j1 + j2 + extra)
+    for j in range(2, MAX_J + 1):
+        count = n - bisect.bisect_right(asc, cap // (j + 1))
+        if count == 0:
+            break
+        best = max(best, -(-count // j))
+    return best
 
 
 def _martello_toth_l2(desc: np.ndarray, cap: int) -> int:
@@ -78,28 +112,33 @@ def _martello_toth_l2(desc: np.ndarray, cap: int) -> int:
     return int((j1 + j2 + extra).max())
 
 
-def _min_bins_py(asc: List[int], cap: int) -> int:
-    """:func:`min_bins` of a few sizes (ascending, non-empty) in plain Python: the same bounds by the same integer
-    arithmetic, with ``bisect`` for ``searchsorted`` and running sums for ``cumsum`` (exact: all integers)."""
-    n = len(asc)
-    prefix = list(itertools.accumulate(asc, initial=0))  # prefix[i] = sum of the i smallest
-    best = max(1, -(-prefix[n] // cap))
-    # Martello-Toth L2 for every distinct k <= cap/2 (see _martello_toth_l2); with no item over cap/2 every k
-    # gives ceil(sum of the items >= k / cap), at most the token bound above, so the loop is skipped
-    n_small = bisect.bisect_right(asc, cap // 2)  # s <= cap/2
-    n_gt_half = n - n_small
-    sum_gt_half = prefix[n] - prefix[n_small]
-    for k in sorted(set([0] + asc[:n_small])) if n_gt_half else ():
-        idx = bisect.bisect_right(asc, cap - k)  # s > cap - k: J1
-        j1 = n - idx
-        j2 = n_gt_half - j1
-        sum_j2 = sum_gt_half - (prefix[n] - prefix[idx])
-        sum_j3 = prefix[n_small] - prefix[bisect.bisect_left(asc, k)]
-        extra = max(0, -(-(sum_j3 - (j2 * cap - sum_j2)) // cap))
-        best = max(best, j1 + j2 + extra)
-    for j in range(2, MAX_J + 1):
-        count = n - bisect.bisect_right(asc, cap // (j + 1))
-        if count == 0:
-            break
-        best = max(best, -(-count // j))
-    return best
+def max_covered_count(unit_counts: np.ndarray, dp: int, hi: int) -> int:
+    """An upper bound (at most ``hi``) on the micro-batches per rank a step of units (groups that stay on one
+    rank, ``unit_counts`` items each) can fill: every rank needs ``M`` items, so ``dp`` ranks must each be
+    covered by whole units holding ``>= M`` items. :func:`_ranks_covered` bounds how many ranks ``M`` can cover;
+    a count whose bound is below ``dp`` certainly fails, and so does every larger count (a rank holding ``M + 1``
+    items holds ``M``), so the bisection's first failure bounds every feasible count: ``0`` when even ``M = 1``
+    fails."""
+    desc = np.sort(np.asarray(unit_counts, dtype=np.int64))[::-1]
+    prefix = np.concatenate(([0], np.cumsum(desc)))
+    lo, top = 0, int(hi) + 1  # covered(lo) holds (or lo == 0), covered(top) fails
+    while top - lo > 1:
+        mid = (lo + top) // 2
+        if _ranks_covered(desc, prefix, mid) >= dp:
+            lo = mid
+        else:
+            top = mid
+    return lo
+
+
+def _ranks_covered(desc: np.ndarray, prefix: np.ndarray, m: int) -> int:
+    """A bound on the ranks that units of ``desc`` items (decreasing; ``prefix``: its running sums) can give
+    ``m`` items each: a unit of ``>= m`` items covers one rank alone; the smaller units cover at most
+    ``floor(sum / m)`` ranks, each with at least ``c`` of them, ``c`` the fewest units whose items reach ``m``
+    (the largest ``c``)."""
+    big = int(desc.size - np.searchsorted(desc[::-1], m, side="left"))  # units of >= m items
+    small_sum = int(prefix[-1] - prefix[big])
+    if small_sum < m:
+        return big
+    c = int(np.searchsorted(prefix[big:] - prefix[big], m, side="left"))  # fewest small units reaching m
+    return big + min(small_sum // m, (desc.size - big) // c)

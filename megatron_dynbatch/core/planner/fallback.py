@@ -8,7 +8,11 @@ rank). Before the planner declares a count infeasible, it tries, in order:
    micro-batches, then dealt out ``M`` per rank by size tier (:func:`.packer.plan_global_bins`) -- with no
    groups, any ``dp * M`` non-empty bins make a valid plan;
 2. **units by best fit** (groups): groups in decreasing tokens, each onto the rank with the most room whose
-   ``M`` micro-batches take all its samples (best fit inside the rank); bounded work;
+   ``M`` micro-batches take all its samples (best fit inside the rank); bounded work; then, only when the count
+   search would otherwise refuse the batch or a forced count, a **unit search** (:func:`units_search`):
+   depth-first over groups -> ranks, pruned by rank capacity and by the items the short ranks still need, each
+   complete assignment packed rank by rank -- groups whose item counts must split exactly (``dp * M`` items in
+   all: every rank exactly ``M``) are a number-partitioning problem that no greedy order solves reliably;
 3. **bin search** (no groups; only when the count search would otherwise refuse the batch or a forced count):
    when best fit needs more than ``dp * M`` bins but the Martello-Toth bound (:func:`.bounds.min_bins`) says
    ``dp * M`` might do, a depth-first bin packing (best fit first, bins of equal load tried once, dead room
@@ -47,6 +51,10 @@ UNIT_FIT_BUDGET = 4_000_000
 #: call (every step and count together): bounded time on every input, ~0.1 s and ~0.9 s on one core
 BIN_SEARCH_WORK = 100_000
 PLAN_SEARCH_WORK = 800_000
+#: work the unit search (:func:`units_search`: units looked at) may spend on one count, and in all for one
+#: ``plan_global_batch`` call: ~0.6 s and ~0.9 s on one core
+UNIT_SEARCH_WORK = 2_000_000
+PLAN_UNIT_SEARCH_WORK = 3_000_000
 #: most items bin completion puts with the largest one into a bin (bins of many small items are easy for the
 #: item-by-item search; this bounds the set enumeration's recursion)
 MAX_COMPLETION_ITEMS = 64
@@ -54,13 +62,17 @@ MAX_COMPLETION_ITEMS = 64
 
 @dataclass
 class SearchBudget:
-    """Work the bin search may still spend, shared by every step and count of one plan (deterministic: counted
-    in examined bins, not seconds)."""
+    """Work the bin search (``left``, in examined bins) and the unit search (``units_left``, in units looked at)
+    may still spend, shared by every step and count of one plan (deterministic: counted in work, not seconds)."""
 
     left: int = PLAN_SEARCH_WORK
+    units_left: int = PLAN_UNIT_SEARCH_WORK
 
     def take(self) -> int:
         return min(BIN_SEARCH_WORK, self.left)
+
+    def take_units(self) -> int:
+        return min(UNIT_SEARCH_WORK, self.units_left)
 
 Bins = List[List[List[int]]]
 
@@ -82,6 +94,9 @@ def feasible_packing(inp: StepInput, dp: int, m: int, global_bins: Optional[Bins
             return deal_by_tier(found, inp, dp, m)
     else:
         found = _units_best_fit(inp, dp, m)
+        if found is not None:
+            return found
+        found = units_search(inp, dp, m, search) if search is not None else None
         if found is not None:
             return found
     if inp.aligned.size <= EXACT_MAX_SAMPLES:
@@ -299,21 +314,140 @@ def _units_best_fit(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
                 break
         if not placed:
             return None
-    return bins if all(_fill_empty(rank, inp) for rank in bins) else None
+    return bins if all(_fill_empty_bins(rank) for rank in bins) else None
 
 
-def _fill_empty(rank: List[List[int]], inp: StepInput) -> bool:
-    """In place: give every empty micro-batch one sample from a micro-batch with several (never an oversize
-    sample's own); ``False`` if the rank has too few samples."""
-    for k in range(len(rank)):
-        if rank[k]:
-            continue
-        donors = [d for d in range(len(rank)) if len(rank[d]) > 1]
-        if not donors:
-            return False
-        d = max(donors, key=lambda j: (len(rank[j]), -j))
-        rank[k].append(rank[d].pop())
-    return True
+def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optional[Bins]:
+    """A packing of a grouped step into ``dp`` ranks of ``m`` micro-batches found by bin completion over ranks,
+    or ``None`` (none exists, or none was found within the budget's share for one count; what it spends is taken
+    from ``budget.units_left``).
+
+    Every rank needs ``m`` items, so the items beyond ``dp * m`` are the step's *slack*. Ranks are filled one at
+    a time: each opens with the largest unit left and tries the sets of later units that bring it to ``m`` items
+    (a set stops growing at the unit that crosses ``m``; under ``equal_samples``, at exactly the rank's sample
+    share), least excess first, within ``m * cap`` tokens, sets of equal (items, tokens, samples) tried once; a
+    branch dies once the ranks' excess passes the slack. A rank's micro-batches are packed as soon as it is
+    complete (:func:`.packer.pack_rank`, then the bounded bin search on the rank alone); the last rank takes
+    every unit left. Groups whose item counts must split exactly (no slack) are a number-partitioning problem
+    that greedy orders miss and bin completion solves in a few hundred nodes. Deterministic."""
+    from .packer import pack_rank
+
+    work = budget.take_units()
+    spent = [0]
+    n_units = inp.unit_count.size
+    counts, tokens, samples = inp.unit_count.tolist(), inp.unit_tokens.tolist(), inp.unit_samples.tolist()
+    order = sorted(range(n_units), key=lambda u: (-counts[u], -tokens[u], u))
+    cnt = [counts[u] for u in order]
+    tok = [tokens[u] for u in order]
+    smp = [samples[u] for u in order]
+    slack = sum(cnt) - dp * m
+    capacity = m * inp.cap
+    target = inp.sample_target(dp)
+    if slack < 0 or n_units < dp:
+        return None
+    placed = [False] * n_units
+
+    def charge(amount: int) -> None:
+        spent[0] += amount
+        if spent[0] > work:
+            raise _OutOfWork
+
+    def packed(positions) -> Optional[List[List[int]]]:
+        members = inp.members([order[p] for p in positions])
+        charge(members.size)
+        bins = pack_rank(members, inp, m)
+        return bins if bins is not None else _rank_bin_search(inp, members, m, budget)
+
+    def completions(first: int, room: int) -> List[tuple]:
+        """Sets of unplaced units after ``first`` completing its rank, as (excess, positions), least first."""
+        free = [p for p in range(first + 1, n_units) if not placed[p]]
+        found: List[tuple] = []
+
+        def extend(i: int, items: int, used: int, held: int, chosen: List[int]) -> None:
+            charge(len(free) - i + 1)
+            if len(chosen) > MAX_COMPLETION_ITEMS:
+                raise _OutOfWork
+            done = held == target if target is not None else items >= m
+            if done:
+                if items >= m:
+                    found.append((items - m, tuple(chosen)))
+                return
+            tried = set()
+            for j in range(i, len(free)):
+                p = free[j]
+                key = (cnt[p], tok[p], smp[p])
+                if (key in tried or used + tok[p] > room or items + cnt[p] - m > slack
+                        or (target is not None and held + smp[p] > target)):
+                    continue
+                tried.add(key)
+                chosen.append(p)
+                extend(j + 1, items + cnt[p], used + tok[p], held + smp[p], chosen)
+                chosen.pop()
+
+        extend(0, cnt[first], tok[first], smp[first], [])
+        found.sort()
+        return [f for f in found if f[0] <= slack]
+
+    ranks: List[List[int]] = []
+    # one frame per open rank but the last: [its first unit, its completions, the next one to try, excess before]
+    stack: List[list] = []
+    excess = 0
+    try:
+        while True:
+            first = next((p for p in range(n_units) if not placed[p]), None)
+            if len(stack) == dp - 1 and first is not None:  # the last rank takes every unit left
+                rest = [p for p in range(n_units) if not placed[p]]
+                if (sum(cnt[p] for p in rest) >= m and sum(tok[p] for p in rest) <= capacity
+                        and (target is None or sum(smp[p] for p in rest) == target)):
+                    bins = packed(rest)
+                    if bins is not None:
+                        return [*ranks, bins] if len(ranks) == dp - 1 else None
+            elif len(stack) < dp - 1 and first is not None:  # open the next rank around the largest unit left
+                placed[first] = True
+                stack.append([first, completions(first, capacity), 0, excess])
+                ranks.append([])
+            while stack:  # the next completion of the innermost rank that has one, else close ranks
+                top = stack[-1]
+                head, options, i, base = top
+                if i > 0:  # undo the completion tried last
+                    for p in options[i - 1][1]:
+                        placed[p] = False
+                    ranks[-1] = []
+                found = None
+                while i < len(options) and base + options[i][0] <= slack:
+                    for p in options[i][1]:
+                        placed[p] = True
+                    bins = packed((head,) + options[i][1])
+                    i += 1
+                    if bins is not None:
+                        found = bins
+                        break
+                    for p in options[i - 1][1]:
+                        placed[p] = False
+                top[2] = i
+                if found is not None:
+                    ranks[-1] = found
+                    excess = base + options[i - 1][0]
+                    break
+                placed[head] = False  # no completion left within the slack: close this rank
+                stack.pop()
+                ranks.pop()
+            else:
+                return None
+    except _OutOfWork:
+        return None
+    finally:
+        budget.units_left -= min(spent[0], work)
+
+
+def _rank_bin_search(inp: StepInput, members, m: int, budget: SearchBudget) -> Optional[List[List[int]]]:
+    """One rank's items in exactly ``m`` micro-batches by the bounded bin search (:func:`search_bins` on the
+    rank alone), or ``None``."""
+    members = np.asarray(members, dtype=np.int64)
+    sub = StepInput(aligned=inp.aligned[members], weight=inp.weight[members], oversize=inp.oversize[members],
+                    units=None, cap=inp.cap)
+    found = search_bins(sub, m, budget)
+    return None if found is None else [[int(members[i]) for i in b] for b in found]
 
 
 def _exact(inp: StepInput, dp: int, m: int) -> Optional[Bins]:

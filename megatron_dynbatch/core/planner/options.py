@@ -50,7 +50,7 @@ from ..cost_model import CostModel, resolve_cost_model
 from ..errors import DynBatchConfigError, UnknownOptionError
 from ..memory import MAX_GPU_MEMORY_GB, BudgetChoice, MemorySettings, choose_budget
 from ..model_spec import ModelSpec
-from ..parallel import ParallelConfig
+from ..parallel import MAX_RANKS, ParallelConfig
 from .inputs import check_budget
 
 __all__ = ["AUTO", "BalanceBy", "OVERSIZE_POLICIES", "PlanOptions", "BATCH_ARGUMENTS"]
@@ -262,6 +262,11 @@ class PlanOptions:
         given = [k for k, v in knobs.items() if v is not None]
         if given:
             raise dynamic_cp_knob_error(given)
+        if par.dp * par.cp > MAX_RANKS:
+            raise DynBatchConfigError(
+                "parallel", f"dp={par.dp} x cp={par.cp}", f"dynamic CP plans every GPU of the dp x cp pool, and this "
+                f"one has {par.dp * par.cp:,} (at most {MAX_RANKS:,}: a plan lists each GPU's micro-batches)",
+                "check dp and cp (their product is the GPUs of one pipeline stage), or plan with dynamic_cp=False")
         if par.pp == 2 and par.vpp > 1:
             raise DynBatchConfigError(
                 "parallel.vpp", par.vpp, "dynamic CP with pp=2 and interleaving needs one micro-batch length per "

@@ -21,13 +21,19 @@ import numpy as np
 
 from ..alignment import Alignment
 from ..cost_model import CostModel
+from ..pipeline_sim import simulated_steps, uses_fast_form
 from ..smallops import is_small, np_sum
 
 PATTERNS = ("desc", "asc", "valley")
+#: pipelines simulated in the compressed form (``pipeline_sim.uses_fast_form``: long, with many micro-batches)
+#: polish with this fraction of the simulated work other plans may spend
+FAST_FORM_POLISH_SHARE = 16
 
 
 def arrangement(times: np.ndarray, pattern: str) -> np.ndarray:
-    """Permutation of micro-batch indices for ``pattern`` (ties broken by index: deterministic)."""
+    """Permutation of micro-batch indices for ``pattern`` (ties broken by index: deterministic): ``desc`` longest
+    first, ``asc`` its reverse, ``valley`` the even positions of ``asc`` then its odd ones reversed (small at
+    both ends). Its plain-Python twin for small steps is :func:`arrangements_of`, right below."""
     idx = np.arange(times.size)
     desc = np.lexsort((idx, -times))
     if pattern == "desc":
@@ -38,6 +44,19 @@ def arrangement(times: np.ndarray, pattern: str) -> np.ndarray:
     return np.concatenate([asc[0::2], asc[1::2][::-1]])
 
 
+def arrangements_of(times: List[float]) -> Tuple[List[int], ...]:
+    """:func:`arrangement` of a list of Python floats for every pattern of :data:`PATTERNS`, in plain Python (the
+    same permutations)."""
+    desc = descending(times)
+    asc = desc[::-1]
+    return desc, asc, asc[0::2] + asc[1::2][::-1]
+
+
+def descending(times: List[float]) -> List[int]:
+    """The positions of ``times`` longest first, ties in index order: the "desc" arrangement."""
+    return sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in index order
+
+
 def mb_sums(rank_bins: List[List[int]], values: np.ndarray) -> np.ndarray:
     """Per-micro-batch sums of ``values`` over one rank's (non-empty) micro-batches, in one NumPy call."""
     if not rank_bins:
@@ -45,6 +64,11 @@ def mb_sums(rank_bins: List[List[int]], values: np.ndarray) -> np.ndarray:
     flat = [i for mb in rank_bins for i in mb]
     starts = np.cumsum([0] + [len(mb) for mb in rank_bins[:-1]])
     return np.add.reduceat(values[flat], starts)
+
+
+def segment_sum(values: List[float]) -> float:
+    """``np.add.reduceat``'s sum of one non-empty segment: its first value plus NumPy's sum of the rest."""
+    return values[0] if len(values) == 1 else values[0] + np_sum(values[1:])
 
 
 def _per_rank_sums(bins: List[List[List[int]]], values: np.ndarray) -> List[np.ndarray]:
@@ -71,11 +95,13 @@ class RankTimes:
         if (cm.ep_group == 1 and is_small(aligned.size) and sq.dtype == np.float64 and aligned.dtype.kind in "iu"
                 and all(mb for rank in bins for mb in rank)):
             return SmallRankTimes(bins, aligned, sq, cm, align, memo)
-        return RankTimes(bins, aligned, sq, cm, align)
+        return RankTimes(bins, aligned, sq, cm, align, memo)
 
-    def __init__(self, bins, aligned: np.ndarray, sq: np.ndarray, cm: CostModel, align: Alignment) -> None:
+    def __init__(self, bins, aligned: np.ndarray, sq: np.ndarray, cm: CostModel, align: Alignment,
+                 memo: Optional["TimingMemo"] = None) -> None:
         self.bins = bins
         self.aligned, self.sq, self.cm, self.align = aligned, sq, cm, align
+        self.memo = memo
         self.slots = [s.astype(np.int64) for s in _per_rank_sums(bins, aligned)]
         self.sqs = [s.astype(np.float64) for s in _per_rank_sums(bins, sq)]
 
@@ -106,7 +132,7 @@ class RankTimes:
         if self.cm.pp == 1:
             perms = [arrangement(t, "desc") for t in times]
             return self.cm.step_time([t[p] for t, p in zip(times, perms)]), perms
-        return best_arrangements(times, self.cm)
+        return best_arrangements(times, self.cm, None if self.memo is None else self.memo.arranged)
 
     @staticmethod
     def by_time(times: np.ndarray) -> List[int]:
@@ -134,9 +160,25 @@ class RankTimes:
         self.slots[a], self.sqs[a], self.slots[b], self.sqs[b] = moved
 
 
+def best_of_list(times: List[float], cm: CostModel) -> Tuple[float, str, List[int]]:
+    """:meth:`RankTimes.best_of` of a list of Python floats, in plain Python (the same time and arrangement),
+    with the arrangement's permutation (the one of :func:`arrangements_of`)."""
+    if cm.pp == 1:
+        return cm.rank_time_of(times), "desc", descending(times)
+    best = None
+    stage = [t / cm.pp for t in times]
+    for pattern, perm in zip(PATTERNS, arrangements_of(times)):
+        t = cm.pipeline_time_of([stage[i] for i in perm])
+        if best is None or t < best[0] - 1e-15:
+            best = (t, pattern, perm)
+    return best
+
+
 class TimingMemo:
-    """What one step's small plans (:class:`SmallRankTimes`) already computed: a micro-batch's slot tokens and
-    squared tokens by its items, its time by those two sums, a rank's best arrangement by its micro-batch times.
+    """What one step's plans already computed: for small plans (:class:`SmallRankTimes`) a micro-batch's slot
+    tokens and squared tokens by its items, its time by those two sums, a rank's best arrangement by its
+    micro-batch times; for large ones a rank's best arrangement and time (:func:`best_arrangements`), so a
+    polish and the ordering after it simulate only the ranks the polish changed.
     Each is a pure function of its key for one step's items, cost model and alignment, so one memo serves every
     packing, polish and ordering of a step, which re-time the same micro-batches and ranks many times."""
 
@@ -144,6 +186,7 @@ class TimingMemo:
         self.sums: dict = {}  # items of a micro-batch (tuple) -> (slot tokens, squared tokens)
         self.mb: dict = {}  # (slot tokens, squared tokens) -> micro-batch time
         self.rank: dict = {}  # micro-batch times (tuple) -> (rank time, pattern, arrangement)
+        self.arranged: dict = {}  # micro-batch times (bytes of the array) -> (rank time, arrangement): large steps
 
 
 class SmallRankTimes(RankTimes):
@@ -220,41 +263,21 @@ class SmallRankTimes(RankTimes):
         return best
 
 
-def best_of_list(times: List[float], cm: CostModel) -> Tuple[float, str, List[int]]:
-    """:meth:`RankTimes.best_of` of a list of Python floats, in plain Python (the same time and arrangement),
-    with the arrangement's permutation (the one of :func:`arrangements_of`)."""
-    if cm.pp == 1:
-        return cm.rank_time_of(times), "desc", descending(times)
-    best = None
-    stage = [t / cm.pp for t in times]
-    for pattern, perm in zip(PATTERNS, arrangements_of(times)):
-        t = cm.pipeline_time_of([stage[i] for i in perm])
-        if best is None or t < best[0] - 1e-15:
-            best = (t, pattern, perm)
-    return best
-
-
-def segment_sum(values: List[float]) -> float:
-    """``np.add.reduceat``'s sum of one non-empty segment: its first value plus NumPy's sum of the rest."""
-    return values[0] if len(values) == 1 else values[0] + np_sum(values[1:])
-
-
-def arrangements_of(times: List[float]) -> Tuple[List[int], ...]:
-    """:func:`arrangement` of a list of Python floats for every pattern of :data:`PATTERNS`, in plain Python (the
-    same permutations)."""
-    desc = descending(times)
-    asc = desc[::-1]
-    return desc, asc, asc[0::2] + asc[1::2][::-1]
-
-
-def descending(times: List[float]) -> List[int]:
-    """The positions of ``times`` longest first, ties in index order: the "desc" arrangement."""
-    return sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in index order
-
-
-def best_arrangements(times: List[np.ndarray], cm: CostModel) -> Tuple[np.ndarray, List[np.ndarray]]:
+def best_arrangements(times: List[np.ndarray], cm: CostModel,
+                      memo: Optional[dict] = None) -> Tuple[np.ndarray, List[np.ndarray]]:
     """Each rank's best arrangement (as :meth:`RankTimes.best_rank_time` picks it) and its time; ranks with
-    equal micro-batch counts are simulated together, one vectorised pass per arrangement."""
+    equal micro-batch counts are simulated together, one vectorised pass per arrangement. ``memo`` (a
+    :class:`TimingMemo`'s ``arranged``): ranks whose micro-batch times it knows are not simulated again (each
+    rank's row of a vectorised simulation is computed alone, so the values are the same)."""
+    if memo is not None:
+        keys = [t.tobytes() for t in times]
+        todo = [r for r, key in enumerate(keys) if key not in memo]
+        if todo:
+            got_t, got_p = best_arrangements([times[r] for r in todo], cm)
+            for k, r in enumerate(todo):
+                memo[keys[r]] = (float(got_t[k]), got_p[k])
+        known = [memo[key] for key in keys]
+        return np.array([k[0] for k in known]), [k[1] for k in known]
     if len({t.size for t in times}) != 1 or cm.pp == 1:
         out = [RankTimes.best_of(t, cm) for t in times]
         return np.array([o[0] for o in out]), [arrangement(t, o[1]) for t, o in zip(times, out)]
@@ -299,9 +322,11 @@ def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int
 
     Only for ``pp > 1`` without expert lockstep and without groups (the caller decides). A move never empties a
     micro-batch and never breaks the cap; the work is bounded by ``max_evals`` evaluations and ``max_ops``
-    simulated pipeline operations, whichever comes first. Returns the evaluations spent, counting from
-    ``start_evals``: the polish is a deterministic greedy walk, so a second call with a larger budget and the
-    first call's return value as ``start_evals`` continues exactly as one call with the larger budget would.
+    simulated pipeline operations (:func:`~..pipeline_sim.simulated_steps`; 1/16 of it in the compressed form),
+    whichever comes first -- the operations strictly (a round runs only if it fits). Returns the evaluations
+    spent, counting from ``start_evals``: the polish is a deterministic greedy walk, so a second call with a
+    larger budget and the first call's return value as ``start_evals`` continues exactly as one call with the
+    larger budget would.
     ``memo``: the step's :class:`TimingMemo`, for small steps.
     """
     rt = RankTimes.build(bins, aligned, sq, cm, align, memo)
@@ -311,8 +336,15 @@ def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int
     rank_t = rt.ranks_timed([rt.mb_times(r) for r in range(dp)])[0]
     # One evaluation simulates two ranks in each arrangement: bound the simulated operations, not only the
     # evaluations, so long pipelines with many micro-batches stay fast.
-    ops_per_eval = 2 * len(PATTERNS) * 2 * cm.pp * max(len(b) for b in bins)
-    max_evals = min(max_evals, max(2, max_ops // max(1, ops_per_eval)))
+    m = max(len(b) for b in bins)
+    ops_per_eval = 2 * len(PATTERNS) * simulated_steps(m, cm.pp)
+    if uses_fast_form(m, cm.pp):  # pipelines this long and full: one simulation takes milliseconds, so the
+        max_ops //= FAST_FORM_POLISH_SHARE  # polish gets a smaller share of the planning time
+    by_ops = max(2, max_ops // max(1, ops_per_eval))
+    # When the operations bound binds, a round of candidate moves runs only if all of it fits (a round may cost
+    # 2 * candidates evaluations of two long simulations each); else the evaluation count is checked per round.
+    strict = by_ops < max_evals
+    max_evals = min(max_evals, by_ops)
     evals = start_evals
     while evals < max_evals:
         a, b = int(np.argmax(rank_t)), int(np.argmin(rank_t))
@@ -329,6 +361,8 @@ def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int
                     cands.append((int(j), int(i)))
             if len(cands) >= candidates:
                 break
+        if strict and evals + 2 * len(cands[:candidates]) > max_evals:
+            return evals
         tb = rt.mb_times(b)
         for j, i in cands[:candidates]:
             k = rt.fastest_fit(b, tb, int(aligned[i]), cap)

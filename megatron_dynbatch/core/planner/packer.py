@@ -32,11 +32,28 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..smallops import is_small, np_sum
+
+
+class UnitLists(NamedTuple):
+    """:class:`StepInput`'s per-unit arrays as Python lists (:attr:`StepInput.unit_lists`)."""
+
+    weight: list
+    tokens: list
+    items: list
+    samples: list
+
+
+class ItemLists(NamedTuple):
+    """:class:`StepInput`'s per-item arrays as Python lists (:attr:`StepInput.item_lists`)."""
+
+    aligned: list
+    weight: list
+    oversize: list
 
 
 @dataclass
@@ -73,17 +90,17 @@ class StepInput:
             self.unit_samples = np.bincount(unit_of, weights=item_samples, minlength=n_units).round().astype(np.int64)
 
     @functools.cached_property
-    def unit_lists(self) -> Tuple[list, list, list, list]:
-        """``(unit_weight, unit_tokens, unit_count, unit_samples)`` as Python lists, made once per step: the
-        plain-Python fast paths read them one element at a time (a NumPy scalar per element is several times
-        slower)."""
-        return (self.unit_weight.tolist(), self.unit_tokens.tolist(), self.unit_count.tolist(),
-                self.unit_samples.tolist())
+    def unit_lists(self) -> "UnitLists":
+        """``unit_weight``, ``unit_tokens``, ``unit_count`` and ``unit_samples`` as Python lists, made once per
+        step: the plain-Python fast paths read them one element at a time (a NumPy scalar per element is several
+        times slower)."""
+        return UnitLists(self.unit_weight.tolist(), self.unit_tokens.tolist(), self.unit_count.tolist(),
+                         self.unit_samples.tolist())
 
     @functools.cached_property
-    def item_lists(self) -> Tuple[list, list, list]:
-        """``(aligned, weight, oversize)`` as Python lists, made once per step (see :attr:`unit_lists`)."""
-        return self.aligned.tolist(), self.weight.tolist(), self.oversize.tolist()
+    def item_lists(self) -> "ItemLists":
+        """``aligned``, ``weight`` and ``oversize`` as Python lists, made once per step (see :attr:`unit_lists`)."""
+        return ItemLists(self.aligned.tolist(), self.weight.tolist(), self.oversize.tolist())
 
     def sample_target(self, dp: int) -> Optional[int]:
         """Samples every rank must hold under ``equal_samples`` (the caller checked divisibility), else None."""
@@ -110,26 +127,30 @@ def _desc_order_of(items, primary: Sequence, secondary: Sequence) -> List[int]:
     return sorted(items, key=lambda i: (-primary[i], -secondary[i]))
 
 
+def _units_heaviest_first(inp: StepInput) -> Tuple[List[int], List[int], List[float], List[int]]:
+    """The units by decreasing weight, then tokens, then index (:func:`_desc_order`); each one's tokens and weight
+    in that order; and the smallest tokens among the units from each position on (``0`` past the last). A small
+    step in plain Python (:func:`_desc_order_of`, a running minimum), others in NumPy: the same lists."""
+    if is_small(inp.unit_weight.size):  # small steps: no NumPy call at all
+        weights, tokens = inp.unit_lists.weight, inp.unit_lists.tokens
+        order = _desc_order_of(range(len(weights)), weights, tokens)
+        need_of = [tokens[u] for u in order]
+        suffix_min = list(itertools.accumulate(reversed(need_of), min))[::-1] + [0]
+        return order, need_of, [weights[u] for u in order], suffix_min
+    order_arr = _desc_order(inp.unit_weight, inp.unit_tokens)
+    tok_sorted = inp.unit_tokens[order_arr]
+    suffix_min = np.minimum.accumulate(tok_sorted[::-1])[::-1].tolist() + [0]
+    return order_arr.tolist(), tok_sorted.tolist(), inp.unit_weight[order_arr].tolist(), suffix_min
+
+
 def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
     """Phase 1: units per rank, or ``None`` if some unit fits no rank's ``m * cap`` token capacity."""
     if inp.equal_samples:
         return _assign_equal(inp, dp, m)
     capacity = m * inp.cap
-    # Plain Python lists in the hot loop: indexing NumPy scalars one at a time is several times slower.
-    # Smallest token demand among the units still to place (suffix_min): a rank that cannot take even that is
-    # retired.
-    if is_small(inp.unit_weight.size):  # small steps: no NumPy call at all
-        weights, tokens = inp.unit_lists[:2]
-        order = _desc_order_of(range(len(weights)), weights, tokens)
-        need_of, weight_of = [tokens[u] for u in order], [weights[u] for u in order]
-        suffix_min = list(itertools.accumulate(reversed(need_of), min))[::-1] + [0]
-    else:
-        order_arr = _desc_order(inp.unit_weight, inp.unit_tokens)
-        tok_sorted = inp.unit_tokens[order_arr]
-        suffix_min = np.minimum.accumulate(tok_sorted[::-1])[::-1].tolist() + [0]
-        order = order_arr.tolist()
-        need_of = tok_sorted.tolist()
-        weight_of = inp.unit_weight[order_arr].tolist()
+    # Plain Python lists in the hot loop: indexing NumPy scalars one at a time is several times slower. A rank
+    # that cannot take even the smallest token demand among the units still to place (suffix_min) is retired.
+    order, need_of, weight_of, suffix_min = _units_heaviest_first(inp)
     used = [0] * dp
     ranks: List[List[int]] = [[] for _ in range(dp)]
     heap = [(0.0, r) for r in range(dp)]
@@ -233,7 +254,7 @@ def _lpt_equal(inp: StepInput, dp: int, target: int, capacity: int) -> Optional[
 def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) -> bool:
     """Move the lightest units from ranks with more than ``m`` samples to ranks with fewer."""
     if is_small(inp.unit_count.size):
-        counts = inp.unit_lists[2]
+        counts = inp.unit_lists.items
         if all(sum([counts[u] for u in r]) >= m for r in ranks):
             return True  # no rank is short: nothing to move (what the loop below finds, without NumPy)
     cnt = np.array([inp.unit_count[r].sum() if r else 0 for r in ranks], dtype=np.int64)
@@ -265,21 +286,80 @@ def _fill_counts(inp: StepInput, ranks: List[List[int]], m: int, capacity: int) 
     return True
 
 
-#: at most this many candidate pairs: the global exchange search runs in plain Python (:func:`_global_py`)
+# ============================================================================================ phase 2: refinement
+# Every rule below has ONE definition in words (the docstring of the function a caller uses: refine_ranks,
+# pair_exchange, global_exchange), and two implementations next to each other when a small step runs it in plain
+# Python: ``*_lists`` over Python lists and ``*_arrays`` over NumPy arrays -- the same candidates in the same order,
+# the same float64 arithmetic, the same tie-breaks (tests/test_planner_fast_paths.py proves them equal).
+
+#: at most this many candidate pairs: the global exchange search runs in plain Python (:func:`_global_lists`)
 SMALL_GLOBAL = 256
-#: at most this many units on the two ranks: the pair exchange search runs in plain Python (:func:`_pair_py`)
+#: at most this many units on the two ranks: the pair exchange search runs in plain Python (:func:`_pair_lists`)
 SMALL_PAIR = 24
+
+
+@dataclass
+class UnitColumns:
+    """What the exchange searches read of each unit, as Python lists or as NumPy arrays: its balancing
+    ``weight``, the slot ``tokens`` it charges to its rank's capacity, the ``items`` (micro-batch members) it
+    brings, and -- only under ``equal_samples``, where an exchange must keep every rank's samples -- its
+    ``samples`` (``None`` otherwise: moves allowed)."""
+
+    weight: Sequence
+    tokens: Sequence
+    items: Sequence
+    samples: Optional[Sequence]
+
+    @classmethod
+    def of(cls, inp: StepInput, as_lists: bool) -> "UnitColumns":
+        if as_lists:
+            weight, tokens, items, samples = inp.unit_lists
+        else:
+            weight, tokens, items, samples = inp.unit_weight, inp.unit_tokens, inp.unit_count, inp.unit_samples
+        return cls(weight, tokens, items, samples if inp.equal_samples else None)
+
+
+@dataclass
+class RankState:
+    """The ranks while refining: each rank's ``units`` and its ``load`` (sum of unit weights), ``used`` tokens
+    and ``items`` (Python lists for a small step, else NumPy arrays), with the token ``capacity`` of a rank and
+    the ``m`` items every rank must keep (one per micro-batch)."""
+
+    units: List[List[int]]
+    load: Sequence
+    used: Sequence
+    items: Sequence
+    capacity: int
+    m: int
+
+    def apply(self, a: int, b: int, x: int, y: Optional[int], cols: UnitColumns) -> None:
+        """Move unit ``x`` from rank ``a`` to ``b`` and, if ``y`` is given, unit ``y`` from ``b`` to ``a``."""
+        self.units[a].remove(x)
+        self.units[b].append(x)
+        d_weight, d_tokens, d_items = cols.weight[x], cols.tokens[x], cols.items[x]
+        if y is not None:
+            self.units[b].remove(y)
+            self.units[a].append(y)
+            d_weight, d_tokens, d_items = (cols.weight[x] - cols.weight[y], cols.tokens[x] - cols.tokens[y],
+                                           cols.items[x] - cols.items[y])
+        self.load[a] -= d_weight
+        self.load[b] += d_weight
+        self.used[a] -= d_tokens
+        self.used[b] += d_tokens
+        self.items[a] -= d_items
+        self.items[b] += d_items
 
 
 def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int, rtol: float = 1e-4,
                  global_budget: int = 1_000_000) -> None:
     """Phase 2: in place, shrink the heaviest rank by moving or swapping one unit with a light rank.
 
-    Cheap first: the heaviest rank against each of the four lightest, the exchange closest to half their gap.
-    When that stalls (units large relative to the gap, e.g. few samples per rank), one vectorised search over
-    every other rank and every unit finds the exchange that lowers the heaviest rank the most while keeping
-    its partner below it; those searches stop before they would exceed ``global_budget`` candidate pairs in all
-    (bounded time and memory: on large steps, where pairwise exchanges suffice, they do not run).
+    Cheap first: the heaviest rank against each of the four lightest, the exchange closest to half their gap
+    (:func:`pair_exchange`). When that stalls (units large relative to the gap, e.g. few samples per rank), one
+    search over every other rank and every unit finds the exchange that lowers the heaviest rank the most while
+    keeping its partner below it (:func:`global_exchange`); those searches stop before they would exceed
+    ``global_budget`` candidate pairs in all (bounded time and memory: on large steps, where pairwise exchanges
+    suffice, they do not run).
 
     A step of at most :data:`~megatron_dynbatch.core.smallops.SMALL_STEP` units keeps the rank loads in Python
     lists (sums and mean in NumPy's order, :func:`~megatron_dynbatch.core.smallops.np_sum`; first maximum and
@@ -289,63 +369,64 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     if dp < 2:
         return
     small = is_small(inp.unit_weight.size)
-    # per-unit weight, tokens and count (under equal_samples the exchanges also read the samples from inp:
-    # swaps keep sample counts; no moves)
-    units = inp.unit_lists[:3] if small else (inp.unit_weight, inp.unit_tokens, inp.unit_count)
-    capacity = m * inp.cap
-    w, tok, cnt_u = units
+    cols = UnitColumns.of(inp, as_lists=small)
+    weight, tokens, items = cols.weight, cols.tokens, cols.items
     if small:
-        loads = [np_sum([w[u] for u in r]) for r in ranks]
-        used = [sum([tok[u] for u in r]) for r in ranks]
-        cnt = [sum([cnt_u[u] for u in r]) for r in ranks]
-        mean = np_sum(loads) / dp
+        state = RankState(ranks, [np_sum([weight[u] for u in r]) for r in ranks],
+                          [sum([tokens[u] for u in r]) for r in ranks], [sum([items[u] for u in r]) for r in ranks],
+                          m * inp.cap, m)
+        mean = np_sum(state.load) / dp
     else:
-        loads = np.array([w[r].sum() if r else 0.0 for r in ranks])
-        used = np.array([tok[r].sum() if r else 0 for r in ranks], dtype=np.int64)
-        cnt = np.array([cnt_u[r].sum() if r else 0 for r in ranks], dtype=np.int64)
-        mean = loads.mean()
+        state = RankState(ranks, np.array([weight[r].sum() if r else 0.0 for r in ranks]),
+                          np.array([tokens[r].sum() if r else 0 for r in ranks], dtype=np.int64),
+                          np.array([items[r].sum() if r else 0 for r in ranks], dtype=np.int64), m * inp.cap, m)
+        mean = state.load.mean()
     if mean <= 0:
         return
-    state = (ranks, loads, used, cnt, capacity, m)
+    load = state.load
     global_left = global_budget
     for _ in range(max_rounds):
-        a = loads.index(max(loads)) if small else int(np.argmax(loads))
-        if loads[a] - mean <= rtol * mean:
+        a = load.index(max(load)) if small else int(np.argmax(load))
+        if load[a] - mean <= rtol * mean:
             return
-        lightest = sorted(range(dp), key=loads.__getitem__) if small else np.argsort(loads, kind="stable").tolist()
+        lightest = sorted(range(dp), key=load.__getitem__) if small else np.argsort(load, kind="stable").tolist()
         found = None
         for b in lightest[: min(4, dp - 1)]:
             if b != a:
-                found = _pair_exchange(state, a, b, inp, small)
+                found = pair_exchange(state, a, b, inp, small)
                 if found is not None:
                     x, y = found
                     break
         if found is None:
-            cost = len(ranks[a]) * len(w)  # candidate pairs the vectorised search builds
+            cost = len(ranks[a]) * len(weight)  # candidate pairs the vectorised search builds
             if cost > global_left or not ranks[a]:
                 return
-            found = _global_exchange(state, a, inp, cost)
+            found = global_exchange(state, a, inp, cost)
             if found is None:
                 return
             x, y, b = found
             global_left -= cost
-        _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u)
+        state.apply(a, b, x, y, cols)
 
 
-def _global_exchange(state, a, inp, cost):
-    """Best single move or swap between rank ``a`` and any other rank, ``(x, y, b)`` or None; under
-    ``inp.equal_samples`` only swaps of units with equal sample counts. Up to
-    :data:`SMALL_GLOBAL` candidate pairs in plain Python (:func:`_global_py`), else vectorised (:func:`_global_np`);
-    ``state`` is refine_ranks' ``(ranks, loads, used, cnt, capacity, m)``, lists or NumPy arrays."""
-    ranks, loads, used, cnt, capacity, m = state
-    bound = loads[a] * (1 - 1e-12)  # an exchange must lower rank a's load
+# -------------------------------------------------------------------------------------------- global exchange
+def global_exchange(state: RankState, a: int, inp: StepInput, cost: int):
+    """The best single move or swap between rank ``a`` and any other rank, ``(x, y, b)`` (unit ``x`` of ``a``
+    goes to rank ``b``; unit ``y`` of ``b`` comes back, or ``None`` for a move) or ``None``: among the exchanges
+    that keep both ranks within the token capacity and at ``>= m`` items (under ``equal_samples`` only swaps of
+    units with equal sample counts, and no moves), the one whose new maximum of the two ranks' loads is
+    smallest, and below ``load[a]`` (it must lower rank ``a``). Candidates are compared in a fixed order -- moves
+    by (unit of ``a``, rank), then swaps by (unit of ``a``, unit of another rank in rank order) -- and the first
+    of equal maxima wins. Up to :data:`SMALL_GLOBAL` candidate pairs (``cost``) in plain Python
+    (:func:`_global_lists`), else vectorised (:func:`_global_arrays`)."""
+    bound = state.load[a] * (1 - 1e-12)  # an exchange must lower rank a's load
     if cost <= SMALL_GLOBAL:
-        return _global_py(ranks, a, float(bound), _as_list(loads), _as_list(used), _as_list(cnt), capacity, m,
-                          *inp.unit_lists[:3], inp.unit_lists[3] if inp.equal_samples else None)
-    unit_arrays = (inp.unit_weight, inp.unit_tokens, inp.unit_count)
-    return _global_np(ranks, a, bound, np.asarray(loads), np.asarray(used, dtype=np.int64),
-                      np.asarray(cnt, dtype=np.int64), capacity, m, *unit_arrays,
-                      inp.unit_samples if inp.equal_samples else None)
+        return _global_lists(state.units, a, float(bound), load=_as_list(state.load), used=_as_list(state.used),
+                             items=_as_list(state.items), capacity=state.capacity, m=state.m,
+                             cols=UnitColumns.of(inp, as_lists=True))
+    return _global_arrays(state.units, a, bound, load=np.asarray(state.load),
+                          used=np.asarray(state.used, dtype=np.int64), items=np.asarray(state.items, dtype=np.int64),
+                          capacity=state.capacity, m=state.m, cols=UnitColumns.of(inp, as_lists=False))
 
 
 def _as_list(values):
@@ -353,18 +434,18 @@ def _as_list(values):
     return values.tolist() if isinstance(values, np.ndarray) else values
 
 
-def _global_np(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, smp):
-    """The exchange of :func:`_global_exchange`, ``(x, y, b)`` (``y`` None for a move to ``b``) or None: the
-    smallest new maximum of the two ranks below ``bound``, vectorised over (unit of ``a``, rank or unit)."""
+def _global_arrays(ranks, a, bound, *, load, used, items, capacity, m, cols: UnitColumns):
+    """:func:`global_exchange` vectorised over (unit of ``a``, rank or unit of another rank)."""
+    weight, tokens, unit_items, samples = cols.weight, cols.tokens, cols.items, cols.samples
     ua = np.asarray(ranks[a], dtype=np.int64)
     others = [(b, u) for b, units in enumerate(ranks) if b != a for u in units]
-    la = loads[a]
+    la = load[a]
     best = (bound, None)
     # Moves a -> b for every rank b.
     bs = np.array([b for b in range(len(ranks)) if b != a], dtype=np.int64)
-    new_max = np.maximum(la - w[ua][:, None], loads[bs][None, :] + w[ua][:, None])
-    ok = ((used[bs][None, :] + tok[ua][:, None] <= capacity) & (cnt[a] - cnt_u[ua] >= m)[:, None]
-          & (w[ua][:, None] > 0) & (smp is None))
+    new_max = np.maximum(la - weight[ua][:, None], load[bs][None, :] + weight[ua][:, None])
+    ok = ((used[bs][None, :] + tokens[ua][:, None] <= capacity) & (items[a] - unit_items[ua] >= m)[:, None]
+          & (weight[ua][:, None] > 0) & (samples is None))
     new_max = np.where(ok, new_max, np.inf)
     if new_max.size:
         i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
@@ -373,16 +454,16 @@ def _global_np(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, sm
     if others:
         yb = np.array([b for b, _ in others], dtype=np.int64)
         yu = np.array([u for _, u in others], dtype=np.int64)
-        delta = w[ua][:, None] - w[yu][None, :]
-        lb = loads[yb][None, :]
+        delta = weight[ua][:, None] - weight[yu][None, :]
+        lb = load[yb][None, :]
         new_max = np.maximum(la - delta, lb + delta)
         ok = ((delta > 0)
-              & (used[yb][None, :] - tok[yu][None, :] + tok[ua][:, None] <= capacity)
-              & (used[a] - tok[ua][:, None] + tok[yu][None, :] <= capacity)
-              & (cnt[a] - cnt_u[ua][:, None] + cnt_u[yu][None, :] >= m)
-              & (cnt[yb][None, :] - cnt_u[yu][None, :] + cnt_u[ua][:, None] >= m))
-        if smp is not None:
-            ok &= smp[ua][:, None] == smp[yu][None, :]
+              & (used[yb][None, :] - tokens[yu][None, :] + tokens[ua][:, None] <= capacity)
+              & (used[a] - tokens[ua][:, None] + tokens[yu][None, :] <= capacity)
+              & (items[a] - unit_items[ua][:, None] + unit_items[yu][None, :] >= m)
+              & (items[yb][None, :] - unit_items[yu][None, :] + unit_items[ua][:, None] >= m))
+        if samples is not None:
+            ok &= samples[ua][:, None] == samples[yu][None, :]
         new_max = np.where(ok, new_max, np.inf)
         i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
         if new_max[i, j] < best[0]:
@@ -390,96 +471,86 @@ def _global_np(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, sm
     return best[1]
 
 
-def _global_py(ranks, a, bound, loads, used, cnt, capacity, m, w, tok, cnt_u, smp):
-    """:func:`_global_np` in plain Python over lists: the candidates in the same (row-major) order and a running
-    minimum with ``<`` from ``bound`` -- what "``argmin``, kept if below the best so far" selects."""
-    la, used_a, cnt_a = loads[a], used[a], cnt[a]
+def _global_lists(ranks, a, bound, *, load, used, items, capacity, m, cols: UnitColumns):
+    """:func:`global_exchange` in plain Python over lists: the candidates in the same (row-major) order and a
+    running minimum with ``<`` from ``bound`` -- what "``argmin``, kept if below the best so far" selects."""
+    weight, tokens, unit_items, samples = cols.weight, cols.tokens, cols.items, cols.samples
+    la, used_a, items_a = load[a], used[a], items[a]
     best_max, best = bound, None
-    if smp is None:  # moves a -> b
+    if samples is None:  # moves a -> b
         for x in ranks[a]:
-            wx = w[x]
-            if not (cnt_a - cnt_u[x] >= m and wx > 0):
+            wx = weight[x]
+            if not (items_a - unit_items[x] >= m and wx > 0):
                 continue
             for b in range(len(ranks)):
-                if b != a and used[b] + tok[x] <= capacity:
-                    new_max = max(la - wx, loads[b] + wx)
+                if b != a and used[b] + tokens[x] <= capacity:
+                    new_max = max(la - wx, load[b] + wx)
                     if new_max < best_max:
                         best_max, best = new_max, (x, None, b)
     others = [(b, y) for b, units in enumerate(ranks) if b != a for y in units]
     for x in ranks[a]:  # swaps: x of a for y of b
-        wx, tx, cx = w[x], tok[x], cnt_u[x]
+        wx, tx, cx = weight[x], tokens[x], unit_items[x]
         for b, y in others:
-            delta = wx - w[y]
-            if (delta > 0 and used[b] - tok[y] + tx <= capacity and used_a - tx + tok[y] <= capacity
-                    and cnt_a - cx + cnt_u[y] >= m and cnt[b] - cnt_u[y] + cx >= m
-                    and (smp is None or smp[x] == smp[y])):
-                new_max = max(la - delta, loads[b] + delta)
+            delta = wx - weight[y]
+            if (delta > 0 and used[b] - tokens[y] + tx <= capacity and used_a - tx + tokens[y] <= capacity
+                    and items_a - cx + unit_items[y] >= m and items[b] - unit_items[y] + cx >= m
+                    and (samples is None or samples[x] == samples[y])):
+                new_max = max(la - delta, load[b] + delta)
                 if new_max < best_max:
                     best_max, best = new_max, (x, y, b)
     return best
 
 
-def _apply_exchange(ranks, a, b, x, y, loads, used, cnt, w, tok, cnt_u) -> None:
-    """Move unit ``x`` from rank ``a`` to ``b`` and, if ``y`` is given, unit ``y`` from ``b`` to ``a``."""
-    ranks[a].remove(x)
-    ranks[b].append(x)
-    delta_w, delta_t, delta_c = w[x], tok[x], cnt_u[x]
-    if y is not None:
-        ranks[b].remove(y)
-        ranks[a].append(y)
-        delta_w, delta_t, delta_c = w[x] - w[y], tok[x] - tok[y], cnt_u[x] - cnt_u[y]
-    loads[a] -= delta_w
-    loads[b] += delta_w
-    used[a] -= delta_t
-    used[b] += delta_t
-    cnt[a] -= delta_c
-    cnt[b] += delta_c
-
-
-def _pair_exchange(state, a, b, inp, small):
+# ---------------------------------------------------------------------------------------------- pair exchange
+def pair_exchange(state: RankState, a: int, b: int, inp: StepInput, small: bool):
     """Move one unit from rank ``a`` to ``b``, or swap a unit of ``a`` with a lighter one of ``b``: the exchange
-    ``(x, y)`` (``y`` None for a move) whose weight is closest to half their gap, if it shrinks the gap, else None.
-    Small steps and pairs of up to :data:`SMALL_PAIR` units search in plain Python (:func:`_pair_py`), others
-    vectorised (:func:`_pair_np`); ``state`` as in :func:`_global_exchange`."""
-    ranks, loads, used, cnt, capacity, m = state
-    gap = loads[a] - loads[b]
+    ``(x, y)`` (``y`` None for a move) whose weight change is closest to half their gap (``load[a] - load[b]``), if
+    it shrinks the gap (closer than half of it), within both ranks' token capacity and ``>= m`` items (under
+    ``equal_samples``: swaps of equal sample counts only), else None. Moves first, then for each unit ``x`` of
+    ``a`` the two units of ``b`` whose weights are nearest below and above ``weight[x] - gap / 2`` (a binary
+    search over ``b`` sorted by weight, stably); the first of equal deviations wins. Small steps and pairs of up
+    to :data:`SMALL_PAIR` units search in plain Python (:func:`_pair_lists`), others vectorised
+    (:func:`_pair_arrays`)."""
+    gap = state.load[a] - state.load[b]
     if gap <= 0:
         return None
-    args = (ranks[a], ranks[b], float(gap), int(used[a]), int(used[b]), int(cnt[a]), int(cnt[b]), capacity, m)
-    if small or len(ranks[a]) + len(ranks[b]) <= SMALL_PAIR:
-        return _pair_py(*args, *inp.unit_lists[:3], inp.unit_lists[3] if inp.equal_samples else None)
-    return _pair_np(*args, inp.unit_weight, inp.unit_tokens, inp.unit_count,
-                    inp.unit_samples if inp.equal_samples else None)
+    query = dict(gap=float(gap), used_a=int(state.used[a]), used_b=int(state.used[b]),
+                 items_a=int(state.items[a]), items_b=int(state.items[b]), capacity=state.capacity, m=state.m)
+    if small or len(state.units[a]) + len(state.units[b]) <= SMALL_PAIR:
+        return _pair_lists(state.units[a], state.units[b], **query, cols=UnitColumns.of(inp, as_lists=True))
+    return _pair_arrays(state.units[a], state.units[b], **query, cols=UnitColumns.of(inp, as_lists=False))
 
 
-def _pair_np(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w, tok, cnt_u, smp):
-    """The exchange of :func:`_pair_exchange`, ``(x, y)`` (``y`` None for a move) or None; vectorised over units:
-    a move of ``x`` changes the pair maximum to ``max(La - x, Lb + x)``, best at ``x = gap / 2``, and for a swap
-    each unit of ``a`` binary-searches ``b``'s units (by weight) for the partner closest to ``wa - gap / 2``."""
+def _pair_arrays(units_a, units_b, *, gap, used_a, used_b, items_a, items_b, capacity, m, cols: UnitColumns):
+    """:func:`pair_exchange` vectorised over units: a move of ``x`` changes the pair maximum to
+    ``max(La - x, Lb + x)``, best at ``x = gap / 2``, and for a swap each unit of ``a`` binary-searches ``b``'s
+    units (by weight) for the partner closest to ``wa - gap / 2``."""
+    weight, tokens, unit_items, samples = cols.weight, cols.tokens, cols.items, cols.samples
     ua = np.asarray(units_a, dtype=np.int64)
     ub = np.asarray(units_b, dtype=np.int64)
     best_dev, best = np.inf, None
-    wa = w[ua]
-    ok = (wa > 0) & (wa < gap) & (used_b + tok[ua] <= capacity) & (cnt_a - cnt_u[ua] >= m) & (smp is None)
+    wa = weight[ua]
+    ok = ((wa > 0) & (wa < gap) & (used_b + tokens[ua] <= capacity) & (items_a - unit_items[ua] >= m)
+          & (samples is None))
     if ok.any():
         dev = np.where(ok, np.abs(wa - gap / 2), np.inf)
         i = int(np.argmin(dev))
         best_dev, best = dev[i], (ua[i], None)
     if ub.size:
-        ord_b = np.argsort(w[ub], kind="stable")
-        wb_sorted = w[ub][ord_b]
+        ord_b = np.argsort(weight[ub], kind="stable")
+        wb_sorted = weight[ub][ord_b]
         pos = np.searchsorted(wb_sorted, wa - gap / 2)
         for shift in (0, -1):
             j = np.clip(pos + shift, 0, ub.size - 1)
             cand_b = ub[ord_b[j]]
-            delta = wa - w[cand_b]
+            delta = wa - weight[cand_b]
             ok = ((delta > 0) & (delta < gap)
-                  & (used_b - tok[cand_b] + tok[ua] <= capacity)
-                  & (used_a - tok[ua] + tok[cand_b] <= capacity)
-                  & (cnt_a - cnt_u[ua] + cnt_u[cand_b] >= m)
-                  & (cnt_b - cnt_u[cand_b] + cnt_u[ua] >= m))
-            if smp is not None:
-                ok &= smp[ua] == smp[cand_b]
+                  & (used_b - tokens[cand_b] + tokens[ua] <= capacity)
+                  & (used_a - tokens[ua] + tokens[cand_b] <= capacity)
+                  & (items_a - unit_items[ua] + unit_items[cand_b] >= m)
+                  & (items_b - unit_items[cand_b] + unit_items[ua] >= m))
+            if samples is not None:
+                ok &= samples[ua] == samples[cand_b]
             if ok.any():
                 dev = np.where(ok, np.abs(delta - gap / 2), np.inf)
                 i = int(np.argmin(dev))
@@ -490,33 +561,36 @@ def _pair_np(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w
     return int(best[0]), None if best[1] is None else int(best[1])
 
 
-def _pair_py(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w, tok, cnt_u, smp):
-    """:func:`_pair_np` for a few units, in plain Python over lists. The same candidates in the same order (moves,
-    then the swaps of both binary-search neighbours), the same float64 arithmetic (Python floats are IEEE doubles,
-    as NumPy's) and ``bisect_left`` for ``searchsorted``; NumPy's "``argmin`` of each candidate set, kept if
-    strictly better" is a running minimum with ``<``, which keeps the first of equal deviations the same way."""
+def _pair_lists(units_a, units_b, *, gap, used_a, used_b, items_a, items_b, capacity, m, cols: UnitColumns):
+    """:func:`pair_exchange` in plain Python over lists: the same candidates in the same order (moves, then the
+    swaps of both binary-search neighbours), the same float64 arithmetic (Python floats are IEEE doubles, as
+    NumPy's) and ``bisect_left`` for ``searchsorted``; NumPy's "``argmin`` of each candidate set, kept if strictly
+    better" is a running minimum with ``<``, which keeps the first of equal deviations the same way."""
+    weight, tokens, unit_items, samples = cols.weight, cols.tokens, cols.items, cols.samples
     half = gap / 2
     best_dev, best = math.inf, None
-    if smp is None:  # moves a -> b
+    if samples is None:  # moves a -> b
         for x in units_a:
-            wx = w[x]
-            if 0 < wx < gap and used_b + tok[x] <= capacity and cnt_a - cnt_u[x] >= m:
+            wx = weight[x]
+            if 0 < wx < gap and used_b + tokens[x] <= capacity and items_a - unit_items[x] >= m:
                 dev = abs(wx - half)
                 if dev < best_dev:
                     best_dev, best = dev, (x, None)
     if units_b:  # swaps: x of a for y of b
-        ord_b = sorted(units_b, key=w.__getitem__)  # stable, as argsort(kind="stable")
-        wb_sorted = [w[y] for y in ord_b]
+        ord_b = sorted(units_b, key=weight.__getitem__)  # stable, as argsort(kind="stable")
+        wb_sorted = [weight[y] for y in ord_b]
         last = len(ord_b) - 1
-        pos = [bisect.bisect_left(wb_sorted, w[x] - half) for x in units_a]
+        pos = [bisect.bisect_left(wb_sorted, weight[x] - half) for x in units_a]
         for shift in (0, -1):
             for x, p in zip(units_a, pos):
                 j = p + shift
                 y = ord_b[0 if j < 0 else last if j > last else j]
-                delta = w[x] - w[y]
-                if (0 < delta < gap and used_b - tok[y] + tok[x] <= capacity and used_a - tok[x] + tok[y] <= capacity
-                        and cnt_a - cnt_u[x] + cnt_u[y] >= m and cnt_b - cnt_u[y] + cnt_u[x] >= m
-                        and (smp is None or smp[x] == smp[y])):
+                delta = weight[x] - weight[y]
+                if (0 < delta < gap and used_b - tokens[y] + tokens[x] <= capacity
+                        and used_a - tokens[x] + tokens[y] <= capacity
+                        and items_a - unit_items[x] + unit_items[y] >= m
+                        and items_b - unit_items[y] + unit_items[x] >= m
+                        and (samples is None or samples[x] == samples[y])):
                     dev = abs(delta - half)
                     if dev < best_dev:
                         best_dev, best = dev, (x, y)
@@ -525,20 +599,28 @@ def _pair_py(units_a, units_b, gap, used_a, used_b, cnt_a, cnt_b, capacity, m, w
     return best
 
 
-def pack_rank(samples: Sequence[int], inp: StepInput, m: int) -> Optional[List[List[int]]]:
-    """Phase 3: exactly ``m`` non-empty micro-batches of ``samples`` within the cap, or ``None``."""
-    if is_small(len(samples)):  # plain Python over the step's lists: NumPy's call overhead dominates
+# ============================================================================================ phase 3: micro-batches
+def _items_heaviest_first(samples: Sequence[int], inp: StepInput) -> Tuple[List[int], List[int], List[int],
+                                                                           List[float]]:
+    """``(oversize, normal, needs, weights)`` of a rank's items: its over-budget items in the given order, the
+    others by decreasing weight, then slot tokens, then index (:func:`_desc_order`), with their slot tokens and
+    weights. A small rank in plain Python over the step's lists (:func:`_desc_order_of`; NumPy's call overhead
+    would dominate), others in NumPy: the same lists."""
+    if is_small(len(samples)):
         aligned, weight, oversize = inp.item_lists
         over = [int(i) for i in samples if oversize[i]]
         normal = _desc_order_of([int(i) for i in samples if not oversize[i]], weight, aligned)
-        needs, weights = [aligned[i] for i in normal], [weight[i] for i in normal]
-    else:
-        samples = np.asarray(samples, dtype=np.int64)
-        over = samples[inp.oversize[samples]].tolist()
-        normal_arr = samples[~inp.oversize[samples]]
-        normal_arr = normal_arr[_desc_order(inp.weight[normal_arr], inp.aligned[normal_arr])]
-        normal, needs, weights = (normal_arr.tolist(), inp.aligned[normal_arr].tolist(),
-                                  inp.weight[normal_arr].tolist())
+        return over, normal, [aligned[i] for i in normal], [weight[i] for i in normal]
+    samples = np.asarray(samples, dtype=np.int64)
+    normal_arr = samples[~inp.oversize[samples]]
+    normal_arr = normal_arr[_desc_order(inp.weight[normal_arr], inp.aligned[normal_arr])]
+    return (samples[inp.oversize[samples]].tolist(), normal_arr.tolist(), inp.aligned[normal_arr].tolist(),
+            inp.weight[normal_arr].tolist())
+
+
+def pack_rank(samples: Sequence[int], inp: StepInput, m: int) -> Optional[List[List[int]]]:
+    """Phase 3: exactly ``m`` non-empty micro-batches of ``samples`` within the cap, or ``None``."""
+    over, normal, needs, weights = _items_heaviest_first(samples, inp)
     k = m - len(over)
     if k < 0 or (k == 0 and normal) or len(normal) < k:
         return None

@@ -6,10 +6,12 @@
 2. **Find the first count that packs in O(log) packings.** If ``M0`` does not pack, gallop (``M0+1, +2, +4,
    ...``) to a count that does, then bisect between the last failure and the first success. A count "packs"
    when the balancing packer (:mod:`.packer`) or one of the feasibility-first strategies (:mod:`.fallback`)
-   fills it. Every tried count is cached, so no count is packed twice.
+   fills it. Every tried count is cached, so no count is packed twice, and a count the search only asks about
+   is packed, not polished or timed.
 3. **Score a few more counts** with the cost model (with ``pp > 1`` up to the count that minimises the modelled
    bubble + per-micro-batch overhead, never past the count whose micro-batches shrink to the cost model's
-   floor; with ``pp == 1`` one more when the first leaves the ranks unbalanced) and apply the **decision
+   floor, nor past the count whose 1F1B simulation would take more than :data:`CANDIDATE_SIM_US`; with
+   ``pp == 1`` one more when the first leaves the ranks unbalanced) and apply the **decision
    margin**: a larger count replaces the first feasible one only when its modelled step time is lower by more
    than the margin (``decision_margin``, default the cost model's ``uncertainty``) charged to the share of the
    step a count changes -- per-micro-batch fixed costs and the pipeline bubble (:func:`count_dependent_share`);
@@ -33,8 +35,9 @@ from ..alignment import Alignment
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from ..pipeline_sim import simulation_cost_us
 from ..smallops import is_small
-from .bounds import min_bins
+from .bounds import max_covered_count, min_bins
 from .fallback import SearchBudget, feasible_packing
 from .ordering import TimingMemo, order_and_time, polish_pipeline
 from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins, split_bins
@@ -50,6 +53,8 @@ POLISH_OPS = 1_200_000
 FINAL_POLISH_OPS = 8_000_000
 #: samples packed in all while scoring extra counts with pp > 1 (5 counts up to 26k samples, 2 at 64k)
 CANDIDATE_SAMPLES = 131_072
+#: modelled CPU microseconds one 1F1B simulation of a scored extra count may take (pipeline_sim.simulation_cost_us)
+CANDIDATE_SIM_US = 50_000
 #: relative tolerance of the count bisection (exact below 256 micro-batches per rank)
 COUNT_RTOL = 1 / 256
 #: counts the bounded bin search tries before a batch is refused (each within ``fallback.BIN_SEARCH_WORK``)
@@ -68,7 +73,8 @@ class _Counts:
         free = inp.singletons and not inp.equal_samples
         self.pipeline_polish = par.pp > 1 and cm.ep_group == 1 and free
         self.lockstep = cm.ep_group > 1 and free
-        self.cache: Dict[Tuple[int, int], Optional[Result]] = {}
+        self.cache: Dict[Tuple[int, int, bool], Optional[Result]] = {}
+        self._packed: Dict[Tuple[int, bool], Optional[list]] = {}
         self._bfd_bins: Optional[int] = None
         self._global: Dict[int, Optional[list]] = {}
         #: count -> (polished bins before ordering, evaluations, their ordered result)
@@ -107,20 +113,32 @@ class _Counts:
         return self.cache[key]
 
     def feasible(self, m: int) -> bool:
-        return self.evaluate(m) is not None
+        """Whether ``m`` packs -- without polishing or timing the packing (the count search asks this of counts
+        it never scores; :meth:`evaluate` of the count later starts from the same bins)."""
+        return self.packed(m) is not None or (self.lockstep and self.global_bins(m) is not None)
+
+    def packed(self, m: int) -> Optional[list]:
+        """The balancing packer's bins for ``m``, else a feasibility-first packing (:mod:`.fallback`), else
+        None; once per count (and rescue mode). Do not modify them."""
+        key = (m, self.deep)
+        if key not in self._packed:
+            bins = plan_for_count(self.inp, self.par.dp, m, self.rounds)
+            if bins is None:
+                bins = feasible_packing(self.inp, self.par.dp, m, global_bins=self.global_bins(m),
+                                       search=self.search if self.deep else None)
+            self._packed[key] = bins
+        return self._packed[key]
 
     def _evaluate(self, m: int, polish_evals: int) -> Optional[Result]:
-        inp, dp = self.inp, self.par.dp
+        inp = self.inp
         final = polish_evals > POLISH_EVALS
         start = None  # (bins, evaluations, result) of the cheaper polish this one continues
         if final and m in self.polished:  # continue the cheaper polish of this count instead of re-packing
             start = self.polished[m]
             bins, done = _copy_bins(start[0]), start[1]
         else:
-            bins, done = plan_for_count(inp, dp, m, self.rounds), 0
-            if bins is None:
-                bins = feasible_packing(inp, dp, m, global_bins=self.global_bins(m),
-                                       search=self.search if self.deep else None)
+            found = self.packed(m)
+            bins, done = (None if found is None else _copy_bins(found)), 0
         if bins is not None and self.pipeline_polish:
             done = polish_pipeline(bins, inp.aligned, self.sq, inp.oversize, inp.cap, self.cm, self.align,
                                    max_evals=polish_evals, max_ops=FINAL_POLISH_OPS if final else POLISH_OPS,
@@ -339,16 +357,25 @@ def _max_count(inp: StepInput, dp: int) -> int:
     """Most micro-batches every rank can fill: a micro-batch needs an item and a unit sits on one rank, so for
     every ``j < dp`` the ``dp - j`` ranks holding none of the ``j`` largest units share what the others leave:
     ``M <= (items - top_j) // (dp - j)``. ``j = 0`` is the plain ``items // dp``; larger ``j`` refuse at once a
-    step whose one giant group leaves the other ranks too few items (which used to search for minutes)."""
+    step whose one giant group leaves the other ranks too few items (which used to search for minutes).
+
+    With groups, also the covering bound (:func:`.bounds.max_covered_count`): whole groups must give every rank
+    ``M`` items, so four groups of 12, 16, 16 and 16 samples fill at most 16 micro-batches on each of 3 ranks
+    (not 20): no count above it is tried, and the count search, which gallops upwards, cannot jump over the few
+    counts that pack into ones no grouping can fill."""
     if is_small(inp.unit_count.size):  # the same integers in plain Python
-        c = sorted(inp.unit_lists[2], reverse=True)
+        c = sorted(inp.unit_lists.items, reverse=True)
         total = sum(c)
         tops = itertools.accumulate([0] + c)  # the j largest
-        return min((total - top) // (dp - j) for j, top in zip(range(min(dp, len(c))), tops))
-    c = np.sort(inp.unit_count)[::-1]
-    j = np.arange(min(dp, c.size))
-    top = np.concatenate(([0], np.cumsum(c)))[j]
-    return int(((int(c.sum()) - top) // (dp - j)).min())
+        bound = min((total - top) // (dp - j) for j, top in zip(range(min(dp, len(c))), tops))
+    else:
+        c = np.sort(inp.unit_count)[::-1]
+        j = np.arange(min(dp, c.size))
+        top = np.concatenate(([0], np.cumsum(c)))[j]
+        bound = int(((int(c.sum()) - top) // (dp - j)).min())
+    if inp.singletons or bound < 1:  # one item per unit: the covering bound is items // dp, as above
+        return bound
+    return max_covered_count(inp.unit_count, dp, bound)
 
 
 def _too_few_samples(par: ParallelConfig, n: int, m: int, m_max: int, budget: int,
@@ -412,6 +439,24 @@ def count_dependent_share(m: int, step: float, cm: CostModel) -> float:
     return min(1.0, bubble / (m + bubble) + m * fixed / cm.pp / step)
 
 
+def _affordable(m: int, hi: int, par: ParallelConfig) -> int:
+    """The largest count in ``[m, hi]`` whose 1F1B simulation over the ranks stays within
+    :data:`CANDIDATE_SIM_US` (``pipeline_sim.simulation_cost_us``): a deep pipeline's target count can be a
+    thousand micro-batches per rank, and every scored count is simulated several times (arrangements, polish),
+    so more micro-batches are scored only while one simulation of them is cheap."""
+    ranks = par.dp
+    if simulation_cost_us(hi, par.pp, ranks) <= CANDIDATE_SIM_US:
+        return hi
+    lo = m  # cost grows with the count: bisect for the last affordable one
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if simulation_cost_us(mid, par.pp, ranks) <= CANDIDATE_SIM_US:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, inp: StepInput, best,
                       rule: CountRule) -> List[int]:
     """Extra counts worth scoring after the first feasible ``m``."""
@@ -422,7 +467,7 @@ def _candidate_counts(m: int, m_max: int, par: ParallelConfig, cm: CostModel, in
         w = float(cm.work(inp.aligned, 0.0).sum()) / par.dp  # linear part is enough to locate the optimum
         bubble = (par.pp - 1) / max(1, par.vpp)
         target = cm.pipeline_count_target(max(w, 1e-12), bubble)
-        hi = min(m_max, max(m, target))
+        hi = _affordable(m, min(m_max, max(m, target)), par)
         if hi > m:
             # Each scored count is a full packing: large steps score fewer (the analytic optimum ``hi`` always).
             num = min(5, hi - m, max(2, CANDIDATE_SAMPLES // max(1, inp.aligned.size)))

@@ -16,7 +16,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -79,12 +81,34 @@ def build_dynamic_cp_plan(
 
 def assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig, align: Alignment, budget: int,
              tile: int, cm: CostModel, coeffs: Any, **extra: Any) -> DynamicCPPlan:
-    """The plan of consecutive steps (module docstring); ``extra``: further :class:`DynamicCPPlan` fields."""
+    """The plan of consecutive steps (module docstring); ``extra``: further :class:`DynamicCPPlan` fields.
+    Built slot by slot as whole pool-wide columns (a group's entry repeated over its GPUs), so the work per slot
+    is one Python step per group, not per GPU; the per-GPU lists (millions on a pool of a million GPUs, none in
+    a reference cycle) are made with the cyclic garbage collector paused -- its passes over them, not making
+    them, were most of the time."""
+    with _collector_paused():
+        return _assemble(lens, steps, par, align, budget, tile, cm, coeffs, **extra)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Pause Python's cyclic garbage collector (if it runs) while a block makes many acyclic lists."""
+    running = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if running:
+            gc.enable()
+
+
+def _assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig, align: Alignment, budget: int,
+              tile: int, cm: CostModel, coeffs: Any, **extra: Any) -> DynamicCPPlan:
     pool = par.dp * par.cp
-    micro_batches: List[List[List[int]]] = [[] for _ in range(pool)]
-    groups: List[List[Tuple[int, int]]] = [[] for _ in range(pool)]
-    mb_time: List[List[float]] = [[] for _ in range(pool)]
-    mb_tokens: List[List[int]] = [[] for _ in range(pool)]
+    sample_cols: List[list] = []   # per slot: each GPU's samples
+    group_cols: List[list] = []    # per slot: each GPU's (start, size)
+    time_cols: List[np.ndarray] = []
+    token_cols: List[np.ndarray] = []
     rank_time = np.zeros(pool)
     rank_flops = np.zeros(pool)
     flops = sample_flops(coeffs, lens.astype(np.float64), lens.astype(np.float64) ** 2)
@@ -93,25 +117,35 @@ def assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig, 
         rank_time += finish
         k = 0
         for slot in slots:
+            samples_col: list = []
+            groups_col: list = []
+            sizes, local, secs = [], [], []
             for start, size, samples in slot:
-                local, t = int(tokens[k]) // size, float(times[k])
-                share = float(flops[samples].sum()) / size if coeffs is not None else 0.0
+                samples_col += [samples] * size
+                groups_col += [(start, size)] * size
+                sizes.append(size)
+                local.append(int(tokens[k]) // size)
+                secs.append(float(times[k]))
+                if coeffs is not None:
+                    rank_flops[start:start + size] += float(flops[samples].sum()) / size
                 k += 1
-                for g in range(start, start + size):
-                    micro_batches[g].append(samples)
-                    groups[g].append((start, size))
-                    mb_time[g].append(t)
-                    mb_tokens[g].append(local)
-                rank_flops[start:start + size] += share
+            sample_cols.append(samples_col)
+            group_cols.append(groups_col)
+            time_cols.append(np.repeat(np.asarray(secs, dtype=np.float64), sizes))
+            token_cols.append(np.repeat(np.asarray(local, dtype=np.int64), sizes))
+    by_gpu = np.stack(token_cols, axis=1) if token_cols else np.zeros((pool, 0), dtype=np.int64)
+    mb_time = (np.stack(time_cols, axis=1) if time_cols else np.zeros((pool, 0))).tolist()
     extra.setdefault("algorithm", "dynbatch-dyncp")
     extra.setdefault("lower_bound_microbatches", 0)
     extra.setdefault("lower_bound_step_time", 0.0)
     return DynamicCPPlan(
-        micro_batches=micro_batches, microbatches_per_step=[len(s[0]) for s in steps], parallel=par, alignment=align,
-        cap=budget, balance_by="time", microbatch_tokens=mb_tokens, microbatch_time=mb_time,
-        rank_tokens=np.array([sum(t) for t in mb_tokens], dtype=np.int64), rank_flops=rank_flops,
-        rank_time=rank_time, padding_tokens=int(sum(sum(t) for t in mb_tokens) - lens.sum()),
-        real_tokens=int(lens.sum()), groups=groups, max_tokens_per_gpu=budget, fp8_tile=tile, **extra)
+        micro_batches=[list(col) for col in zip(*sample_cols)] if sample_cols else [[] for _ in range(pool)],
+        microbatches_per_step=[len(s[0]) for s in steps], parallel=par, alignment=align, cap=budget,
+        balance_by="time", microbatch_tokens=by_gpu.tolist(), microbatch_time=mb_time,
+        rank_tokens=by_gpu.sum(axis=1).astype(np.int64), rank_flops=rank_flops, rank_time=rank_time,
+        padding_tokens=int(by_gpu.sum() - lens.sum()), real_tokens=int(lens.sum()),
+        groups=[list(col) for col in zip(*group_cols)] if group_cols else [[] for _ in range(pool)],
+        max_tokens_per_gpu=budget, fp8_tile=tile, **extra)
 
 
 def _group_stats(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: int,

@@ -5,10 +5,12 @@ forced slot count and the refinement rounds) and returns zero or more complete :
 s; :func:`candidates` runs the :data:`FAMILY` in order. The orchestration (:mod:`.orchestrate`) scores them all by
 simulation and keeps the fastest, the earliest on a tie -- so the order below is part of the result.
 
-* ``fixed-cp`` (:func:`fixed_cp`) -- the fixed-layout planner's plan (:func:`..search.plan_step` on the layout's
-  alignment), every micro-batch on its DP rank's ``cp`` GPUs, in that planner's order. Having it in the family
-  is what makes dynamic CP never slower than fixed CP *in the model*. None when the fixed layout cannot hold a
-  sample or has fewer samples than DP ranks.
+* ``fixed-cp`` (:func:`fixed_cp`) -- the plan plain ``plan_global_batch`` makes for the same layout and
+  arguments (:func:`..search.plan_step` on the layout's alignment, with the plain planner's balancing weight,
+  refinement rounds and shared bin-search budget: :class:`~.step.FixedLayout`), every micro-batch on its DP
+  rank's ``cp`` GPUs, in that planner's order. Having it in the family is what makes dynamic CP never slower
+  than the plain planner's plan *in the model*. None when the fixed layout cannot hold a sample or has fewer
+  samples than DP ranks.
 * ``tree-<x>`` and ``cp<cp>-tree-<x>`` (:func:`tree_candidates`) -- every sample gets a group size: ``s_min``,
   widened along the tree sizes while its solo time exceeds ``x`` times the mean per-GPU load and the wider
   group is faster (:data:`THRESHOLDS`, ``mem``: memory only; with ``pp > 1`` also :data:`PIPELINE_THRESHOLDS`,
@@ -68,13 +70,15 @@ def fixed_cp(step: StepData) -> List[Schedule]:
     own = step.sizes[par.cp]  # the DP ranks' groups: the layout's own alignment and cap
     if (~own.fits).any() or step.n < par.dp:
         return []
-    inp = StepInput(aligned=own.aligned, weight=step.cm.work(own.aligned, step.sq),
-                    oversize=np.zeros(step.n, dtype=bool), units=None, cap=own.cap)
+    how = step.fixed
+    weight = own.aligned.astype(np.float64) if how.by_tokens else step.cm.work(own.aligned, step.sq)
+    inp = StepInput(aligned=own.aligned, weight=weight, oversize=np.zeros(step.n, dtype=bool), units=None,
+                    cap=own.cap)
     try:
         settings = SearchSettings(parallel=par, cost_model=step.cm, alignment=own.align,
                                   max_tokens_per_gpu=step.budget, count_rule=CountRule(par),
-                                  refine_rounds=step.rounds, margin=step.margin)
-        bins, _ = plan_step(inp, step.sq, settings, forced=step.forced)
+                                  refine_rounds=how.rounds, margin=step.margin)
+        bins, _ = plan_step(inp, step.sq, settings, forced=step.forced, search=how.search)
     except DynBatchConfigError:
         return []
     if any(len(r) != len(bins[0]) for r in bins):  # pragma: no cover - the fixed planner's counts are equal
@@ -170,8 +174,8 @@ def _tree_schedules(step: StepData, name: str, cls: np.ndarray, extra_counts: in
     ``floor``: the smallest groups, which the remaining samples are dealt over -- single GPUs (1), or the DP
     ranks' own CP groups (``cp``)."""
     tree, par = step.tree, step.par
-    units = list(tree.leaf_of) if floor == 1 else [tree.dp_rank_node(r).index for r in range(par.dp)]
-    starts = np.asarray([tree.nodes[u].start for u in units], dtype=np.int64)
+    units = tree.leaves if floor == 1 else np.asarray([tree.dp_rank_node(r).index for r in range(par.dp)])
+    starts = tree.starts[units]
     node_bins: Dict[int, Bins] = {}
     for v, samples in place_wide(step, cls, floor).items():
         bins = step.pack(tree.nodes[v].size, samples)
@@ -201,7 +205,7 @@ def _tree_schedules(step: StepData, name: str, cls: np.ndarray, extra_counts: in
         if leaves is None:
             return None
         bins = dict(node_bins)
-        for u, leaf in enumerate(units):
+        for u, leaf in enumerate(units.tolist()):
             need = int(m - inherited[u])
             if need:
                 packed = step.pack(floor, leaves[u], need)

@@ -29,8 +29,15 @@ Strategy (deterministic, no communication)
    then one whose groups stay inside a node, then the fastest, then the earliest in family order. No
    candidate: a ``DynBatchConfigError`` (a forced count that cannot be met, or no count Megatron's VPP rule
    accepts).
-4. The plan records the winners' names (``candidate``), the fixed-CP candidate's makespan
-   (``fixed_cp_step_time``, NaN when the fixed layout cannot plan the batch) and a lower bound no schedule beats
+4. **Never slower than the plain planner.** The fixed-CP candidate of every step is the plan plain
+   ``plan_global_batch`` makes for the same layout (:class:`~.step.FixedLayout`), so together they are that
+   plan. A plan's time adds each GPU's time over the steps and takes the slowest GPU (as the plain planner's
+   ``rank_time`` does), which per-step winners do not always minimise (step 1's slowest GPU may be step 2's
+   fastest); when the winners together come out slower than the fixed-CP candidates together, the plan is the
+   fixed-CP one in every step.
+5. The plan records the winners' names (``candidate``), the fixed-CP plan's modelled time
+   (``fixed_cp_step_time``: the plain planner's plan scored with the CP exchange, i.e. ``score_with_cp_comm``
+   of it; NaN when the fixed layout cannot plan the batch) and a lower bound no schedule beats
    (:func:`_lower_bound`).
 
 Invariants (``tests/test_dyncp.py``, ``DynamicCPPlan.validate``; run on megatron-core in
@@ -40,8 +47,9 @@ Invariants (``tests/test_dyncp.py``, ``DynamicCPPlan.validate``; run on megatron
   optimizer step on all GPUs) and ``M`` obeys Megatron's interleaved-schedule rule (and equals a forced count);
 * no GPU holds more than ``max_tokens_per_gpu`` tokens after ``2 * g`` alignment and tail padding -- except
   a sample over the budget even on the whole pool, placed alone there under ``oversize="alone"``;
-* the modelled step time is never above the fixed-CP plan's (same cost model, same simulator), and below it only
-  by more than the decision margin; with ``pp == 1`` never below the lower bound;
+* the modelled step time is never above the fixed-CP plan's -- the plain planner's plan of the same layout, scored
+  in the same cost model (``tests/test_dyncp.py`` compares with ``score_with_cp_comm(plan_global_batch(...))``)
+  -- and below it in a step only by more than the decision margin; with ``pp == 1`` never below the lower bound;
 * the plan depends only on the arguments.
 
 Not supported together with dynamic CP (a clear error): ``group_ids`` (a sample spread over several DP ranks'
@@ -64,9 +72,10 @@ from .assembly import StepSlots, assemble, cp_comm_cost_model
 from .candidates import FIXED_CP, candidates
 from .plan import DynamicCPPlan
 from .schedule import Schedule
-from .step import StepData
+from .step import FixedLayout, StepData
+from ..fallback import SearchBudget
 from ..inputs import check_lengths, flops_coefficients_of
-from ..options import PlanOptions
+from ..options import BalanceBy, PlanOptions
 from .pool import PoolTree, group_alignment, pool_tree
 from ..steps import indices_by_step, step_of_sample
 from ..vpp import check_forced_count
@@ -98,25 +107,35 @@ def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: PlanOpti
     rounds = 4 * tree.size if options.refine_rounds is None else options.refine_rounds
     over = _oversize(lens, tree, par, budget, tile, oversize)
 
-    steps: List[StepSlots] = []
-    fixed_time = 0.0
+    # the fixed-CP candidates plan as plain plan_global_batch would: its rounds, weight and one shared budget
+    fixed_how = FixedLayout(rounds=4 * par.dp if options.refine_rounds is None else rounds,
+                            by_tokens=options.balance_by is BalanceBy.TOKENS, search=SearchBudget())
     lb_time, lb_count = 0.0, 0
-    chosen = []
+    picked: List[Tuple[Schedule, Optional[Schedule], np.ndarray]] = []
     step_of, n_steps = step_of_sample(int(lens.size), samples_per_step)
     for step_samples in indices_by_step(step_of, n_steps):
         st = StepData(lens[step_samples], tree, cm, par, budget, tile, over[step_samples],
-                      forced=num_microbatches, rounds=rounds, margin=margin)
+                      forced=num_microbatches, rounds=rounds, margin=margin, fixed=fixed_how)
         best, fixed = _plan_step(st)
-        chosen.append(best.name)
-        fixed_time += fixed.makespan() if fixed is not None else float("nan")
-        slots, tokens, times = best.slots(step_samples)
-        steps.append((slots, best.finish(), (tokens, times)))
+        picked.append((best, fixed, step_samples))
         t, c = _lower_bound(st)
         lb_time += t
         lb_count += c
+    finish = [best.finish() for best, _, _ in picked]
+    fixed_time = float("nan")
+    if all(fixed is not None for _, fixed, _ in picked):
+        fixed_finish = [fixed.finish() for _, fixed, _ in picked]
+        fixed_time = float(np.sum(fixed_finish, axis=0).max())
+        if float(np.sum(finish, axis=0).max()) > fixed_time:  # step 4: the winners together lost
+            picked = [(fixed, fixed, step_samples) for _, fixed, step_samples in picked]
+            finish = fixed_finish
+    steps: List[StepSlots] = []
+    for (best, _, step_samples), done in zip(picked, finish):
+        slots, tokens, times = best.slots(step_samples)
+        steps.append((slots, done, (tokens, times)))
     plan = assemble(lens, steps, par, align, budget, tile, cm, coeffs, lower_bound_microbatches=lb_count,
                     lower_bound_step_time=lb_time, oversize_samples=[int(i) for i in np.flatnonzero(over)],
-                    fixed_cp_step_time=fixed_time, candidate=",".join(chosen))
+                    fixed_cp_step_time=fixed_time, candidate=",".join(best.name for best, _, _ in picked))
     plan.planning_time_s = time.perf_counter() - t_start
     return plan
 

@@ -85,9 +85,8 @@ class Schedule:
                 self.times[j, node.start:node.stop] = t
                 self.node_at[j, node.start:node.stop] = v
                 self.bin_at[j, node.start:node.stop] = b
-        starts = np.array([n.start for n in tree.nodes], dtype=np.int64)
         gpu = np.arange(tree.size)
-        self.blocks = [np.flatnonzero(starts[self.node_at[j]] == gpu) for j in range(m)]
+        self.blocks = [np.flatnonzero(tree.starts[self.node_at[j]] == gpu) for j in range(m)]
 
     # ------------------------------------------------------------------ simulation
     def finish(self, order: Optional[Sequence[int]] = None) -> np.ndarray:

@@ -4,10 +4,11 @@ For each group size ``s`` of the pool tree and each sample: its slot length (a m
 :func:`~.pool.group_alignment`), whether it fits a GPU's budget there (``padded_total / s <=
 max_tokens_per_gpu``, i.e. slot length <= the group's effective cap) and its solo time ``tau(i, s)``
 (:meth:`CostModel.group_work`: linear and attention work over ``s`` GPUs with the CP-member terms, the exposed K/V
-exchange -- at the inter-node numbers when groups of size ``s`` cross nodes (:func:`~...topology.spans_by_size`);
+exchange -- at the inter-node numbers when groups of size ``s`` cross nodes (:meth:`~.pool.PoolTree.spans_by_size`);
 no overhead, no floor). ``s_min(i)`` is the smallest size from which on the sample fits every larger size too.
 The step also carries the search limits every candidate obeys -- a forced slot count, the refinement rounds --
-and the decision margin the orchestration applies.
+the decision margin the orchestration applies, and how the fixed-CP candidate plans (:class:`FixedLayout`:
+exactly as plain ``plan_global_batch`` on the same layout would).
 
 Everything here is computed once per step and only read afterwards; samples are step-local indices
 ``0 .. n-1`` (:meth:`~.schedule.Schedule.slots` maps them back to the batch).
@@ -23,12 +24,24 @@ import numpy as np
 from ...alignment import Alignment
 from ...cost_model import CostModel
 from ...parallel import ParallelConfig
-from ...topology import spans_by_size
 from ..ordering import mb_sums
+from ..fallback import SearchBudget
 from ..packer import StepInput, best_fit_bin_count, pack_rank
 from .pool import PoolTree, group_alignment
 
 Bins = List[List[int]]
+
+
+@dataclass
+class FixedLayout:
+    """What makes the fixed-CP candidate the plan plain ``plan_global_batch`` makes for the same layout and
+    arguments: its default refinement rounds (``4 * dp``, not the pool's ``4 * dp * cp``), its balancing
+    weight (without a model the plain planner balances tokens), and one bin-search budget shared by every
+    optimizer step of the batch, as the plain planner shares it."""
+
+    rounds: int
+    by_tokens: bool = False
+    search: SearchBudget = field(default_factory=SearchBudget)
 
 
 @dataclass
@@ -59,14 +72,15 @@ class StepData:
 
     def __init__(self, lens: np.ndarray, tree: PoolTree, cm: CostModel, par: ParallelConfig, budget: int,
                  tile: int, oversize: np.ndarray, forced: Optional[int] = None, rounds: int = 0,
-                 margin: float = 0.0) -> None:
+                 margin: float = 0.0, fixed: Optional[FixedLayout] = None) -> None:
         self.lens, self.tree, self.cm, self.par, self.budget = lens, tree, cm, par, budget
         self.forced, self.rounds, self.margin = forced, rounds, margin
+        self.fixed = fixed if fixed is not None else FixedLayout(rounds=4 * par.dp)
         self.sq = lens.astype(np.float64) ** 2
         self.oversize = oversize
         self.n = int(lens.size)
         #: group size -> whether its groups cross nodes (priced at the inter-node numbers)
-        self.spans: Dict[int, bool] = spans_by_size(par, ((n.start, n.size) for n in tree.nodes))
+        self.spans: Dict[int, bool] = tree.spans_by_size(par)
         self.sizes: Dict[int, GroupSize] = {}
         for s in tree.sizes:
             align = group_alignment(par, s, tile)
@@ -115,4 +129,4 @@ class StepData:
         return out
 
 
-__all__ = ["Bins", "GroupSize", "StepData"]
+__all__ = ["Bins", "FixedLayout", "GroupSize", "StepData"]
