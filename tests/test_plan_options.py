@@ -367,6 +367,13 @@ def test_one_vocabulary_for_balancing():
     assert str(BalanceBy.FLOPS) == "flops" and BalanceBy.parse("Tokens") is BalanceBy.TOKENS
 
 
+def test_a_default_balance_stays_the_default_when_the_options_change():
+    opts = PlanOptions(max_tokens_per_gpu=4096)
+    assert opts.balance_by is BalanceBy.TOKENS and opts.replace(model="qwen3-0.6b").balance_by is BalanceBy.TIME
+    chosen = PlanOptions(max_tokens_per_gpu=4096, balance_by="tokens")
+    assert chosen.replace(model="qwen3-0.6b").balance_by is BalanceBy.TOKENS
+
+
 def test_replace_and_forward_only():
     opts = PlanOptions(**BASE, samples_per_step=8)
     assert opts.replace(oversize="alone").oversize == "alone" and opts.oversize == "error"

@@ -177,6 +177,8 @@ class PlanOptions:
     resolved_cost_model: CostModel = field(init=False, repr=False, compare=False,
                                            default=None)  # type: ignore[assignment]
     budget_choice: Optional[BudgetChoice] = field(init=False, repr=False, compare=False, default=None)
+    #: whether ``balance_by`` was left to its default (``time`` with a model, ``tokens`` without)
+    balance_by_default: bool = field(init=False, repr=False, compare=False, default=False)
 
     # ----------------------------------------------------------------------------------------- validation
     def __post_init__(self) -> None:
@@ -200,6 +202,7 @@ class PlanOptions:
         set_("forward_only", as_bool(self.forward_only, "forward_only"))
         set_("equal_samples_per_rank", as_bool(self.equal_samples_per_rank, "equal_samples_per_rank"))
         set_("num_microbatches", _check_counts(self.num_microbatches))
+        set_("balance_by_default", self.balance_by is None)
         set_("balance_by", BalanceBy.parse(self.balance_by) if self.balance_by is not None else
              BalanceBy.TIME if self.model is not None else BalanceBy.TOKENS)
         if self.model is None and self.balance_by is BalanceBy.FLOPS:
@@ -306,11 +309,13 @@ class PlanOptions:
     def replace(self, **changes: Any) -> "PlanOptions":
         """A copy with some options changed (validated again; ``balance_by_flops`` accepted as in
         :meth:`from_kwargs`). An automatic budget stays automatic -- chosen again for the new options -- unless
-        ``max_tokens_per_gpu`` is given."""
+        ``max_tokens_per_gpu`` is given; a default ``balance_by`` stays the default (derived again)."""
         if "balance_by_flops" in changes or any(k not in self.names() for k in changes):
             return PlanOptions.from_kwargs(changes, base=self)
         if self.auto_budget and "max_tokens_per_gpu" not in changes:
             changes["max_tokens_per_gpu"] = AUTO
+        if self.balance_by_default and "balance_by" not in changes:
+            changes["balance_by"] = None  # still the default: derived again (a model given now balances time)
         return dataclasses.replace(self, **changes)
 
     def to_kwargs(self) -> Dict[str, Any]:
@@ -318,6 +323,8 @@ class PlanOptions:
         out = {name: getattr(self, name) for name in self.names()}
         if self.auto_budget:
             out["max_tokens_per_gpu"] = AUTO
+        if self.balance_by_default:
+            out["balance_by"] = None
         return out
 
     def for_forward_only(self, max_tokens_per_gpu: Union[None, int, str] = None) -> "PlanOptions":
