@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_dynbatch import DynBatchConfigError, ParallelConfig, plan_global_batch
+from megatron_dynbatch import DynBatchConfigError, plan_global_batch
 from megatron_dynbatch.core.run_config import (
     GROUP_REDUCE,
     LOSS_MODES,
