@@ -519,7 +519,8 @@ def test_dyncp_bench_workload_rows():
 def test_dynamic_cp_launch_flag():
     import argparse
 
-    from megatron_dynbatch.megatron.args import add_dynamic_batch_args, plan_options_from_args, validate_dynamic_batch_args
+    from megatron_dynbatch.megatron.args import (add_dynamic_batch_args, plan_options_from_args,
+                                              validate_dynamic_batch_args)
 
     parser = add_dynamic_batch_args(argparse.ArgumentParser())
 
