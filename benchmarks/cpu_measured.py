@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""MEASURED step times on real megatron-core (CPU, 2 gloo ranks): fixed padded batches vs slime vs verl vs dynbatch,
+r"""MEASURED step times on real megatron-core (CPU, 2 gloo ranks): fixed padded batches vs slime vs verl vs dynbatch,
 and dynbatch planned with a cost model calibrated on this CPU vs with the default (H100-fitted) one.
 
 Unlike ``megatron-dynbatch bench`` (which *predicts* H100 step times with the cost model), this script runs
@@ -41,7 +41,8 @@ and the same ratio under a cost model FITTED to this run's measured THD micro-ba
 Run (2-core CPU: ~3-4 minutes with the defaults)::
 
     python benchmarks/cpu_measured.py --json tmp/cpu_measured.json
-    python benchmarks/cpu_measured.py --pp 2 --prompts 8 --max-tokens-per-gpu 4096 --algorithms dynbatch,dynbatch-calibrated
+    python benchmarks/cpu_measured.py --pp 2 --prompts 8 --max-tokens-per-gpu 4096 \
+        --algorithms dynbatch,dynbatch-calibrated
 """
 
 from __future__ import annotations
@@ -495,9 +496,9 @@ def _fmt(x: Any, f: str) -> str:
 
 
 def format_table(summary: Dict[str, Any]) -> str:
-    head = (f"{'algorithm':<19} {'step s':>7} {'min-max':>11} {'x fixed':>7} {'pred x':>7} {'cpu-fit x':>9} {'tok/s':>7} "
-            f"{'compute s r0/r1':>16} {'imbal':>6} {'pred imb':>8} {'fit imb':>7} {'allred s':>8} {'pad %':>6} {'mb/rank':>8} "
-            f"{'cap viol':>8}  notes")
+    head = (f"{'algorithm':<19} {'step s':>7} {'min-max':>11} {'x fixed':>7} {'pred x':>7} {'cpu-fit x':>9} "
+            f"{'tok/s':>7} {'compute s r0/r1':>16} {'imbal':>6} {'pred imb':>8} {'fit imb':>7} {'allred s':>8} "
+            f"{'pad %':>6} {'mb/rank':>8} {'cap viol':>8}  notes")
     lines = [head, "-" * len(head)]
     for name, r in summary["algorithms"].items():
         if r.get("error") is not None:
@@ -507,21 +508,25 @@ def format_table(summary: Dict[str, Any]) -> str:
         mbr = "/".join(str(m) for m in r["microbatches_per_rank"])
         ar = min(r["allreduce_s"])  # the last rank to arrive: the collective itself, no waiting
         lines.append(
-            f"{name:<19} {r['step_s']:>7.2f} {r['step_s_min']:>5.2f}-{r['step_s_max']:<5.2f} {_fmt(r.get('measured_ratio_vs_fixed'), '.3f'):>7} "
+            f"{name:<19} {r['step_s']:>7.2f} {r['step_s_min']:>5.2f}-{r['step_s_max']:<5.2f} "
+            f"{_fmt(r.get('measured_ratio_vs_fixed'), '.3f'):>7} "
             f"{_fmt(r.get('predicted_ratio_vs_fixed'), '.3f'):>7} {_fmt(r.get('cpu_fitted_ratio_vs_fixed'), '.3f'):>9} "
             f"{r['tokens_per_s']:>7.0f} {comp:>16} {r['measured_imbalance']:>6.3f} "
-            f"{_fmt(r.get('predicted_imbalance'), '.3f'):>8} {_fmt(r.get('cpu_fitted_predicted_imbalance'), '.3f'):>7} {ar:>8.3f} {100 * r['padding_fraction']:>6.1f} "
+            f"{_fmt(r.get('predicted_imbalance'), '.3f'):>8} {_fmt(r.get('cpu_fitted_predicted_imbalance'), '.3f'):>7} "
+            f"{ar:>8.3f} {100 * r['padding_fraction']:>6.1f} "
             f"{mbr:>8} {r.get('cap_violations', 0):>8}  {'; '.join(r['notes'])}")
     b = summary["batch"]
     lines.append("")
     lines.append(f"batch: {b['samples']} samples, {b['tokens']} tokens, lengths {b['min']}..{b['max']} "
-                 f"(median {b['median']:.0f}, {b['at_max']} at the max); budget {summary['settings']['max_tokens_per_gpu']} "
-                 f"tokens/GPU; {_layout_text(summary['settings'])}, 1 thread each")
+                 f"(median {b['median']:.0f}, {b['at_max']} at the max); "
+                 f"budget {summary['settings']['max_tokens_per_gpu']} tokens/GPU; "
+                 f"{_layout_text(summary['settings'])}, 1 thread each")
     fit = summary.get("cpu_fitted_cost_model") or {}
     if fit:
         c = fit["coefficients"]
         lines.append(f"cpu-fitted cost model (THD micro-batches): {c['overhead_s'] * 1e3:.1f} ms + "
-                     f"{c['linear_s_per_token'] * 1e6:.1f} us/token + {c['attention_s_per_sq_token'] * 1e9:.2f} ns/sq-token "
+                     f"{c['linear_s_per_token'] * 1e6:.1f} us/token + "
+                     f"{c['attention_s_per_sq_token'] * 1e9:.2f} ns/sq-token "
                      f"(rel rms err {fit['fit']['rel_rms_error']:.1%}, n={fit['fit']['num_measurements']})")
     cal = summary.get("calibration") or {}
     if cal.get("measured_ratio") is not None:
@@ -543,11 +548,11 @@ def format_table(summary: Dict[str, Any]) -> str:
                       f"step of its plan {fit['model_change']:+.1%} vs the model it was planned with"
                       if fit and fit["fit_error"] is not None and fit["model_change"] is not None else
                       "; not recorded (warm-up)" if r["warmup"] else ""))
-    lines.append("step s: median step wall time (barrier to barrier, max over ranks; min-max over the timed steps); x fixed: / fixed_padded; "
-                 "pred x: the cost model's (H100) predicted ratio; cpu-fit x: ratio under the cost model fitted to "
-                 "this run's THD micro-batch times; imbal: measured max/mean rank compute before the all-reduce; pred imb / fit imb: the "
-                 "same predicted by the H100 / the CPU-fitted cost model; allred s: finalize_model_grads on the last "
-                 "rank to arrive (the gloo all-reduce itself)")
+    lines.append("step s: median step wall time (barrier to barrier, max over ranks; min-max over the timed steps); "
+                 "x fixed: / fixed_padded; pred x: the cost model's (H100) predicted ratio; cpu-fit x: ratio under the "
+                 "cost model fitted to this run's THD micro-batch times; imbal: measured max/mean rank compute before "
+                 "the all-reduce; pred imb / fit imb: the same predicted by the H100 / the CPU-fitted cost model; "
+                 "allred s: finalize_model_grads on the last rank to arrive (the gloo all-reduce itself)")
     lines.append(f"(wall time {summary['wall_s']:.0f} s)")
     return "\n".join(lines)
 
@@ -590,7 +595,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per algorithm first")
     p.add_argument("--seed", type=int, default=0, help="batch lengths, tokens and weights")
     p.add_argument("--json", metavar="OUT", help="write the full results as JSON here")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset of " + ",".join(ALGORITHMS))
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS),
+                   help="comma-separated subset of " + ",".join(ALGORITHMS))
     p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="pipeline stages (2: the ranks are one pipeline)")
     p.add_argument("--calibrated-cost-model", metavar="FILE", default=None,
                    help="cost-model file for dynbatch-calibrated (default: calibrate on this CPU first)")

@@ -17,8 +17,9 @@ a derived form instead, so that every workload reproduces from a clone:
   tokens -- within a fraction of a percent of the real statistics (this script prints them; they are stored in
   the file and checked by ``tests/test_bench.py``) at 1/12 of the real file's size;
 * **what it cannot keep**: the very longest documents -- the top value is 124,502 tokens, the 7th longest
-  document (the longest has 124,913) -- and a batch drawn from it is a different batch than one drawn from the real file with the same seed
-  (``Workload.generate(seed, documents=load_document_lengths(REAL_FILE))`` draws from the real file).
+  document (the longest has 124,913) -- and a batch drawn from it is a different batch than one drawn from the
+  real file with the same seed (``Workload.generate(seed, documents=load_document_lengths(REAL_FILE))`` draws
+  from the real file).
 
 Run it from the repository root (it only reads the given file and writes the package's data file)::
 

@@ -54,7 +54,8 @@ def add_calibrate_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentP
     c.add_argument("--run", default=None, metavar="PRESET", help="run preset: model, layout, budget, dynamic CP")
     add_layout_args(c)
     c.add_argument("--dynamic-cp", action="store_true", help="the layout plans dynamic CP: time every pool group size")
-    c.add_argument("--max-tokens-per-gpu", default=None, metavar="N", help="training budget: the largest per-GPU share timed")
+    c.add_argument("--max-tokens-per-gpu", default=None, metavar="N",
+                   help="training budget: the largest per-GPU share timed")
     c.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     c.add_argument("--layers", default=None, metavar="N", help="decoder layers in the slice (default 2)")
     c.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default bf16 on a GPU, fp32 on a CPU)")
@@ -78,7 +79,8 @@ def add_calibrate_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentP
     c.add_argument("--lengths", default=None, metavar="FILE", help="sample batch for the report (default: synthetic)")
     c.add_argument("--seed", default="0", metavar="N", help="seed of the synthetic sample batch")
     c.add_argument("--cpu-threads", default=None, metavar="N", help="torch threads for --device cpu")
-    c.add_argument("--output", default=DEFAULT_OUTPUT, metavar="FILE", help=f"cost-model file (default {DEFAULT_OUTPUT})")
+    c.add_argument("--output", default=DEFAULT_OUTPUT, metavar="FILE",
+                   help=f"cost-model file (default {DEFAULT_OUTPUT})")
     c.add_argument("--records", default=None, metavar="FILE", help="also write the timed records here")
     c.add_argument("--from-records", default=None, metavar="FILE", help="refit records a previous run wrote; no timing")
     c.add_argument("--dry-run", action="store_true", help="print the grid and the time estimate; time nothing")
@@ -167,7 +169,8 @@ def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace
             if setup.device != "cpu" and not cuda_visible():
                 print(f"note: no CUDA device is visible on this machine: this is the grid and estimate of a GPU run "
                       f"(--device {setup.device}); add --device cpu to time on this CPU instead")
-            print("grid (group size: lengths): " + "; ".join(f"{p.group_size}: {list(p.lengths)}" for p in setup.points))
+            print("grid (group size: lengths): "
+                  + "; ".join(f"{p.group_size}: {list(p.lengths)}" for p in setup.points))
         return 0
     if not args.json:
         print("\n".join(setup.describe()), flush=True)

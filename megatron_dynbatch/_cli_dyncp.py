@@ -161,7 +161,8 @@ def describe_candidates(names: str, pool: int, cp: int) -> str:
 def gpu_table(plan: Any, max_ranks: int) -> str:
     """One row per pool GPU: its DP and CP rank, slots, tokens held, predicted time, group size per slot."""
     cp = plan.parallel.cp
-    head = f"{'gpu':>5}  {'dp.cp':>6}  {'slots':>5}  {'tokens':>10}  {'time s':>8}  CP-group size per slot (execution order)"
+    head = (f"{'gpu':>5}  {'dp.cp':>6}  {'slots':>5}  {'tokens':>10}  {'time s':>8}  "
+            "CP-group size per slot (execution order)")
     rows = [head, "-" * len(head)]
     for g in range(min(plan.pool_size, max_ranks)):
         sizes = [size for _, size in plan.groups[g]]

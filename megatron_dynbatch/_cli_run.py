@@ -6,7 +6,8 @@ samples per step, the cost model and its decision margin, GRPO groups (``--group
 must agree with the preset. A flag that contradicts it is a :class:`~megatron_dynbatch.core.errors.DynBatchConfigError`
 naming the flag, the preset's value and both ways out: drop the flag (plan the preset as written), or add
 ``--override-run`` (plan the preset with the flag's value instead). Overridden values go through
-:meth:`RunConfig.replace`, so the result is checked exactly as a preset file with those values would be (``--dp 3`` on a preset with ``samples_per_step: 256`` is refused there).
+:meth:`RunConfig.replace`, so the result is checked exactly as a preset file with those values would be (``--dp 3``
+on a preset with ``samples_per_step: 256`` is refused there).
 
 ``--dynamic-cp`` / ``--no-dynamic-cp`` are overrides by definition (documented on the flag) and need no
 ``--override-run``; ``--group-ids`` on a preset without ``group_size`` adds groups (the preset says nothing about

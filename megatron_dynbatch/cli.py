@@ -79,13 +79,15 @@ def _fp8(text: str) -> Any:
 def _add_layout_args(p: argparse.ArgumentParser, *, dp: bool = True) -> None:
     g = p.add_argument_group("parallel layout")
     if dp:
-        g.add_argument("--dp", type=_positive_int, default=None, help="data-parallel size: ranks that split the batch (default 1)")
+        g.add_argument("--dp", type=_positive_int, default=None,
+                       help="data-parallel size: ranks that split the batch (default 1)")
     g.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel size")
     g.add_argument("--pp", type=_positive_int, default=None, help="pipeline-parallel size")
     g.add_argument("--cp", type=_positive_int, default=None,
                    help="context-parallel size (a micro-batch holds max_tokens_per_gpu * cp tokens)")
     g.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel size (MoE models)")
-    g.add_argument("--vpp", type=_positive_int, default=None, help="virtual pipeline stages per rank (interleaved 1F1B)")
+    g.add_argument("--vpp", type=_positive_int, default=None,
+                   help="virtual pipeline stages per rank (interleaved 1F1B)")
     g.add_argument("--microbatch-group-size-per-vp-stage", type=_positive_int, default=None,
                    help="Megatron's N for interleaved pipelines (default: pp)")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -331,8 +333,8 @@ def _cmd_flops(args: argparse.Namespace) -> int:
                           "quadratic": b.quadratic, "breakdown": b.to_dict(), "gpus_per_replica": round(1 / share),
                           "rows": rows}, indent=1))
         return 0
-    print(f"model: {spec.name or args.model}  ({spec.num_layers} layers, hidden {spec.hidden_size}"
-          f"{', MoE ' + str(spec.num_experts) + ' experts top-' + str(spec.moe_router_topk) if spec.num_experts else ''})")
+    moe = f", MoE {spec.num_experts} experts top-{spec.moe_router_topk}" if spec.num_experts else ""
+    print(f"model: {spec.name or args.model}  ({spec.num_layers} layers, hidden {spec.hidden_size}{moe})")
     print("forward FLOPs of one sequence of length L: linear*L + quadratic*L^2 with")
     print(f"  linear    = {b.linear:.6e} FLOPs/token")
     print(f"  quadratic = {b.quadratic:.6e} FLOPs/token^2 (causal core attention)")
@@ -367,7 +369,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
               "'plan --run NAME' plans with it")
         return 0
     if args.preset is None:
-        raise DynBatchConfigError("runs " + args.action, None, "needs a run preset", "pass a preset name or a YAML path")
+        raise DynBatchConfigError("runs " + args.action, None, "needs a run preset",
+                                  "pass a preset name or a YAML path")
     rc = RunConfig.from_yaml(args.preset)
     if args.action == "args":
         import shlex

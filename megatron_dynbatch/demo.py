@@ -372,8 +372,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not getattr(args, "dp_given", False):
             args.dp = world
         elif args.dp != world:
-            print(f"{PROG}: error: --dp={args.dp} disagrees with WORLD_SIZE={world} from torchrun: every torchrun process "
-                  f"is one data-parallel rank; drop --dp or launch {args.dp} processes "
+            print(f"{PROG}: error: --dp={args.dp} disagrees with WORLD_SIZE={world} from torchrun: every torchrun "
+                  f"process is one data-parallel rank; drop --dp or launch {args.dp} processes "
                   f"(--nnodes x --nproc-per-node = {args.dp})", file=sys.stderr)
             return 2
     if args.steps < 1 or args.dp < 1:

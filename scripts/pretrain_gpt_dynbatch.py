@@ -13,7 +13,8 @@ This file is only the entry point. The hook, the flags and the batch sources liv
 :mod:`megatron_dynbatch.integrations.megatron_lm` (``hook.py``'s docstring says how the hook works); to add dynamic
 batching to a launch script of your own, these are the lines::
 
-    from megatron_dynbatch.integrations.megatron_lm import add_dynamic_batch_args, global_batch_datasets_provider, install
+    from megatron_dynbatch.integrations.megatron_lm import (add_dynamic_batch_args, global_batch_datasets_provider,
+                                                            install)
 
     install()
     pretrain(global_batch_datasets_provider, partial(model_provider, gpt_builder), ModelType.encoder_or_decoder,

@@ -170,7 +170,8 @@ def test_load_document_lengths_reads_a_list_or_an_object(tmp_path):
 def test_load_document_lengths_refuses_what_is_not_document_lengths(tmp_path, text):
     path = tmp_path / "bad.json"
     path.write_text(text)
-    with pytest.raises(DynBatchConfigError, match=r"bad\.json.*(cannot be read|not a non-empty list|not a document length)") as err:
+    with pytest.raises(DynBatchConfigError,
+                       match=r"bad\.json.*(cannot be read|not a non-empty list|not a document length)") as err:
         wl.load_document_lengths(path)
     assert "Fix" in str(err.value) or "fix" in str(err.value)
 
@@ -229,7 +230,8 @@ def test_bench_reads_nothing_outside_the_repository(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr == "", res.stderr  # no "note: ... not found"
     allowed = [str(ROOT), "/dev"] + [os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}] + \
-        [os.path.realpath(p) for p in sys.path if p and os.path.isdir(p) and not str(ROOT).startswith(os.path.realpath(p))]
+        [os.path.realpath(p) for p in sys.path
+         if p and os.path.isdir(p) and not str(ROOT).startswith(os.path.realpath(p))]
     opened = {os.path.realpath(p) for p in json.loads(log.read_text())}
     outside = sorted(p for p in opened if not any(p == a or p.startswith(a.rstrip(os.sep) + os.sep) for a in allowed))
     assert not outside, f"bench opened files outside the repository: {outside}"

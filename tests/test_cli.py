@@ -182,7 +182,8 @@ def test_compare_scores_the_baselines_with_the_run_presets_cost_model(tmp_path, 
     assert table(from_preset) == table(from_flag)
 
 
-CONTRADICTIONS = [  # tiny-cpu-demo: tiny-gpt, world_size 2 (dp 2), 160 tokens, time, error, samples_per_step 16, groups of 4
+# tiny-cpu-demo: tiny-gpt, world_size 2 (dp 2), 160 tokens, time, error, samples_per_step 16, groups of 4
+CONTRADICTIONS = [
     (["--model", "qwen3-0.6b"], "--model", "model 'tiny-gpt'"),
     (["--max-tokens-per-gpu", "320"], "--max-tokens-per-gpu", "max_tokens_per_gpu=160"),
     (["--dp", "3"], "--dp", "dp=2 (world size 2"),
@@ -243,7 +244,7 @@ def test_plan_without_budget_or_preset_is_a_clear_error(tmp_path, capsys):
     assert "--max-tokens-per-gpu" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------ every term of plan's output is said where it appears
+# ------------------------------------------------------------- every term of plan's output is said where it appears
 def test_plan_says_what_its_bounds_bound_and_why_it_needs_more(tmp_path, capsys):
     """pp=4 vpp=2: more micro-batches than the budget needs, and the line says why; the step time says what its
     bound is; a grouped plan says its groups were kept whole; the rank table has a legend."""

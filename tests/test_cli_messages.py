@@ -203,7 +203,7 @@ def test_timeline_legend_names_every_colour_in_use(monkeypatch, tmp_path):
 
 
 def test_bench_report_survives_a_closed_pipe():
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import subprocess, sys
         p = subprocess.Popen([sys.executable, "-m", "megatron_dynbatch.cli", "bench", "--workloads", "smoke",
                               "--no-speed"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -35,7 +35,8 @@ def test_version_probe_is_for_reports_only():
 
 def test_upstream_cp_rerouting_flags_are_refused_by_the_hook():
     assert compat.upstream_cp_rerouting(argparse.Namespace()) == []
-    assert compat.upstream_cp_rerouting(argparse.Namespace(hybrid_context_parallel=True)) == ["--hybrid-context-parallel"]
+    assert (compat.upstream_cp_rerouting(argparse.Namespace(hybrid_context_parallel=True))
+            == ["--hybrid-context-parallel"])
     args = ml.add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"])
     args.dataloader_type, args.eval_iters, args.micro_batch_size = "external", 0, 1

@@ -168,7 +168,8 @@ def test_calibrated_model_reaches_the_planner_through_args(tmp_path):
     import argparse
 
     from megatron_dynbatch import plan_global_batch
-    from megatron_dynbatch.megatron.args import add_dynamic_batch_args, plan_options_from_args, validate_dynamic_batch_args
+    from megatron_dynbatch.megatron.args import (add_dynamic_batch_args, plan_options_from_args,
+                                              validate_dynamic_batch_args)
     from megatron_dynbatch.core.cost_model import load_cost_model, save_cost_model
 
     path = tmp_path / "cm.json"

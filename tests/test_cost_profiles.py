@@ -51,8 +51,10 @@ def test_a_cp_members_share_costs_more_than_its_fraction_and_more_so_for_small_c
     for L in (16384, 65536):
         tok, sq = float(L), float(L) ** 2
         for g in (2, 4, 16):
-            excess = (cm.group_microbatch_time(g, tok, sq) - cm.overhead_s) / ((cm.microbatch_time(tok, sq) - cm.overhead_s) / g)
-            plain = (old.group_microbatch_time(g, tok, sq) - old.overhead_s) / ((old.microbatch_time(tok, sq) - old.overhead_s) / g)
+            excess = ((cm.group_microbatch_time(g, tok, sq) - cm.overhead_s)
+                      / ((cm.microbatch_time(tok, sq) - cm.overhead_s) / g))
+            plain = ((old.group_microbatch_time(g, tok, sq) - old.overhead_s)
+                     / ((old.microbatch_time(tok, sq) - old.overhead_s) / g))
             assert plain == pytest.approx(1.0) and excess > 1.02
     ratio = lambda L, g: cm.group_work(g, L, L ** 2) / (cm.group_work(1, L, L ** 2) / g)  # noqa: E731
     assert ratio(16384.0, 16) > ratio(65536.0, 16) > ratio(65536.0, 2) > 1.0  # smaller chunks, larger share

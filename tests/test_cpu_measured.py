@@ -102,7 +102,8 @@ def test_tiny_pipeline_run_compares_calibrated_and_online_plans_with_the_default
     (megatron-dynbatch calibrate), dynbatch-online refits after every round. Structure only (no timing asserts)."""
     _needs_megatron()
     mod = _load()
-    argv = [a for a in TINY] + ["--pp", "2", "--steps", "2", "--algorithms", "dynbatch,dynbatch-calibrated,dynbatch-online",
+    argv = [a for a in TINY] + ["--pp", "2", "--steps", "2",
+                                "--algorithms", "dynbatch,dynbatch-calibrated,dynbatch-online",
                                 "--json", str(tmp_path / "pp.json")]
     argv[argv.index("--num-layers") + 1] = "2"
     mod.main(argv)

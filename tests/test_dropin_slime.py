@@ -276,9 +276,9 @@ def test_same_structure_as_slime_s_own_schedule(dp, vpp_n, per_rollout, steps, s
     equal counts per rank, the count a multiple of ``N`` under VPP, a sample over the budget alone in both. Ours
     plans whenever slime does; where slime's first fit cannot be split to an aligned count ours may still plan,
     and where ours refuses too it is an AssertionError as slime's. (slime halves a bin of zero-length samples
-    into one with all of them and an EMPTY one -- a micro-batch with no sample -- which counts as a refusal.) Where they differ: slime's micro-batches can
-    be over the budget once its padding is counted (the multiplier is 1 here, so the caps agree), and ours
-    balance time."""
+    into one with all of them and an EMPTY one -- a micro-batch with no sample -- which counts as a refusal.)
+    Where they differ: slime's micro-batches can be over the budget once its padding is counted (the multiplier
+    is 1 here, so the caps agree), and ours balance time."""
     from megatron_dynbatch.testing.peer_models import slime_build_dp_schedule
 
     vpp, n = vpp_n

@@ -170,7 +170,8 @@ def test_trainer_method_reads_the_trainer():
     trainer = types.SimpleNamespace(
         _get_dp_size=lambda wg, role: 2, actor_rollout_wg=None, use_prefix_grouper=False,
         config=Cfg(actor_rollout_ref=Cfg(actor=Cfg(ppo_mini_batch_size=8, use_dynamic_bsz=True,
-                                                   ppo_max_token_len_per_gpu=512, megatron=Cfg(context_parallel_size=1)))))
+                                                   ppo_max_token_len_per_gpu=512,
+                                                   megatron=Cfg(context_parallel_size=1)))))
     data = grpo_batch(list(range(10, 170, 10)), width=160)
     metrics = {}
     verl.trainer_balance_batch(trainer, data, metrics, keep_minibatch=True)
@@ -372,8 +373,8 @@ def test_same_structure_as_verl_s_own_rearrange(lengths, max_token_len, min_mb, 
     count at least ``min_num_micro_batch`` and a multiple of ``num_batches_divided_by``, no more micro-batches
     than groups, the same refusals (as AssertionError). Where they differ -- our stricter cap: verl's count is
     ``ceil(tokens / max_token_len)`` and its micro-batches may exceed the budget; ours is at least verl's (when
-    no group is over the budget) and never over the budget (but for a group alone over it). So ours may refuse where verl plans over the budget:
-    then no count verl's rules allow packs under the cap (checked exactly)."""
+    no group is over the budget) and never over the budget (but for a group alone over it). So ours may refuse
+    where verl plans over the budget: then no count verl's rules allow packs under the cap (checked exactly)."""
     from megatron_dynbatch.testing.exact import bins_feasible
     from megatron_dynbatch.testing.peer_models import verl_rearrange_micro_batches
 

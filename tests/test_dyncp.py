@@ -92,8 +92,8 @@ def test_dyncp_pool_simulation_in_the_compressed_form_is_the_operations(pp, ep, 
     pool, m = 8, 6
     blocks = [np.arange(0, pool, int(rng.choice([1, 2, 4]))) for _ in range(m)]
     times = np.zeros((m, pool))
-    for j, st in enumerate(blocks):
-        times[j] = np.repeat(rng.uniform(0.1, 1.0, st.size), np.diff(np.append(st, pool)))
+    for j, starts in enumerate(blocks):
+        times[j] = np.repeat(rng.uniform(0.1, 1.0, starts.size), np.diff(np.append(starts, pool)))
     cm = CostModel(1e-6, 0.0, 1e-3, pp=pp, ep_group=ep)
     width = 2 * ep if ep > 1 else 1
     monkeypatch.setattr(pipeline_sim, "FAST_OPS", 0)
@@ -519,7 +519,8 @@ def test_dyncp_bench_workload_rows():
 def test_dynamic_cp_launch_flag():
     import argparse
 
-    from megatron_dynbatch.megatron.args import add_dynamic_batch_args, plan_options_from_args, validate_dynamic_batch_args
+    from megatron_dynbatch.megatron.args import (add_dynamic_batch_args, plan_options_from_args,
+                                              validate_dynamic_batch_args)
 
     parser = add_dynamic_batch_args(argparse.ArgumentParser())
 

@@ -33,7 +33,8 @@ HOSTILE_SCALARS = [
 def mostly(valid, hostile=None):
     """``valid`` about five times in six, else a hostile scalar: every field is hostile now and then, and most
     draws reach deep into the planner."""
-    return st.one_of(valid, valid, valid, valid, valid, hostile if hostile is not None else st.sampled_from(HOSTILE_SCALARS))
+    return st.one_of(valid, valid, valid, valid, valid,
+                     hostile if hostile is not None else st.sampled_from(HOSTILE_SCALARS))
 
 
 def _integers():

@@ -231,8 +231,6 @@ def _as_passed(data, values):
 def _hostile_batch(data, lengths, width):
     """A verl / ROLL batch (a DataProto stand-in) -- or an empty one, one without ``attention_mask``, one whose
     mask is bool / float / has NaN."""
-    import torch
-
     from megatron_dynbatch.testing.peer_types import DataProto, grpo_batch
 
     kind = data.draw(st.sampled_from(["ok", "ok", "ok", "empty", "no mask", "bool", "float", "nan"]))
@@ -294,7 +292,7 @@ def test_every_dropin_entry_point_with_what_trainers_pass(data, entry):
         else:
             _ok_or_explained(lambda: verl.balance_batch(batch, _value(data, st.integers(1, 4))), True)
     elif entry == "nemo_rl":
-        packer = get_packer("modified_first_fit_decreasing", 1024, min_bin_count=2, bin_count_multiple=2)
+        packer = nemo_rl.get_packer("modified_first_fit_decreasing", 1024, min_bin_count=2, bin_count_multiple=2)
         bins = _ok_or_explained(lambda: packer.pack(_as_passed(data, lengths)), False)
         assert bins is None or sorted(i for b in bins for i in b) == list(range(n))
     else:

@@ -130,8 +130,10 @@ def test_context_parallel_slices_and_restore():
             _, _, logs = it.loss_func(mb, dp_size=1)(mb.labels.float())
             total += float(logs[RESULT_KEY].loss_sum)
     norm = ranks[0].normalizer(0)
-    want = sum(norm.coefficients[i] * float((s["labels"] if "labels" in s else torch.cat([s["tokens"][1:], torch.zeros(1, dtype=torch.long)])).double()
-                                              @ torch.cat([s["loss_mask"][:-1], torch.zeros(1)]).double())
+    want = sum(norm.coefficients[i]
+               * float((s["labels"] if "labels" in s
+                        else torch.cat([s["tokens"][1:], torch.zeros(1, dtype=torch.long)])).double()
+                       @ torch.cat([s["loss_mask"][:-1], torch.zeros(1)]).double())
                for i, s in enumerate(samples))
     assert total == pytest.approx(want, rel=1e-9)
 

@@ -75,7 +75,8 @@ def test_the_budget_fits_what_the_model_predicts_and_is_the_largest(case, pass_,
     above = peak_memory(model, par, c.tokens_per_gpu + multiple, settings=mem, pass_=pass_)
     assert above.peak_bytes > usable * (1 - 1e-9)
     # every rank computes the same budget: repeated calls, NumPy scalars and mapping settings agree
-    again = choose_budget(model, par, np.float64(card), settings=mem.to_dict(), pass_=pass_, multiple=np.int64(multiple))
+    again = choose_budget(model, par, np.float64(card), settings=mem.to_dict(), pass_=pass_,
+                          multiple=np.int64(multiple))
     assert again == c and again.tokens_per_gpu == c.tokens_per_gpu
 
 

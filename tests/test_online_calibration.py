@@ -204,7 +204,8 @@ def test_the_megatron_lm_hook_and_the_ray_actors_record_without_changing_the_los
 
     rollout = plan_rollout(synthetic_rl_batch(24, seed=300, max_len=90), model=model, parallel={"dp": 2},
                            max_tokens_per_gpu=96, put=False, log_probs=False, calibration=cal)
-    assert isinstance(rollout, RolloutPlan) and rollout.plan.micro_batches == per_rank[0]["ray"]["plan"]["micro_batches"]
+    assert isinstance(rollout, RolloutPlan)
+    assert rollout.plan.micro_batches == per_rank[0]["ray"]["plan"]["micro_batches"]
     log = update_calibration(cal, results_ + [None], rollout)
     assert log is not None and log.records == sum(len(r["ray"]["timings"]["records"]) for r in per_rank)
     assert log.profile is not None and log.change is not None and cal.cost_model is not None

@@ -154,7 +154,8 @@ def test_local_mode(name, recorder):
         assert getattr(got, name) == (expected(name) if name != "parallel" else
                                       dataclasses.replace(expected(name), dp=1))
     if name != "num_microbatches":
-        got = received(recorder, lambda: plan_local_batch([100] * 8, num_microbatches=2, **{**BASE, name: VALUES[name]}))
+        got = received(recorder,
+                       lambda: plan_local_batch([100] * 8, num_microbatches=2, **{**BASE, name: VALUES[name]}))
         if name != "parallel":
             assert getattr(got, name) == expected(name)
 
@@ -339,8 +340,9 @@ def test_bad_options_are_refused_at_construction_naming_the_field(field, value):
 
 
 def test_numpy_scalars_and_tensors_are_plain_values():
-    opts = PlanOptions(max_tokens_per_gpu=np.int64(4096), samples_per_step=np.int32(8), decision_margin=np.float32(0.25),
-                       num_microbatches=np.array([2, 3]), parallel={"dp": np.int64(2)})
+    opts = PlanOptions(max_tokens_per_gpu=np.int64(4096), samples_per_step=np.int32(8),
+                       decision_margin=np.float32(0.25), num_microbatches=np.array([2, 3]),
+                       parallel={"dp": np.int64(2)})
     assert type(opts.max_tokens_per_gpu) is int and type(opts.samples_per_step) is int
     assert opts.num_microbatches == (2, 3) and opts.parallel.dp == 2 and isinstance(opts.decision_margin, float)
     hash(opts)  # frozen and hashable: a plan's options can key a cache

@@ -1,6 +1,6 @@
-"""megatron_dynbatch.integrations.ray: central planning on a driver, rank-local shards, order restoration -- and a REAL local Ray
-with two actors, each one gloo rank of a tiny megatron-core GPT, whose log-probs and gradients equal an unpacked
-single-process reference.
+"""megatron_dynbatch.integrations.ray: central planning on a driver, rank-local shards, order restoration -- and a
+REAL local Ray with two actors, each one gloo rank of a tiny megatron-core GPT, whose log-probs and gradients equal
+an unpacked single-process reference.
 
 The planning / shard tests need no Ray. The tests marked ``ray`` start a local Ray (2 CPUs, no dashboard, a
 private temp dir, token auth with an in-memory token so nothing is written under $HOME) and skip when Ray is not

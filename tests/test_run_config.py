@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_dynbatch import DynBatchConfigError, ParallelConfig, plan_global_batch
+from megatron_dynbatch import DynBatchConfigError, plan_global_batch
 from megatron_dynbatch.core.run_config import (
     GROUP_REDUCE,
     LOSS_MODES,
@@ -106,7 +106,8 @@ def test_from_yaml_accepts_a_path_and_env_preset_dirs(tmp_path, monkeypatch):
     (_base(parallel={"dp": 1, "pp": 5}), "parallel.pp", "does not divide num_layers=36"),
     (_base(parallel={"dp": 1, "cp": 8}, max_tokens_per_gpu=1), "max_tokens_per_gpu", "use max_tokens_per_gpu >= 2"),
     (_base(max_tokens_per_gpu=0), "max_tokens_per_gpu", "must be >= 1"),
-    (_base(log_probs_max_tokens_per_gpu="big"), "log_probs_max_tokens_per_gpu", "neither a number of tokens nor 'auto'"),
+    (_base(log_probs_max_tokens_per_gpu="big"), "log_probs_max_tokens_per_gpu",
+     "neither a number of tokens nor 'auto'"),
     (_base(loss_mode="token_means"), "loss_mode", "did you mean 'token_mean'"),
     (_base(balance_by="raw-flops"), "balance_by", "did you mean"),
     (_base(loss_mode="group_mean"), "group_size", "needs groups"),
@@ -369,7 +370,8 @@ def test_troubleshooting_quotes_the_real_messages():
                         (["--dynbatch-online-calibration"], {}), (["--use-dynamic-batch-size", "--max-tokens-per-gpu",
                                                                    "100", "--dynbatch-calibration-interval", "50"], {}),
                         (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "100"],
-                         {"num_experts": 8, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"})):
+                         {"num_experts": 8, "expert_model_parallel_size": 2,
+                          "moe_token_dispatcher_type": "allgather"})):
         ns = parser.parse_args(argv)
         ns.data_parallel_size = 2
         for k, v in extra.items():

@@ -115,8 +115,8 @@ def markdown(rows: List[Dict[str, Any]]) -> str:
     errs = np.array([100 * (r["fitted_compute"] / r["measured"] - 1) for r in rows])
     old = np.array([100 * (r["analytic"] / r["measured"] - 1) for r in rows])
     out.append(f"\nRMS error vs measured: fitted (compute) {np.sqrt(np.mean(errs ** 2)):.1f}%, old model "
-               f"{np.sqrt(np.mean(old ** 2)):.1f}%; within 3%: {int((np.abs(errs) <= 3).sum())} of {len(rows)} (fitted), "
-               f"{int((np.abs(old) <= 3).sum())} of {len(rows)} (old)")
+               f"{np.sqrt(np.mean(old ** 2)):.1f}%; within 3%: {int((np.abs(errs) <= 3).sum())} of {len(rows)} "
+               f"(fitted), {int((np.abs(old) <= 3).sum())} of {len(rows)} (old)")
     return "\n".join(out)
 
 

@@ -470,7 +470,8 @@ def structural_problems(plan: Any, num_samples: int) -> List[str]:
 
 
 __all__ = [
-    "BASELINES", "Baseline", "BaselineContext", "EXTRA_BASELINES", "roll", "roll_layout", "BaselineInfeasible", "BaselineRun", "MicroBatches",
+    "BASELINES", "Baseline", "BaselineContext", "EXTRA_BASELINES", "roll", "roll_layout", "BaselineInfeasible",
+    "BaselineRun", "MicroBatches",
     "adjust_bin_count", "first_fit", "fixed_padded", "get_baseline", "karmarkar_karp",
     "megatron_dp_balanced", "megatron_rl_packing", "megatron_rl_packing_rr",
     "modified_first_fit_decreasing", "nemo_rl", "run_baseline", "slime", "slime_flops", "slime_legacy",

@@ -24,7 +24,8 @@ import numpy as np
 
 from ..core.errors import DynBatchConfigError
 
-#: The real file's name (``shared/data/`` in this project; hao-ai-lab/DistCA ``distca/simulator/data/dist_wlbllm.json``).
+#: The real file's name (``shared/data/`` in this project; hao-ai-lab/DistCA
+#: ``distca/simulator/data/dist_wlbllm.json``).
 DOCUMENT_LENGTHS_FILE = "document_lengths_wlbllm.json"
 #: How many quantiles of the real lengths the package ships.
 BUNDLED_QUANTILES = 8192

@@ -19,9 +19,9 @@ What megatron-core 0.16.1 does (``pipeline_parallel/hybrid_cp_schedule.py::Balan
 
 Scoring: a sample on ``g`` GPUs costs :meth:`CostModel.group_microbatch_time` (per-micro-batch overhead and
 floor, linear + attention work over ``g``, exposed K/V exchange, across nodes where the group crosses them) with
-``2 g`` alignment; a round lasts its slowest group; rounds add up. Upstream's schedule is PP=1 only (0.16.1); with ``pp > 1`` we model what the natural
-extension would do -- every round a separate 1F1B pipeline of each group's samples, flushed at the round's
-barrier -- and say so in the row's notes.
+``2 g`` alignment; a round lasts its slowest group; rounds add up. Upstream's schedule is PP=1 only (0.16.1);
+with ``pp > 1`` we model what the natural extension would do -- every round a separate 1F1B pipeline of each
+group's samples, flushed at the round's barrier -- and say so in the row's notes.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def _buckets(items: List[Tuple[int, int]], need, work) -> List[List[Tuple[int, i
     return out
 
 
-def _round(items: List[Tuple[int, int]], pool: int, need, work) -> Tuple[List[List[int]], List[int], List[Tuple[int, int]]]:
+def _round(items: List[Tuple[int, int]], pool: int, need,
+           work) -> Tuple[List[List[int]], List[int], List[Tuple[int, int]]]:
     """One round: per GPU its samples (in order), per GPU its group id, and the leftover items."""
     buckets = _buckets(items, need, work)
     exec_t = [0.0] * pool
@@ -162,7 +163,8 @@ def _grow_smallest(per_gpu, lens_gpu, gid_of, members, gsize, pool):
     end = members[g][-1] + 1
     moved = list(range(end, first_empty))  # the GPUs of every later group, pushed right by ``add``
     if add < 1 or first_empty + add > pool or any(per_gpu[r] for r in range(first_empty, first_empty + add)):
-        raise BaselineInfeasible(f"upstream cannot widen a group of {old} GPUs in a pool of {pool} (too few empty GPUs)")
+        raise BaselineInfeasible(f"upstream cannot widen a group of {old} GPUs in a pool of {pool} "
+                                 "(too few empty GPUs)")
     new_per = [list(x) for x in per_gpu]
     new_lens = [list(x) for x in lens_gpu]
     new_gid = list(gid_of)
@@ -190,7 +192,8 @@ def hybrid_cp_rounds(lengths: Sequence[int], parallel: ParallelConfig, max_token
     need = lambda L: cp_size_needed(int(L), max_tokens_per_gpu)  # noqa: E731
     work = lambda L: float(L) * float(L) / need(L)  # noqa: E731
     if any(need(L) > pool for L in lens.tolist()):
-        raise BaselineInfeasible(f"a sample needs more than the pool's {pool} GPUs at {max_tokens_per_gpu} tokens per GPU")
+        raise BaselineInfeasible(f"a sample needs more than the pool's {pool} GPUs at {max_tokens_per_gpu} "
+                                 "tokens per GPU")
     nonzero = [(i, int(L)) for i, L in enumerate(lens.tolist()) if L > 0]  # upstream drops empty sub-samples
     if len(nonzero) < lens.size:
         raise BaselineInfeasible("upstream drops zero-length samples")
@@ -228,7 +231,8 @@ def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_
         for r in range(pool):
             size = gids.count(gids[r])
             first = gids.index(gids[r])
-            align = Alignment.for_layout(ParallelConfig(tp=par.tp, cp=size, sequence_parallel=par.sequence_parallel), tile)
+            align = Alignment.for_layout(ParallelConfig(tp=par.tp, cp=size, sequence_parallel=par.sequence_parallel),
+                                         tile)
             spans = group_spans_nodes(first, size, par)
             ts = []
             for i in per_gpu[r]:

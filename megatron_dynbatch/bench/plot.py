@@ -160,7 +160,8 @@ def plot_timelines(plans: Mapping[str, Any], path: str, title: Optional[str] = N
         ax.set_ylabel("pool GPU" if getattr(plan, "groups", None) else "DP rank", fontsize=8)
         ax.set_xlim(0, xmax)
     axes[-1, 0].set_xlabel("predicted (modelled) time per rank, s")
-    handles = [Patch(facecolor=MB_COLORS[0], label="micro-batch (shades alternate; execution order)")] if any_plain else []
+    handles = ([Patch(facecolor=MB_COLORS[0], label="micro-batch (shades alternate; execution order)")]
+               if any_plain else [])
     handles += [Patch(facecolor=_group_color(g), label=f"micro-batch on a CP group of {g} GPU{'s' if g > 1 else ''}")
                 for g in sorted(sizes_used)]
     if any_group_wait:

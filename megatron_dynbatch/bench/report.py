@@ -34,7 +34,8 @@ def _aggregate(rows: Sequence[Row]) -> List[str]:
     mean = lambda attr: float(np.mean([getattr(r, attr) for r in ok]))  # noqa: E731
     if len(ok) == 1:
         r0 = ok[0]
-        mb = str(r0.microbatches) if r0.microbatches_min == r0.microbatches else f"{r0.microbatches_min}-{r0.microbatches}"
+        mb = (str(r0.microbatches) if r0.microbatches_min == r0.microbatches
+              else f"{r0.microbatches_min}-{r0.microbatches}")
     else:
         mb = f"{mean('microbatches'):.3g}"
     lb_m = float(np.mean([r.lower_bound_microbatches for r in ok]))

@@ -201,7 +201,8 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
                 rows.append(Row(w.name, seed, name, "baseline", error=str(exc),
                                 planning_ms=1e3 * (time.perf_counter() - t0)))
                 continue
-            notes = ["pp>1 modelled: a 1F1B flush per round (upstream 0.16.1 is PP=1 only)"] if w.parallel.pp > 1 else []
+            notes = (["pp>1 modelled: a 1F1B flush per round (upstream 0.16.1 is PP=1 only)"] if w.parallel.pp > 1
+                     else [])
             counts = {len(r) for r in plan.micro_batches}
             if len(counts) > 1:
                 notes.append(f"ragged micro-batch counts {min(counts)}..{max(counts)} (upstream runs one per sample)")
@@ -345,7 +346,8 @@ def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optiona
     if algorithms:
         bad = [a for a in algorithms if a not in ALGORITHMS]
         if bad:
-            raise DynBatchConfigError("--algorithms", bad[0], "unknown algorithm", f"use a subset of {list(ALGORITHMS)}")
+            raise DynBatchConfigError("--algorithms", bad[0], "unknown algorithm",
+                                      f"use a subset of {list(ALGORITHMS)}")
     tasks: List[Tuple[str, Any]] = [("workload", (w, s)) for w in workloads for s in range(seeds)]
     if speed:
         tasks += [("speed", case) for case in SPEED_CASES]

@@ -156,7 +156,8 @@ def _builtin() -> List[Workload]:
         ),
         Workload(
             "sft-longctx-70b-cp8",
-            "long-context SFT, Llama-3.1-70B, 1,024 documents of the real length distribution (up to 125k), tp=8 cp=8 dp=4",
+            "long-context SFT, Llama-3.1-70B, 1,024 documents of the real length distribution (up to 125k), "
+            "tp=8 cp=8 dp=4",
             "llama-3.1-70b", P(dp=4, tp=8, cp=8), 16384,
             lambda rng, docs: document_sample(rng, 1024, documents=docs),
         ),
@@ -188,27 +189,24 @@ def _builtin() -> List[Workload]:
         # ---- dynamic context parallelism (docs/dynamic_cp.md): long tails where one sequence dominates a rank
         Workload(
             "dyncp-longdoc-8b-1mb",
-            "long documents, ONE micro-batch per rank: Llama-3.1-8B, documents of the real length distribution (<= 32k) "
-            "filling "
-            "85% of tp=2 dp=8 x 32k, pool of 8 GPUs",
+            "long documents, ONE micro-batch per rank: Llama-3.1-8B, documents of the real length distribution "
+            "(<= 32k) filling 85% of tp=2 dp=8 x 32k, pool of 8 GPUs",
             "llama-3.1-8b", P(dp=8, tp=2), 32768,
             lambda rng, docs: documents_by_tokens(rng, int(0.85 * 8 * 32768), 32768, 8, documents=docs),
             dynamic_cp=True, default=False,
         ),
         Workload(
             "dyncp-longdoc-8b-4mb",
-            "long documents, ~4 micro-batches per rank: Llama-3.1-8B, documents of the real length distribution (<= 32k), "
-            "tp=2 dp=8 "
-            "x 32k, pool of 8 GPUs",
+            "long documents, ~4 micro-batches per rank: Llama-3.1-8B, documents of the real length distribution "
+            "(<= 32k), tp=2 dp=8 x 32k, pool of 8 GPUs",
             "llama-3.1-8b", P(dp=8, tp=2), 32768,
             lambda rng, docs: documents_by_tokens(rng, int(3.4 * 8 * 32768), 32768, 8, documents=docs),
             dynamic_cp=True, default=False,
         ),
         Workload(
             "dyncp-longctx-70b-cp4-pp4",
-            "long-context SFT with PP: Llama-3.1-70B, 1,024 documents of the real length distribution truncated to 64k, "
-            "tp=8 cp=4 pp=4 dp=4 "
-            "(pool of 16 GPUs per stage; the same batch as sft-longctx-70b-cp4-pp4)",
+            "long-context SFT with PP: Llama-3.1-70B, 1,024 documents of the real length distribution truncated "
+            "to 64k, tp=8 cp=4 pp=4 dp=4 (pool of 16 GPUs per stage; the same batch as sft-longctx-70b-cp4-pp4)",
             "llama-3.1-70b", P(dp=4, tp=8, cp=4, pp=4), 16384,
             lambda rng, docs: document_sample(rng, 1024, max_len=65536, documents=docs),
             dynamic_cp=True, default=False,

@@ -13,7 +13,8 @@ record's time is modelled as (one member's share, ``c = 1`` for ``group_size > 1
 
     floor   = layers * (min_per_layer_s + c * cp_min_per_layer_s)
     compute = layers * overhead_per_layer_s + linear_flops / (peak * linear_efficiency) * (1 + c * cp_linear_overhead)
-              + (attention_flops + attention_per_sq * cp_chunk_tokens * tokens * (g - 1) / g) / (peak * attention_efficiency)
+              + (attention_flops + attention_per_sq * cp_chunk_tokens * tokens * (g - 1) / g)
+                / (peak * attention_efficiency)
     seconds = max(floor, compute)
 
 Given which records sit on the floor, both branches are linear in their unknowns; the fit alternates between
@@ -23,9 +24,9 @@ squares on RELATIVE error (small micro-batches count as much as large ones), eac
 changing. It starts from the records whose nominal compute (60% / 30% of peak, scaled by the records' median
 slowdown on a device more than 2x slower) is below half their time on the floor. Terms no record can show keep
 the ``base`` profile's values: without a CP share (``group_size > 1``) the CP-member terms; a device faster than
-the base's ``peak_flops`` raises the peak so both efficiencies stay <= 1. Deterministic; NumPy only. The result transfers to any model and layout as a
-:class:`~.cost_profiles.CostProfile` (``FitReport.profile``); the returned :class:`~.cost_model.CostModel` is that
-profile applied to ``model`` with all its layers on ``parallel``.
+the base's ``peak_flops`` raises the peak so both efficiencies stay <= 1. Deterministic; NumPy only. The result
+transfers to any model and layout as a :class:`~.cost_profiles.CostProfile` (``FitReport.profile``); the returned
+:class:`~.cost_model.CostModel` is that profile applied to ``model`` with all its layers on ``parallel``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def parse_records(records: Sequence[Any]) -> Tuple[np.ndarray, List[np.ndarray],
     """``(group sizes, lengths per record, seconds)`` from records in the module docstring's format, or a
     ``DynBatchConfigError`` naming the first bad record."""
     if isinstance(records, (str, bytes, Mapping)) or not hasattr(records, "__len__") or len(records) < 3:
-        raise DynBatchConfigError("records", type(records).__name__ if not hasattr(records, "__len__") else len(records),
+        raise DynBatchConfigError("records",
+                                  type(records).__name__ if not hasattr(records, "__len__") else len(records),
                                   "need at least 3 records [group_size, lengths, seconds]",
                                   "measure micro-batches of several sizes (benchmarks/gpu/README.md)")
     groups, lens, secs = [], [], []

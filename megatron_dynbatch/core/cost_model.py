@@ -431,7 +431,8 @@ def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, fie
         return CostModel.from_model(model, parallel) if model is not None else CostModel.tokens_only(parallel)
     if not isinstance(choice, (str, os.PathLike)):
         raise DynBatchConfigError(field, type(choice).__name__, "must be a CostModel, a profile name or a file path",
-                                  f"use one of {sorted(PROFILES)}, a cost-model JSON file, or CostModel.from_model(...)")
+                                  f"use one of {sorted(PROFILES)}, a cost-model JSON file, "
+                                  "or CostModel.from_model(...)")
     key = str(choice)
     if key in PROFILES:
         if model is None:
@@ -684,7 +685,8 @@ def _cost_model_from_file_data(path, d: Any) -> CostModel:
     missing = [k for k in keys if k not in d]
     if missing:
         raise DynBatchConfigError(flag, str(path), f"is missing {missing}",
-                                  f"write the keys {list(keys)} (seconds per token, per squared token, per micro-batch)")
+                                  f"write the keys {list(keys)} "
+                                  "(seconds per token, per squared token, per micro-batch)")
     sections = ("fit", "profile", "memory")
     unknown = sorted(k for k in d if k not in FILE_KEYS + sections and not str(k).startswith("_"))
     if unknown:

@@ -91,7 +91,8 @@ class CostProfile:
         known = {f.name for f in fields(self)}
         bad = sorted(set(changes) - known)
         if bad:
-            raise DynBatchConfigError(bad[0], changes[bad[0]], "is not a cost-profile field", f"use one of {sorted(known)}")
+            raise DynBatchConfigError(bad[0], changes[bad[0]], "is not a cost-profile field",
+                                      f"use one of {sorted(known)}")
         return replace(self, **changes)
 
     def to_dict(self) -> Dict[str, Any]:

@@ -210,7 +210,8 @@ def parallel_from_mapping(parallel: Any) -> Tuple[ParallelConfig, Optional[int]]
     for key, value in parallel.items():
         name = ALIASES.get(key, key) if isinstance(key, str) else key
         if name not in _known_keys():
-            raise DynBatchConfigError(f"parallel.{key}", value, "unknown parallel field", _suggest(str(key), _known_keys()))
+            raise DynBatchConfigError(f"parallel.{key}", value, "unknown parallel field",
+                                      _suggest(str(key), _known_keys()))
         if name in par:
             raise DynBatchConfigError(f"parallel.{key}", value, f"gives {name} a second time",
                                       f"give {name} once (under one of its names)")

@@ -25,10 +25,10 @@ def karmarkar_karp(weights: Sequence[float], k: int, equal_size: bool = False) -
     largest spread (max set sum - min set sum) are merged repeatedly, pairing the heaviest set of one with the
     lightest of the other, until one state remains. Sets of equal sum are ordered fullest first, so ties (zero
     weights, equal lengths) spread items instead of stacking them: with ``n >= k`` non-negative weights no set
-    ends empty (verl's contract; its own implementation breaks ties by item count too). With ``equal_size`` the initial states are ``k``
-    consecutive items of the ascending order, one per set, so every final set holds ``n / k`` items (when ``k``
-    does not divide ``n``, zero-weight placeholders make up the difference and are dropped, so sizes differ by
-    at most one).
+    ends empty (verl's contract; its own implementation breaks ties by item count too). With ``equal_size`` the
+    initial states are ``k`` consecutive items of the ascending order, one per set, so every final set holds
+    ``n / k`` items (when ``k`` does not divide ``n``, zero-weight placeholders make up the difference and are
+    dropped, so sizes differ by at most one).
 
     Implementation: a set is a singly linked list over the items (head/tail arrays), so merging two states is
     ``O(k log k)`` vectorised work regardless of how many items they hold; a heap orders states by

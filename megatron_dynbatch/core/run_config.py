@@ -142,13 +142,15 @@ class RunConfig:
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         if not isinstance(self.name, str) or not self.name.strip():
-            raise DynBatchConfigError("name", self.name, "must be a non-empty string", "name the run, e.g. 'qwen3-8b-grpo'")
+            raise DynBatchConfigError("name", self.name, "must be a non-empty string",
+                                      "name the run, e.g. 'qwen3-8b-grpo'")
         if not isinstance(self.description, str):
             raise DynBatchConfigError("description", self.description, "must be a string", "write free text or omit it")
         if isinstance(self.megatron_args, (str, bytes, Mapping)) or not isinstance(self.megatron_args, (list, tuple)) \
                 or not all(isinstance(a, str) for a in self.megatron_args):
             raise DynBatchConfigError("megatron_args", self.megatron_args, "must be a list of strings",
-                                      "write one flag or value per list entry, e.g. ['--recompute-granularity', 'full']")
+                                      "write one flag or value per list entry, "
+                                      "e.g. ['--recompute-granularity', 'full']")
         set_("megatron_args", tuple(self.megatron_args))
         for f in fields(self):  # NumPy integers (accepted like ints) are stored as plain ints
             value = getattr(self, f.name)
@@ -199,7 +201,8 @@ class RunConfig:
     def _resolve_model(self) -> ModelSpec:
         if isinstance(self.model, str):
             if not self.model.strip():
-                raise DynBatchConfigError("model", self.model, "is empty", f"use a preset name ({', '.join(available_presets())})")
+                raise DynBatchConfigError("model", self.model, "is empty",
+                                          f"use a preset name ({', '.join(available_presets())})")
             return ModelSpec.from_yaml(self.model)
         if isinstance(self.model, Mapping):
             return ModelSpec.from_dict({"name": self.name, **dict(self.model)})
@@ -308,7 +311,8 @@ class RunConfig:
                                       f"use a tp that divides {groups}")
         if par.sequence_parallel and par.tp == 1:
             raise DynBatchConfigError("parallel.sequence_parallel", True, "needs tensor parallelism (tp > 1); "
-                                      "Megatron silently turns it off at tp=1", "set sequence_parallel: false or tp > 1")
+                                      "Megatron silently turns it off at tp=1",
+                                      "set sequence_parallel: false or tp > 1")
         uneven = any(a in self.megatron_args for a in _UNEVEN_PP_FLAGS)
         chunks = par.pp * par.vpp
         if chunks > 1 and spec.num_layers % chunks and not uneven:
@@ -318,7 +322,8 @@ class RunConfig:
                 f"({' / '.join(_UNEVEN_PP_FLAGS)})")
         etp = self.expert_tensor_parallel_size
         if etp is not None and (not _is_int(etp) or etp < 1):
-            raise DynBatchConfigError("parallel.etp", etp, "must be a positive integer", "use 1 or leave it unset (= tp)")
+            raise DynBatchConfigError("parallel.etp", etp, "must be a positive integer",
+                                      "use 1 or leave it unset (= tp)")
 
     def _check_moe(self, spec: ModelSpec, par: ParallelConfig) -> None:
         dispatcher = self.moe_token_dispatcher_type
@@ -335,7 +340,8 @@ class RunConfig:
         elif dispatcher not in MOE_DISPATCHERS:
             why = ("the allgather dispatcher needs the same token count on every rank, which dynamic micro-batches "
                    "do not have" if dispatcher == "allgather" else "unknown dispatcher")
-            raise DynBatchConfigError("moe_token_dispatcher_type", dispatcher, why, f"use one of {list(MOE_DISPATCHERS)}")
+            raise DynBatchConfigError("moe_token_dispatcher_type", dispatcher, why,
+                                      f"use one of {list(MOE_DISPATCHERS)}")
         experts = int(spec.num_experts or 0)
         if experts % par.ep:
             raise DynBatchConfigError("parallel.ep", par.ep, f"does not divide num_experts={experts}",
@@ -404,11 +410,11 @@ class RunConfig:
         Layout (``--tensor-model-parallel-size`` ... ``--sequence-parallel``), the MoE dispatcher, the batch
         shape Megatron's bookkeeping needs (``--micro-batch-size 1 --global-batch-size samples_per_step``: the
         learning-rate schedule and the consumed-samples counter then count samples exactly), and the
-        dynamic-batching flags of :mod:`megatron_dynbatch.megatron.args` (without ``fp8_alignment`` the flag is left out,
-        so that :mod:`megatron_dynbatch.megatron.args` derives it from Megatron's own ``--fp8-*`` flags).
-        ``group_size`` has no flag: at run time groups come from each sample's ``group_id``. Model-shape flags (``--num-layers``, norms,
-        RoPE, ...) are not implied by a :class:`ModelSpec` and stay in the launch script. ``dp`` is not a flag:
-        Megatron derives it from the world size.
+        dynamic-batching flags of :mod:`megatron_dynbatch.megatron.args` (without ``fp8_alignment`` the flag is left
+        out, so that :mod:`megatron_dynbatch.megatron.args` derives it from Megatron's own ``--fp8-*`` flags).
+        ``group_size`` has no flag: at run time groups come from each sample's ``group_id``. Model-shape flags
+        (``--num-layers``, norms, RoPE, ...) are not implied by a :class:`ModelSpec` and stay in the launch script.
+        ``dp`` is not a flag: Megatron derives it from the world size.
         """
         p = self.layout
         out = ["--tensor-model-parallel-size", str(p.tp), "--pipeline-model-parallel-size", str(p.pp),
@@ -511,7 +517,8 @@ class RunConfig:
             return data
         if not isinstance(data, Mapping):
             raise DynBatchConfigError("run", type(data).__name__, "must be a mapping of run fields",
-                                      "write 'model: ...', 'parallel: {...}', 'max_tokens_per_gpu: ...' at the top level")
+                                      "write 'model: ...', 'parallel: {...}', 'max_tokens_per_gpu: ...' "
+                                      "at the top level")
         known = ["parallel" if f.name == "layout" else f.name for f in fields(cls) if f.init]
         kwargs: Dict[str, Any] = {}
         for key, value in data.items():
@@ -597,5 +604,6 @@ def dynamic_cp_problem(par: ParallelConfig, *, grouped: bool = False, balance_by
 
 def _parallel_from_mapping(par: Any) -> Tuple[ParallelConfig, Optional[int]]:
     """ParallelConfig from the YAML ``parallel:`` mapping (``world_size`` derives ``dp``; ``etp`` is split off):
-    :func:`~megatron_dynbatch.core.parallel.parallel_from_mapping`, which ``plan_global_batch(parallel=...)`` uses too."""
+    :func:`~megatron_dynbatch.core.parallel.parallel_from_mapping`, which ``plan_global_batch(parallel=...)`` uses
+    too."""
     return parallel_from_mapping(par)

@@ -127,8 +127,9 @@ def _check_longest(args: Any, train_parallel_config: dict) -> Optional[bool]:
 
 
 @speaks(SLIME_WORDS, assertion=True)
-def build_dp_schedule(args: Any, train_parallel_config: dict, total_lengths: List[int], *, global_batch_size: int,
-                      rollout_indices: List[int]) -> Tuple[List[List[int]], List[List[List[int]]], List[int], List[int]]:
+def build_dp_schedule(
+        args: Any, train_parallel_config: dict, total_lengths: List[int], *, global_batch_size: int,
+        rollout_indices: List[int]) -> Tuple[List[List[int]], List[List[List[int]]], List[int], List[int]]:
     """slime's ``build_dp_schedule`` on megatron-dynbatch's planner: ``(partitions, micro_batch_indices,
     num_microbatches, global_batch_sizes)`` (see the module docstring)."""
     if not getattr(args, _CHECKED, False):  # once per args object (slime keeps one for the whole run)

@@ -164,7 +164,8 @@ def parallel_from_args(args: Any, world_size: Optional[int] = None) -> ParallelC
         num_layers = _get(args, "num_layers")
         if num_layers is None or num_layers % (pp * per_stage):
             raise DynBatchConfigError("--num-layers-per-virtual-pipeline-stage", per_stage,
-                                      f"does not divide the layers per pipeline stage (num_layers={num_layers}, pp={pp})",
+                                      "does not divide the layers per pipeline stage "
+                                      f"(num_layers={num_layers}, pp={pp})",
                                       "use a divisor of num_layers / pipeline-model-parallel-size")
         vpp = num_layers // pp // per_stage
     dp = _get(args, "data_parallel_size")
@@ -265,11 +266,13 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
         args.log_probs_max_tokens_per_gpu = max_tokens
     mode = getattr(args, "dynbatch_loss_mode", "token_mean")
     if mode is not None and mode not in LOSS_MODES:
-        raise DynBatchConfigError("--dynbatch-loss-mode", mode, "unknown loss normalisation", f"use one of {LOSS_MODES}")
+        raise DynBatchConfigError("--dynbatch-loss-mode", mode, "unknown loss normalisation",
+                                  f"use one of {LOSS_MODES}")
     cost_model = getattr(args, "dynbatch_cost_model", None)
     if cost_model is not None and not is_cost_model_choice(str(cost_model)):
         raise DynBatchConfigError("--dynbatch-cost-model", cost_model, "is neither a cost profile nor a file",
-                                  f"pass one of {sorted(PROFILES)} or the path of a cost-model JSON file, or drop the flag")
+                                  f"pass one of {sorted(PROFILES)} or the path of a cost-model JSON file, "
+                                  "or drop the flag")
     _check_online_calibration(args, use)
     if getattr(args, "dynbatch_memory_guard", False) and not use:
         raise DynBatchConfigError("--dynbatch-memory-guard", True, "only applies to dynamic batching",
@@ -279,7 +282,8 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
     args.dynbatch_fp8_alignment = "none" if resolved is None else resolved  # stays resolved on re-reading
     if getattr(args, "dynbatch_dynamic_cp", False) and not use:
         raise DynBatchConfigError("--dynbatch-dynamic-cp", True, "only applies to dynamic batching",
-                                  "add --use-dynamic-batch-size (and --max-tokens-per-gpu), or drop --dynbatch-dynamic-cp")
+                                  "add --use-dynamic-batch-size (and --max-tokens-per-gpu), "
+                                  "or drop --dynbatch-dynamic-cp")
     if not use:
         return args
 

@@ -10,8 +10,8 @@ Every rank builds the iterator from the SAME global batch (list of sample dicts)
 * exposes one optimizer step at a time when the plan splits the batch into several (``samples_per_step``):
   ``microbatches(step)``, ``data_iterator(step, num_model_chunks)`` (a list of independent iterators over the
   same micro-batches for VPP, one per model chunk, as Megatron's interleaved schedule expects);
-* builds the loss function of each micro-batch with the step's global normalisation (:mod:`megatron_dynbatch.megatron.loss`),
-  so the gradient does not depend on the packing;
+* builds the loss function of each micro-batch with the step's global normalisation
+  (:mod:`megatron_dynbatch.megatron.loss`), so the gradient does not depend on the packing;
 * maps per-micro-batch results back to the ORIGINAL sample order (``restore_order``) and gathers them across DP
   ranks (``gather_across_dp``, one ``all_gather_object``).
 
@@ -76,10 +76,11 @@ class DynamicBatchIterator:
             rank runs row ``dp_rank * cp + cp_rank`` of the plan (``self.row``), every micro-batch is packed with
             its group's alignment and sliced to this GPU's share of the group, and ``gather_across_dp`` gathers
             over the DP x CP group.
-        uniform_length: pad every micro-batch of this rank to its longest one (within the plan's budget). Default: on for ``pp == 2`` with ``vpp > 1``, where megatron-core 0.16's pipeline
-            shape exchange (``variable_seq_lengths``) mixes up the two directions between the only two stages
-            (the same peer is both previous and next stage; NVIDIA/Megatron-LM #5100, PR #5271); with uniform
-            lengths no shape exchange is needed. Costs the padding in compute, never in memory.
+        uniform_length: pad every micro-batch of this rank to its longest one (within the plan's budget).
+            Default: on for ``pp == 2`` with ``vpp > 1``, where megatron-core 0.16's pipeline shape exchange
+            (``variable_seq_lengths``) mixes up the two directions between the only two stages (the same peer is
+            both previous and next stage; NVIDIA/Megatron-LM #5100, PR #5271); with uniform lengths no shape
+            exchange is needed. Costs the padding in compute, never in memory.
         options: the planner's :class:`~megatron_dynbatch.core.planner.options.PlanOptions` when ``plan`` is None;
             keywords given too replace its fields.
         **plan_kwargs: the options as keywords (any :class:`PlanOptions` field, and ``balance_by_flops``;
@@ -156,8 +157,8 @@ class DynamicBatchIterator:
         per-sample metadata, with exactly the behaviour of one built from the whole batch.
 
         Used when a driver plans centrally and ships each DP rank only its own samples (see
-        :mod:`megatron_dynbatch.integrations.ray`). The loss stays exact because the normaliser only needs per-sample numbers of
-        the whole batch, not its tokens.
+        :mod:`megatron_dynbatch.integrations.ray`). The loss stays exact because the normaliser only needs
+        per-sample numbers of the whole batch, not its tokens.
 
         Args:
             samples: this rank's sample dicts; ``samples[k]`` is global sample ``sample_indices[k]``. Must hold at
@@ -216,7 +217,8 @@ class DynamicBatchIterator:
                     raise DynBatchConfigError(
                         f"loss_mask_sums[{i}]", float(sums[i]),
                         f"global sample {i}'s loss mask sums to {got_sums[k]} ({int(got_counts[k])} non-zero "
-                        f"positions) here", "compute the statistics with megatron_dynbatch.megatron.loss.loss_mask_stats on the "
+                        f"positions) here",
+                        "compute the statistics with megatron_dynbatch.megatron.loss.loss_mask_stats on the "
                         "samples that are shipped")
         gids = list(group_ids) if group_ids is not None else None
         if gids is not None and len(gids) != n:
@@ -498,7 +500,8 @@ class DynamicBatchIterator:
     def __len__(self) -> int:
         return self.num_microbatches
 
-    def data_iterator(self, step: Optional[int] = None, num_model_chunks: int = 1) -> Union[Iterator[Any], List[Iterator[Any]]]:
+    def data_iterator(self, step: Optional[int] = None,
+                      num_model_chunks: int = 1) -> Union[Iterator[Any], List[Iterator[Any]]]:
         """What to pass as ``data_iterator`` to ``forward_backward_func`` for ``step`` (``None`` = every step in
         one call, e.g. a forward-only pass): one iterator, or with VPP (``num_model_chunks > 1``) a list of
         independent iterators over the same micro-batches, one per model chunk."""
@@ -533,7 +536,8 @@ class DynamicBatchIterator:
                 found[i] = o
         return [found[i] for i in sorted(found)]
 
-    def gather_across_dp(self, per_sample_local: Sequence[Any], step: Optional[int] = None, group: Any = None) -> List[Any]:
+    def gather_across_dp(self, per_sample_local: Sequence[Any], step: Optional[int] = None,
+                         group: Any = None) -> List[Any]:
         """All DP ranks' :meth:`restore_order` results in GLOBAL sample order (ascending sample index over the
         whole batch, or over ``step``'s samples). One ``torch.distributed.all_gather_object`` over ``group``
         (default: Megatron's data-parallel group); every DP rank must call it."""

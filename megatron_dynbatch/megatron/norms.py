@@ -11,8 +11,8 @@ norm does not, hence the refusal).
 ``config.normalization``, same math, same parameter names ``weight`` / ``bias``) whose parameters carry that
 mark when ``config.sequence_parallel`` is on. It plugs into the local spec wherever ``WrappedTorchNorm`` does
 (``input_layernorm``, ``pre_mlp_layernorm``, the block's ``final_layernorm``):
-:func:`megatron_dynbatch.megatron.specs.get_thd_local_block_spec` builds a whole decoder-block spec with it (the final norm of a block built
-from a LAYER spec is hard-wired to ``WrappedTorchNorm``, so a block spec is needed).
+:func:`megatron_dynbatch.megatron.specs.get_thd_local_block_spec` builds a whole decoder-block spec with it (the
+final norm of a block built from a LAYER spec is hard-wired to ``WrappedTorchNorm``, so a block spec is needed).
 
 For tests, the CPU demo and debugging; on GPU use the TE spec (``TENorm``).
 """

@@ -54,11 +54,12 @@ runs. The local ``DotProductAttention`` refuses ``packed_seq_params``; pass ``th
 Sequence and context parallelism need no shim here (they are real layers, not patches), only ``thd=True``:
 
 * ``sequence_parallel=True`` (TP > 1): megatron-core's torch norm (``WrappedTorchNorm``) refuses it, so
-  :func:`build_tiny_gpt` then builds a whole block spec (:func:`megatron_dynbatch.megatron.specs.get_thd_local_block_spec`)
-  whose layer and final norms are :class:`megatron_dynbatch.megatron.norms.SequenceParallelTorchNorm` (torch
-  RMSNorm/LayerNorm with parameters marked ``sequence_parallel`` for ``finalize_model_grads``). The embedding
-  scatter, the linear layers' all-gather / reduce-scatter and the output gather run on gloo unchanged (torch
-  2.13's gloo backend supports ``all_gather_into_tensor`` and ``reduce_scatter_tensor``).
+  :func:`build_tiny_gpt` then builds a whole block spec
+  (:func:`megatron_dynbatch.megatron.specs.get_thd_local_block_spec`) whose layer and final norms are
+  :class:`megatron_dynbatch.megatron.norms.SequenceParallelTorchNorm` (torch RMSNorm/LayerNorm with parameters
+  marked ``sequence_parallel`` for ``finalize_model_grads``). The embedding scatter, the linear layers'
+  all-gather / reduce-scatter and the output gather run on gloo unchanged (torch 2.13's gloo backend supports
+  ``all_gather_into_tensor`` and ``reduce_scatter_tensor``).
 * ``context_parallel_size > 1``: ``ThdDotProductAttention`` implements CP for THD (all-gather of K/V over the
   CP group); Megatron's THD RoPE is CP-aware already. Unpacked (sbhd) inputs under CP (Megatron-LM's own
   fixed batches) run through the same THD path, one sequence per row, causal masking only.

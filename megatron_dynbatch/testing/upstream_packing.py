@@ -98,7 +98,7 @@ def train(rank: int, world_size: int, scheduler: str, steps: Sequence[Sequence[S
         ours.register_packing_scheduler(strict=True)
         config.sequence_packing_scheduler = ours.SCHEDULER_NAME
     model = mc.wrap_ddp(config, mc.build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=budget, thd=True))
-    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    dp_rank = ps.get_data_parallel_rank()
     first_or_last = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
     has_data = ps.get_tensor_model_parallel_rank() == 0 and first_or_last
 

@@ -64,8 +64,9 @@ def rescore(plan: Any, lengths: Sequence[int], *, model: Any, cost_model: Any, m
 
     if isinstance(plan, DynamicCPPlan):
         slots = [plan.slot_groups(j) for j in range(plan.num_microbatches)]
-        return float(build_dynamic_cp_plan(lengths, slots, parallel=plan.parallel, max_tokens_per_gpu=max_tokens_per_gpu,
-                                           model=model, cost_model=cost_model, fp8_alignment=fp8_alignment,
+        return float(build_dynamic_cp_plan(lengths, slots, parallel=plan.parallel,
+                                           max_tokens_per_gpu=max_tokens_per_gpu, model=model, cost_model=cost_model,
+                                           fp8_alignment=fp8_alignment,
                                            microbatches_per_step=plan.microbatches_per_step).predicted_step_time)
     return float(score_assignment(plan.micro_batches, lengths, model=model, parallel=plan.parallel,
                                   max_tokens_per_gpu=max_tokens_per_gpu, fp8_alignment=fp8_alignment,

@@ -25,8 +25,9 @@ ShardResult` timings). Its contract:
   prior; where even that is undetermined, the refit is the current profile scaled by that ratio
   (:func:`.shared.scale_profile`);
 * the vector goes through ``merge`` -- identity on one process; on a Megatron job a SUM all-reduce over every
-  rank -- and the **shared model** is built from the merged vector only (:func:`.shared.merged_profile`: the mean over the
-  ranks whose fit succeeded, per-layer seconds averaged, the CP-member terms over the ranks that timed CP shares).
+  rank -- and the **shared model** is built from the merged vector only (:func:`.shared.merged_profile`: the mean
+  over the ranks whose fit succeeded, per-layer seconds averaged, the CP-member terms over the ranks that timed CP
+  shares).
   Every rank thus plans with a bit-identical :class:`~..cost_model.CostModel` (same vector, same arithmetic), and no
   rank's plan depends on records only it has seen;
 * each refit is logged (:class:`RefitLog`: the fit error, the change in the predicted step time of the last

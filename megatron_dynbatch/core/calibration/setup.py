@@ -134,7 +134,8 @@ def plan_calibration(model: Any, *, parallel: Any = None, max_tokens_per_gpu: An
                                   "pass the model's tensor-parallel size")
     resolve_profile(base, field="--base")  # refused now, not after timing
     dev = _device(device)
-    n_layers = as_int(min(2, spec_m.num_layers) if layers is None else layers, "--layers", minimum=1, maximum=spec_m.num_layers,
+    n_layers = as_int(min(2, spec_m.num_layers) if layers is None else layers, "--layers", minimum=1,
+                      maximum=spec_m.num_layers,
                       fix=f"time 1 or 2 decoder layers (at most the model's {spec_m.num_layers})")
     kind = _choice(spec, "--spec", SPECS)
     dt = _choice(dtype if dtype is not None else ("fp32" if dev == "cpu" else "bf16"), "--dtype", DTYPES)

@@ -50,8 +50,8 @@ from ..planner.inputs import check_group_ids, check_lengths
 from .words import VERL_WORDS, speaks, trainer_terms
 
 __all__ = ["VERL_WORKLOAD_LINEAR", "balance_partitions", "group_balanced_partitions", "local_count",
-           "local_partitions", "local_plan", "seqlen_balanced_partitions", "verl_cost_model", "verl_sequence_pad_multiple",
-           "verl_workload"]
+           "local_partitions", "local_plan", "seqlen_balanced_partitions", "verl_cost_model",
+           "verl_sequence_pad_multiple", "verl_workload"]
 
 #: verl's ``calculate_workload``: ``24576 * L + L**2`` (12 h^2 L + 2 h L^2 per layer with h = 4096, over 2 h)
 VERL_WORKLOAD_LINEAR = 24576.0

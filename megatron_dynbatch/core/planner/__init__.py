@@ -8,6 +8,6 @@ from .options import BalanceBy, PlanOptions
 from .plan import Plan
 from .vpp import is_valid_microbatch_count, next_valid_microbatch_count
 
-__all__ = ["BalanceBy", "CountRule", "Plan", "PlanOptions", "plan_global_batch", "score_assignment", "is_valid_microbatch_count",
-           "next_valid_microbatch_count", "local_microbatch_counts", "plan_local_batch", "DynamicCPPlan",
-           "build_dynamic_cp_plan"]
+__all__ = ["BalanceBy", "CountRule", "Plan", "PlanOptions", "plan_global_batch", "score_assignment",
+           "is_valid_microbatch_count", "next_valid_microbatch_count", "local_microbatch_counts", "plan_local_batch",
+           "DynamicCPPlan", "build_dynamic_cp_plan"]

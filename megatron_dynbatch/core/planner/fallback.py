@@ -123,10 +123,10 @@ def search_bins(inp: StepInput, k: int, budget: Optional[SearchBudget] = None) -
         return None
     order = normal[np.lexsort((normal, -inp.aligned[normal]))]
     size = inp.aligned[order].tolist()
-    cap, n = int(inp.cap), len(size)
+    cap = int(inp.cap)
     if min_bins(inp.aligned[normal], cap) > kk:
         return None
-    left = np.concatenate((np.cumsum(size[::-1])[::-1], [0])).tolist()  # left[p]: sizes of items p..n-1
+    left = np.concatenate((np.cumsum(size[::-1])[::-1], [0])).tolist()  # left[p]: sizes of items p..end
     spent = [0]
     try:
         choice = _dive(size, left, cap, kk, work, spent)

@@ -28,10 +28,10 @@ One vocabulary
 --------------
 :class:`BalanceBy` is what balancing equalises, with one meaning everywhere (API, presets, flags, docs):
 ``time`` -- the cost model's seconds (each sample's linear and attention FLOPs at their kernels' efficiency, the
-default); ``flops`` -- raw FLOPs (every FLOP weighs the same); ``tokens`` -- padded tokens. Unset, it is ``time`` with a model and ``tokens`` without. The Megatron flag
-``--balance-by-flops`` (the name the peers use) selects ``time``; the Python keyword ``balance_by_flops`` is the
-same switch (``True``: ``time``, and a model is required; ``False``: ``tokens``), mapped once by
-:meth:`BalanceBy.resolve`.
+default); ``flops`` -- raw FLOPs (every FLOP weighs the same); ``tokens`` -- padded tokens. Unset, it is ``time``
+with a model and ``tokens`` without. The Megatron flag ``--balance-by-flops`` (the name the peers use) selects
+``time``; the Python keyword ``balance_by_flops`` is the same switch (``True``: ``time``, and a model is required;
+``False``: ``tokens``), mapped once by :meth:`BalanceBy.resolve`.
 """
 
 from __future__ import annotations

@@ -397,7 +397,6 @@ def _too_few_samples(par: ParallelConfig, n: int, m: int, m_max: int, budget: in
 
 def _forced_count_error(counts: _Counts, forced: int, lb_m: int, m_max: int, budget: int) -> DynBatchConfigError:
     """The error for a forced count that does not pack: suggest the first larger count that does."""
-    par = counts.par
     cap = counts.inp.cap
     if forced < lb_m:
         why = (f"the samples need at least {lb_m} micro-batches of at most {cap} tokens per rank (a lower bound: "
