@@ -32,29 +32,10 @@ import numpy as np
 
 from ..core.errors import DynBatchConfigError
 from ..core.memory.guard import GuardChange, MemoryGuard, reading_vector, stage_tokens
+from .collectives import all_reduce_vector, rank0_print
 
 __all__ = ["StepMemoryGuard", "MemoryRecorder", "memory_guard_from_args", "floor_for", "card_bytes_of",
            "rank_stage"]
-
-
-def _rank0_print(line: str) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
-        print(line, flush=True)
-
-
-def _max_over_world(vector: np.ndarray) -> np.ndarray:
-    """MAX all-reduce of a small float64 vector over every rank (the identity without a process group)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return vector
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor(vector, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.cpu().numpy()
 
 
 def card_bytes_of(device: Any = None) -> int:
@@ -128,7 +109,7 @@ class StepMemoryGuard:
     def __init__(self, start_budget: Any, card_bytes: Any = None, *, model: Any, parallel: Any = None,
                  settings: Any = None, profile: Any = None, reader: Any = None,
                  merge: Optional[Callable[[np.ndarray], np.ndarray]] = None,
-                 log: Optional[Callable[[str], None]] = _rank0_print, stage: Optional[int] = None,
+                 log: Optional[Callable[[str], None]] = rank0_print, stage: Optional[int] = None,
                  device: Any = None, **guard_kwargs: Any) -> None:
         if card_bytes is None:
             card_bytes = card_bytes_of(device)
@@ -142,7 +123,7 @@ class StepMemoryGuard:
             raise DynBatchConfigError("reader", type(reader).__name__, "has no measure(fn, probe) method",
                                       "pass a CudaPeakReader or FakeMemoryReader (megatron_dynbatch.measure.memory)")
         self.reader = reader
-        self.merge = merge or _max_over_world
+        self.merge = merge or (lambda v: all_reduce_vector(v, "max"))
         self.stage = stage
         self.last_reading: Any = None
         self.last_seconds: Optional[float] = None

@@ -32,27 +32,8 @@ import numpy as np
 
 from ..core.calibration.online import DEFAULT_INTERVAL, DEFAULT_WINDOW, OnlineCalibration, RefitLog
 from ..core.calibration.records import SliceInfo
+from .collectives import all_reduce_vector, rank0_print
 from .step_timer import MicroBatchTimer
-
-
-def _rank0_print(line: str) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
-        print(line, flush=True)
-
-
-def _sum_over_world(vector: np.ndarray) -> np.ndarray:
-    """SUM all-reduce of a small float64 vector over every rank (the identity without a process group)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return vector
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor(vector, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.cpu().numpy()
 
 
 def records_of(iterator: Any, step: Optional[int], seconds: Sequence[float]) -> List[List[Any]]:
@@ -130,13 +111,13 @@ class OnlineCalibrator:
 
     def __init__(self, model: Any, parallel: Any = None, *, interval: Any = DEFAULT_INTERVAL,
                  window: Any = DEFAULT_WINDOW, base: Any = None, skip_steps: Any = 1,
-                 log: Optional[Callable[[str], None]] = _rank0_print,
+                 log: Optional[Callable[[str], None]] = rank0_print,
                  merge: Optional[Callable[[np.ndarray], np.ndarray]] = None, device: Any = None) -> None:
         import torch.distributed as dist
 
         ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.state = OnlineCalibration(model, parallel, interval=interval, window=window, skip_steps=skip_steps,
-                                       base=base, ranks=ranks, merge=merge or _sum_over_world, log=log)
+                                       base=base, ranks=ranks, merge=merge or all_reduce_vector, log=log)
         par = self.state.parallel
         self.recorder = TimingRecorder(num_layers=self.state.model.num_layers, pp=par.pp, tp=par.tp, device=device)
 
