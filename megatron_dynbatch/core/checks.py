@@ -166,6 +166,18 @@ def did_you_mean(key: Any, known: Sequence[str], *, n: int = 3, cutoff: float = 
     return f"did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
+def read_json(path: Any, *, field: str, fix: str) -> Any:
+    """The JSON value in the file ``path``, or a ``DynBatchConfigError`` naming ``field`` and the file when it
+    cannot be read as JSON (missing, unreadable, not JSON) -- the one reader of the files users pass."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise DynBatchConfigError(field, str(path), f"cannot be read as JSON ({exc})", fix) from None
+
+
 def as_bool(value: Any, field: str) -> bool:
     if not is_bool(value):
         raise DynBatchConfigError(field, value, "must be True or False", f"pass {field}=True or {field}=False")

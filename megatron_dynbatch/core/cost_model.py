@@ -53,7 +53,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .checks import as_float
+from .checks import as_float, read_json
 from .cost_profiles import PROFILES, CostProfile, is_cost_model_choice, resolve_profile
 from .errors import DynBatchConfigError
 from .parallel import ParallelConfig
@@ -664,10 +664,8 @@ def load_cost_model(path) -> CostModel:
     per-micro-batch numbers; optional: :data:`FILE_KEYS` (older files without them load with the old meaning:
     no floor, no CP-member terms, one network), ``"fit"``, ``"profile"``, ``"memory"`` (checked here, read by
     ``core.memory.load_memory_profile``) and keys starting with ``_``."""
-    try:
-        d = _read_json(path)
-    except (OSError, ValueError) as exc:
-        raise _unreadable_cost_file(path, exc) from None
+    d = read_json(path, field="--dynbatch-cost-model",
+                  fix="pass a file written by save_cost_model / the calibration script")
     return _cost_model_from_file_data(path, d)
 
 

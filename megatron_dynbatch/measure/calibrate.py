@@ -24,7 +24,6 @@ profile is the file's ``memory`` section. It is skipped, with a note, when ``max
 from __future__ import annotations
 
 import importlib.util
-import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -32,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..core.calibration.budget import STARTUP_S, point_seconds, projected_finish
 from ..core.calibration.grid import MIN_POINTS
 from ..core.calibration.setup import CalibrationSetup, plan_calibration
+from ..core.checks import read_json
 from ..core.cost_fit import fit_records
 from ..core.cost_model import CostModel, FitReport, fitted_for, save_cost_model
 from ..core.errors import DynBatchConfigError
@@ -196,12 +196,7 @@ def _profile(report: FitReport) -> Any:
 def refit_from_file(setup: CalibrationSetup, path: str) -> Tuple[CostModel, FitReport, Dict[str, Any]]:
     """Fit the records a previous run saved (:meth:`CalibrationResult.records_json`) for ``setup``'s model and
     layout: the slice they were measured on comes from the file."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise DynBatchConfigError("--from-records", path, f"cannot be read as JSON ({exc})",
-                                  "pass a file written by calibrate --records") from None
+    data = read_json(path, field="--from-records", fix="pass a file written by calibrate --records")
     if not isinstance(data, dict) or not isinstance(data.get("slice"), dict) or "records" not in data:
         raise DynBatchConfigError("--from-records", path, "is not a calibrate records file (no 'slice' and "
                                   "'records')", "pass a file written by calibrate --records")

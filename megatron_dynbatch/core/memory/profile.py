@@ -31,12 +31,12 @@ or width, so a calibrated number never silently prices the wrong model. Pure Pyt
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Dict, Mapping, Optional
 
+from ..checks import read_json
 from ..cost_profiles import PROFILES
 from ..errors import DynBatchConfigError
 from ..model_spec import ModelLike, ModelSpec
@@ -180,12 +180,7 @@ def load_memory_profile(source: Any) -> Optional[MemoryProfile]:
     the file has none (an older file, or a calibration without memory)."""
     if isinstance(source, (str, os.PathLike)):
         path = str(source)
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise DynBatchConfigError("--cost-model", path, f"cannot be read as JSON ({exc})",
-                                      "pass a file written by megatron-dynbatch calibrate") from None
+        data = read_json(path, field="--cost-model", fix="pass a file written by megatron-dynbatch calibrate")
     else:
         path, data = "cost model", source
     if not isinstance(data, Mapping):
