@@ -33,6 +33,7 @@ import numpy as np
 from ..core.errors import DynBatchConfigError
 from ..core.memory.guard import GuardChange, MemoryGuard, reading_vector, stage_tokens
 from .collectives import all_reduce_vector, rank0_print
+from .model_layers import rank_layers
 
 __all__ = ["StepMemoryGuard", "MemoryRecorder", "memory_guard_from_args", "floor_for", "card_bytes_of",
            "rank_stage"]
@@ -64,18 +65,6 @@ def rank_stage(default: int = 0) -> int:
     return int(default)
 
 
-def _rank_layers(model: Any) -> int:
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    layers = 0
-    for chunk in chunks:
-        inner = chunk
-        while hasattr(inner, "module") and not hasattr(inner, "decoder"):
-            inner = inner.module
-        decoder = getattr(inner, "decoder", None)
-        layers += len(getattr(decoder, "layers", ())) if decoder is not None else 0
-    return layers
-
-
 def measured_call(reader: Any, fn: Callable[[], Any], *, model: Any, plan: Any, step: Optional[int], stage: int,
                   pp: int, num_layers: int) -> Tuple[Any, float, Any]:
     """Run ``fn`` under ``reader`` (its probe: this rank's decoder layers, the LM head on the last stage, the
@@ -84,7 +73,7 @@ def measured_call(reader: Any, fn: Callable[[], Any], *, model: Any, plan: Any, 
     from ..measure.memory import MemoryProbe
 
     tokens = stage_tokens(plan, max(num_layers, pp), step)[stage] if plan is not None else 0
-    probe = MemoryProbe(_rank_layers(model) or max(1, num_layers // pp), stage == pp - 1, int(tokens))
+    probe = MemoryProbe(rank_layers(model) or max(1, num_layers // pp), stage == pp - 1, int(tokens))
     box: Dict[str, Any] = {}
 
     def timed() -> None:
@@ -234,7 +223,7 @@ class MemoryRecorder:
         stage = rank_stage(0) if self.stage is None else int(self.stage)
         self.last_reading, self.last_seconds, out = measured_call(
             self.reader, fn, model=model, plan=getattr(iterator, "plan", None), step=step, stage=stage, pp=self.pp,
-            num_layers=self.num_layers or max(1, _rank_layers(model) * self.pp))
+            num_layers=self.num_layers or max(1, rank_layers(model) * self.pp))
         return out
 
     def end_step(self, plan: Any = None, step: Optional[int] = None) -> None:

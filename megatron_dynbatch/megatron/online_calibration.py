@@ -33,6 +33,7 @@ import numpy as np
 from ..core.calibration.online import DEFAULT_INTERVAL, DEFAULT_WINDOW, OnlineCalibration, RefitLog
 from ..core.calibration.records import SliceInfo
 from .collectives import all_reduce_vector, rank0_print
+from .model_layers import rank_layers
 from .step_timer import MicroBatchTimer
 
 
@@ -67,14 +68,7 @@ class TimingRecorder:
 
     def slice_info(self, model: Any) -> SliceInfo:
         """What this rank's recorded seconds cover (module docstring)."""
-        chunks = model if isinstance(model, (list, tuple)) else [model]
-        layers = 0
-        for chunk in chunks:
-            inner = chunk
-            while hasattr(inner, "module") and not hasattr(inner, "decoder"):
-                inner = inner.module
-            decoder = getattr(inner, "decoder", None)
-            layers += len(getattr(decoder, "layers", ())) if decoder is not None else 0
+        layers = rank_layers(model)
         tp, last = self.tp, True
         try:
             from megatron.core import parallel_state as ps
