@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+try:
+    from hypothesis import settings
+except ImportError:  # the planner-only checks run without the test extra
+    settings = None
+
+# Property tests draw their examples from a fixed seed by default, so that the test command (and CI) gives the same
+# verdict on the same code; ``HYPOTHESIS_PROFILE=explore`` draws fresh random examples each run, for hunting (a
+# failure found there goes into the test as an ``@example``, and so into every later run).
+if settings is not None:
+    settings.register_profile("default", derandomize=True, print_blob=True)
+    settings.register_profile("explore", derandomize=False, print_blob=True)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_dynbatch import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning, plan_global_batch
@@ -429,6 +429,8 @@ def test_a_tight_packing_the_item_search_misses_is_found_by_bin_completion():
 @pytest.mark.parametrize("size,cap,k,packs", [
     ([5, 5, 5, 5], 10, 2, True), ([6, 6, 6], 10, 2, False), ([7, 3, 6, 4], 10, 2, True),
     ([], 10, 1, True), ([11], 10, 1, False), ([4, 3, 3], 10, 1, True),
+    # the first completion of a bin is a dead end and the search must come back to it:
+    ([9, 8, 8, 7, 7, 7, 5, 5], 20, 3, True), ([9, 9, 8, 8, 8, 7, 6, 3, 1, 1], 20, 3, False),
 ])
 def test_bin_completion_small_cases(size, cap, k, packs):
     from megatron_dynbatch.core.planner.fallback import _complete_bins
@@ -565,9 +567,14 @@ def feasible_grouped_batch(rng: np.random.Generator, dp: int, m: int, cap: int):
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 16), st.integers(1, 24), st.sampled_from([64, 100, 1000, 4096]), st.integers(0, 2 ** 31 - 1),
        st.sampled_from(["tokens", "time", "time pp3"]))
+@example(dp=10, m=1, cap=64, seed=212828, balance="tokens")  # 17 groups, 10 ranks of one micro-batch: token-tight
+@example(dp=16, m=1, cap=64, seed=1372648637, balance="tokens")
+@example(dp=14, m=1, cap=4096, seed=1298968589, balance="time")
 def test_a_grouped_batch_that_packs_is_never_refused(dp, m, cap, seed, balance):
     """Grouped batches feasible by construction (:func:`feasible_grouped_batch`) always get a plan, within the
-    planning bound (2 s of CPU time)."""
+    planning bound (2 s of CPU time). The examples: one micro-batch per rank and more groups than ranks, so ranks
+    must take several groups to fit the tokens -- the unit search once grew a rank only until it had its ``m``
+    micro-batches' worth of samples, and refused these."""
     import time
 
     lengths, ids = feasible_grouped_batch(np.random.default_rng(seed), dp, m, cap)

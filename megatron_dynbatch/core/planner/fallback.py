@@ -322,14 +322,18 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
     or ``None`` (none exists, or none was found within the budget's share for one count; what it spends is taken
     from ``budget.units_left``).
 
-    Every rank needs ``m`` items, so the items beyond ``dp * m`` are the step's *slack*. Ranks are filled one at
-    a time: each opens with the largest unit left and tries the sets of later units that bring it to ``m`` items
-    (a set stops growing at the unit that crosses ``m``; under ``equal_samples``, at exactly the rank's sample
-    share), least excess first, within ``m * cap`` tokens, sets of equal (items, tokens, samples) tried once; a
-    branch dies once the ranks' excess passes the slack. A rank's micro-batches are packed as soon as it is
-    complete (:func:`.packer.pack_rank`, then the bounded bin search on the rank alone); the last rank takes
-    every unit left. Groups whose item counts must split exactly (no slack) are a number-partitioning problem
-    that greedy orders miss and bin completion solves in a few hundred nodes. Deterministic."""
+    Two resources are short: every rank needs ``m`` items, so the items beyond ``dp * m`` are the step's *item
+    slack*; every rank holds at most ``m * cap`` tokens, so the room the step leaves, ``dp * m * cap`` less its
+    tokens, is its *token slack*. A rank spends item slack on items beyond ``m`` (its excess) and token slack on
+    room it leaves empty (its waste). Ranks are filled one at a time: each opens with the largest unit left and
+    tries the sets of later units that give it at least ``m`` items (under ``equal_samples``, exactly the rank's
+    sample share) within ``m * cap`` tokens, cheapest first -- the smallest share of what is left of the two
+    slacks together -- sets of equal (items, tokens, samples) tried once; a branch dies once the ranks' excess
+    or waste passes its slack. A rank's micro-batches are packed as soon as it is complete
+    (:func:`.packer.pack_rank`, then the bounded bin search on the rank alone); the last rank takes every unit
+    left. Groups whose item counts must split exactly (no item slack) are a number-partitioning problem, groups
+    that must fill every rank (no token slack) a bin-packing one; greedy orders miss both, bin completion solves
+    them in a few hundred nodes. Deterministic."""
     from .packer import pack_rank
 
     work = budget.take_units()
@@ -342,8 +346,9 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
     smp = [samples[u] for u in order]
     slack = sum(cnt) - dp * m
     capacity = m * inp.cap
+    room_slack = dp * capacity - sum(tok)
     target = inp.sample_target(dp)
-    if slack < 0 or n_units < dp:
+    if slack < 0 or room_slack < 0 or n_units < dp:
         return None
     placed = [False] * n_units
 
@@ -358,8 +363,9 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
         bins = pack_rank(members, inp, m)
         return bins if bins is not None else _rank_bin_search(inp, members, m, budget)
 
-    def completions(first: int, room: int) -> List[tuple]:
-        """Sets of unplaced units after ``first`` completing its rank, as (excess, positions), least first."""
+    def completions(first: int, excess_left: int, waste_left: int) -> List[tuple]:
+        """Sets of unplaced units after ``first`` completing its rank within the slacks left, as (cost, excess,
+        waste, positions), cheapest first."""
         free = [p for p in range(first + 1, n_units) if not placed[p]]
         found: List[tuple] = []
 
@@ -367,16 +373,17 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
             charge(len(free) - i + 1)
             if len(chosen) > MAX_COMPLETION_ITEMS:
                 raise _OutOfWork
-            done = held == target if target is not None else items >= m
-            if done:
-                if items >= m:
-                    found.append((items - m, tuple(chosen)))
+            if items >= m and (target is None or held == target) and capacity - used <= waste_left:
+                excess, waste = items - m, capacity - used
+                cost = excess / (excess_left + 1) + waste / (waste_left + 1)
+                found.append((cost, excess, waste, tuple(chosen)))
+            if target is not None and held >= target:
                 return
             tried = set()
             for j in range(i, len(free)):
                 p = free[j]
                 key = (cnt[p], tok[p], smp[p])
-                if (key in tried or used + tok[p] > room or items + cnt[p] - m > slack
+                if (key in tried or used + tok[p] > capacity or items + cnt[p] - m > excess_left
                         or (target is not None and held + smp[p] > target)):
                     continue
                 tried.add(key)
@@ -386,12 +393,13 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
 
         extend(0, cnt[first], tok[first], smp[first], [])
         found.sort()
-        return [f for f in found if f[0] <= slack]
+        return [(excess, waste, chosen) for _, excess, waste, chosen in found]
 
     ranks: List[List[int]] = []
-    # one frame per open rank but the last: [its first unit, its completions, the next one to try, excess before]
+    # one frame per open rank but the last: [its first unit, its completions, the next one to try, (excess,
+    # waste) of the ranks before]
     stack: List[list] = []
-    excess = 0
+    spent_slack = (0, 0)
     try:
         while True:
             first = next((p for p in range(n_units) if not placed[p]), None)
@@ -404,30 +412,31 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
                         return [*ranks, bins] if len(ranks) == dp - 1 else None
             elif len(stack) < dp - 1 and first is not None:  # open the next rank around the largest unit left
                 placed[first] = True
-                stack.append([first, completions(first, capacity), 0, excess])
+                stack.append([first, completions(first, slack - spent_slack[0], room_slack - spent_slack[1]), 0,
+                              spent_slack])
                 ranks.append([])
             while stack:  # the next completion of the innermost rank that has one, else close ranks
                 top = stack[-1]
                 head, options, i, base = top
                 if i > 0:  # undo the completion tried last
-                    for p in options[i - 1][1]:
+                    for p in options[i - 1][2]:
                         placed[p] = False
                     ranks[-1] = []
                 found = None
-                while i < len(options) and base + options[i][0] <= slack:
-                    for p in options[i][1]:
+                while i < len(options):
+                    for p in options[i][2]:
                         placed[p] = True
-                    bins = packed((head,) + options[i][1])
+                    bins = packed((head,) + options[i][2])
                     i += 1
                     if bins is not None:
                         found = bins
                         break
-                    for p in options[i - 1][1]:
+                    for p in options[i - 1][2]:
                         placed[p] = False
                 top[2] = i
                 if found is not None:
                     ranks[-1] = found
-                    excess = base + options[i - 1][0]
+                    spent_slack = (base[0] + options[i - 1][0], base[1] + options[i - 1][1])
                     break
                 placed[head] = False  # no completion left within the slack: close this rank
                 stack.pop()
