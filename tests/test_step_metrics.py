@@ -40,6 +40,8 @@ def test_measured_figures_and_steps_and_prefixes():
                      budget=4096, prefix="rl/")
     assert m["rl/microbatches"] == plan.microbatches_per_step[1] and m["rl/measured_step_time_s"] == 0.25
     assert m["rl/peak_memory_gb"] == 30.0 and m["rl/predicted_peak_memory_gb"] == 31.0
+    assert m["rl/predicted_step_time_s"] == plan.step_time[1]  # the step's own time, not the whole plan's
+    assert step_metrics(plan)["dynbatch/predicted_step_time_s"] == plan.predicted_step_time
 
 
 def test_a_dynamic_cp_plan_counts_per_gpu():

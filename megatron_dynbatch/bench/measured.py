@@ -7,13 +7,14 @@ time (``(group_size, lengths)`` per micro-batch) and whose :meth:`~Schedule.comp
 
 * **DP plans** (:class:`RankSchedule`; every ``bench`` algorithm on a fixed layout, including fixed CP where a
   micro-batch is one ``cp``-GPU group's): each DP rank's micro-batches in turn, composed per rank by the same
-  code that scores plans (``rank_times_of``: optimizer steps one after another, 1F1B when ``pp > 1``); the step
-  is the slowest rank. Padded baselines (``fixed_padded``) run ``b`` full rows of the longest sample's padded length (a
-  ``[b, s]`` micro-batch attends over its padding); fixed-width bins (``megatron-rl-packing``) run their unused tail
-  as one more sequence, and an empty filler bin as one full-width sequence.
+  code that scores plans (``step_times_of``: optimizer steps one after another, 1F1B when ``pp > 1``); each
+  optimizer step is its slowest rank, the plan the sum of its steps. Padded baselines (``fixed_padded``) run
+  ``b`` full rows of the longest sample's padded length (a ``[b, s]`` micro-batch attends over its padding);
+  fixed-width bins (``megatron-rl-packing``) run their unused tail as one more sequence, and an empty filler bin
+  as one full-width sequence.
 * **Dynamic-CP plans** (:class:`PoolSchedule`): the pool simulation the planner scores with
   (``pool_sim.simulate_pool``): a group's micro-batch starts when all its members are free, 1F1B with group
-  synchronisation when ``pp > 1``; per optimizer step, steps one after another.
+  synchronisation when ``pp > 1``; per optimizer step (its last GPU to finish), steps one after another.
 * **Upstream's hybrid CP** (:class:`RoundsSchedule`, from :func:`~.hybrid_cp.hybrid_cp_rounds`): each sample
   is its own micro-batch on its group, a group runs its samples in turn (1F1B per round when ``pp > 1``, as the
   benchmark models it) and a barrier over the pool ends every round: step = sum over rounds of the slowest group.
@@ -35,7 +36,7 @@ import numpy as np
 from ..core.alignment import Alignment
 from ..core.cost_model import CostModel
 from ..core.parallel import ParallelConfig
-from ..core.planner.api import rank_times_of
+from ..core.planner.timing import step_times_of
 from ..core.planner import DynamicCPPlan
 from ..core.planner.dyncp.pool_sim import simulate_pool
 from .baselines import BASELINES
@@ -75,8 +76,8 @@ class RankSchedule:
 
     def compose(self, seconds_of: SecondsOf, cm: CostModel) -> MeasuredStep:
         times = [[seconds_of(self.group_size, mb) if mb else 0.0 for mb in rank] for rank in self.lengths_of]
-        ranks = rank_times_of(times, self.per_step, cm)
-        return MeasuredStep(float(ranks.max()), [float(sum(t)) for t in times], len(self.items()))
+        step_time = step_times_of(times, self.per_step, cm)[1]
+        return MeasuredStep(float(sum(step_time)), [float(sum(t)) for t in times], len(self.items()))
 
 
 @dataclass
@@ -103,13 +104,14 @@ class PoolSchedule:
         times = np.zeros((m, pool))
         for i, j, size in self._group_heads():
             times[j, i:i + size] = seconds_of(size, self.lengths_of[i][j])
-        finish = np.zeros(pool)
+        total = 0.0
         first = 0
         for count in self.per_step:
             blocks = [np.unique([self.groups[i][j][0] for i in range(pool)]) for j in range(first, first + count)]
-            finish += simulate_pool(times[first:first + count], blocks, cm, ep_width=self.ep_width)
+            total += float(np.max(simulate_pool(times[first:first + count], blocks, cm, ep_width=self.ep_width),
+                                  initial=0.0))
             first += count
-        return MeasuredStep(float(finish.max()), times.sum(axis=0).tolist(), len(self.items()))
+        return MeasuredStep(total, times.sum(axis=0).tolist(), len(self.items()))
 
 
 @dataclass

@@ -147,7 +147,7 @@ def plot_timelines(plans: Mapping[str, Any], path: str, title: Optional[str] = N
                 any_wait = True
                 ax.broken_barh([(done, rest)], (y - 0.4, 0.8), facecolors=WAIT_COLOR, hatch="///",
                                edgecolor="#999999", linewidth=0.0)
-        step = float(np.max(plan.rank_time))
+        step = float(plan.predicted_step_time)
         ax.axvline(step, color=STEP_COLOR, linestyle="--", linewidth=1.0)
         ax.set_yticks(range(len(ranks)))
         ax.set_yticklabels([str(r) for r in ranks], fontsize=6 if len(ranks) > 16 else 8)

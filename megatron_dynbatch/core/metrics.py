@@ -19,7 +19,7 @@ name                                        value
 ``dynbatch/largest_microbatch_tokens``      the largest micro-batch, tokens per GPU
 ``dynbatch/budget_fill``                    that over the budget
 ``dynbatch/oversize_samples``               samples placed alone over the budget (``oversize="alone"``)
-``dynbatch/predicted_step_time_s``          the cost model's time of the slowest rank
+``dynbatch/predicted_step_time_s``          the cost model's time of the slowest rank (in the step, when given)
 ``dynbatch/measured_step_time_s``           the schedule call's wall time (when measured)
 ``dynbatch/predicted_peak_memory_gb``       the memory guard's predicted peak, GiB (when it runs)
 ``dynbatch/peak_memory_gb``                 the measured allocator peak, the largest over the ranks, GiB (when read)
@@ -68,6 +68,14 @@ def _check_plan(plan: Any) -> None:
         raise DynBatchConfigError("plan", type(plan).__name__, "is not a plan", "pass the Plan the step ran")
 
 
+def _predicted_time(plan: Any, step: Optional[int]) -> float:
+    """The plan's predicted time, or its optimizer step ``step``'s where the plan lists each step's."""
+    per_step_time = getattr(plan, "step_time", None)
+    if step is not None and per_step_time and len(per_step_time) == len(plan.microbatches_per_step):
+        return float(per_step_time[step])
+    return float(plan.predicted_step_time)
+
+
 def step_metrics(plan: Any, *, step: Optional[int] = None, budget: Any = None, measured_step_s: Any = None,
                  measured_peak_bytes: Any = None, predicted_peak_bytes: Any = None,
                  prefix: str = PREFIX) -> Dict[str, float]:
@@ -98,7 +106,7 @@ def step_metrics(plan: Any, *, step: Optional[int] = None, budget: Any = None, m
         "largest_microbatch_tokens": float(largest),
         "budget_fill": float(largest) / cap,
         "oversize_samples": float(len(plan.oversize_samples)),
-        "predicted_step_time_s": float(plan.predicted_step_time),
+        "predicted_step_time_s": _predicted_time(plan, step),
     }
     if measured_step_s is not None:
         out["measured_step_time_s"] = as_float(measured_step_s, "measured_step_s", minimum=0.0, maximum=MAX_SECONDS,

@@ -18,7 +18,7 @@ right next to it):
   parameters, ``UnitColumns`` / ``RankState``), ``refine_ranks`` (rank loads as lists or arrays);
 * the count search: ``search._max_count`` (both branches in one function);
 * timing: ``ordering.SmallRankTimes`` (``RankTimes``), ``arrangements_of`` / ``descending`` (``arrangement``),
-  ``best_of_list`` (``RankTimes.best_of``), ``timing.rank_times_of``; ``CostModel.microbatch_time_of`` shares
+  ``best_of_list`` (``RankTimes.best_of``), ``timing.step_times_of``; ``CostModel.microbatch_time_of`` shares
   ``_one_size_compute`` with ``microbatch_time`` (derived, not copied), ``rank_time_of`` / ``pipeline_time_of``
   pair with ``rank_time``.
 """

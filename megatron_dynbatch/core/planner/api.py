@@ -58,7 +58,7 @@ from .ordering import mb_sums
 from .plan import Plan
 from .prepare import Prepared, prepare
 from .search import plan_step
-from .timing import rank_times_of
+from .timing import step_times_of
 
 __all__ = ["plan_global_batch", "options_of", "score_assignment"]
 
@@ -244,11 +244,11 @@ def _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par: Parallel
                 cm: CostModel, *, balance_by: BalanceBy, algorithm: str) -> Plan:
     """A ``Plan`` with per-micro-batch times and per-rank statistics from per-micro-batch token counts and sums
     of squared lengths. Optimizer steps run one after another, so a rank's time is the sum over steps (EP groups
-    in lockstep inside each step); ranks with different micro-batch counts (possible for baselines) are timed
-    each on its own."""
+    in lockstep inside each step) and the plan's is the sum of each step's slowest rank (:mod:`.timing`); ranks
+    with different micro-batch counts (possible for baselines) are timed each on its own."""
     mb_time = [cm.microbatch_time(np.asarray(t, dtype=np.float64), np.asarray(q, dtype=np.float64)).tolist()
                for t, q in zip(tokens, sqs)]
-    rank_time = rank_times_of(mb_time, per_step, cm)
+    rank_time, step_time = step_times_of(mb_time, per_step, cm)
     return Plan(
         micro_batches=micro_batches,
         microbatches_per_step=per_step,
@@ -261,6 +261,7 @@ def _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par: Parallel
         rank_tokens=np.array([sum(t) for t in tokens], dtype=np.int64),
         rank_flops=np.array([float(flops[[i for mb in rank for i in mb]].sum()) for rank in micro_batches]),
         rank_time=rank_time,
+        step_time=step_time,
         padding_tokens=int(sum(sum(t) for t in tokens) - lens.sum()),
         real_tokens=int(lens.sum()),
         lower_bound_microbatches=0,

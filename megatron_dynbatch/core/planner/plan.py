@@ -45,6 +45,9 @@ class Plan:
     oversize_samples: List[int] = field(default_factory=list)
     planning_time_s: float = 0.0
     algorithm: str = "dynbatch"
+    #: each optimizer step's slowest rank's predicted time (every rank waits for it at the step's gradient
+    #: all-reduce); empty: one step, the slowest ``rank_time``
+    step_time: List[float] = field(default_factory=list)
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -61,14 +64,18 @@ class Plan:
 
     @property
     def predicted_step_time(self) -> float:
-        """The slowest rank's predicted time: every rank waits for it at the gradient all-reduce."""
+        """The slowest rank's predicted time: every rank waits for it at the gradient all-reduce. With several
+        optimizer steps, the sum of each step's slowest rank (each step ends at its own all-reduce)."""
+        if self.step_time:
+            return float(sum(self.step_time))
         return float(self.rank_time.max()) if self.rank_time.size else 0.0
 
     @property
     def imbalance(self) -> float:
-        """max / mean of per-rank predicted time (1.0 is perfect)."""
+        """The predicted step time over the mean rank's time (max / mean of per-rank time with one optimizer
+        step; 1.0 is perfect)."""
         mean = float(self.rank_time.mean()) if self.rank_time.size else 0.0
-        return float(self.rank_time.max() / mean) if mean > 0 else 1.0
+        return float(self.predicted_step_time / mean) if mean > 0 else 1.0
 
     @property
     def flops_imbalance(self) -> float:
@@ -135,6 +142,7 @@ class Plan:
             "rank_tokens": self.rank_tokens.tolist(),
             "rank_flops": self.rank_flops.tolist(),
             "rank_time": self.rank_time.tolist(),
+            "step_time": list(self.step_time),
             "padding_tokens": self.padding_tokens,
             "real_tokens": self.real_tokens,
             "lower_bound_microbatches": self.lower_bound_microbatches,
@@ -179,6 +187,7 @@ class Plan:
             oversize_samples=list(d.get("oversize_samples", [])),
             planning_time_s=float(d.get("planning_time_s", 0.0)),
             algorithm=d.get("algorithm", "dynbatch"),
+            step_time=[float(t) for t in d.get("step_time", [])],
         )
 
     def validate(self, num_samples: Optional[int] = None) -> None:

@@ -4,7 +4,8 @@
   (``(start, size, samples)`` groups in pool order), each GPU's simulated finish time per step and, when the
   planner already knows them, each group's full packed token count and seconds (else computed here with the
   group's :func:`~.pool.group_alignment`). Every member of a group lists the group's samples, its share of the
-  tokens (``tokens // size``) and the group's time; ``rank_time`` adds the steps' finish times.
+  tokens (``tokens // size``) and the group's time; ``rank_time`` adds the steps' finish times, ``step_time``
+  lists each step's last finish.
 * :func:`build_dynamic_cp_plan` (public) does the same for slots a user gives -- scored exactly like the
   planner's (synchronised :func:`~.pool_sim.simulate_pool`, CP communication) -- so another system's schedule
   runs through the iterator; it does not validate (``plan.validate(n)`` does).
@@ -32,7 +33,7 @@ from .plan import DynamicCPPlan, SlotList
 from ..inputs import check_lengths, flops_coefficients_of, sample_flops
 from ..options import PlanOptions
 from ..plan import Plan
-from ..timing import rank_times_of
+from ..timing import step_times_of
 from .pool import group_alignment
 from .pool_sim import simulate_pool
 
@@ -110,11 +111,13 @@ def _assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig,
     time_cols: List[np.ndarray] = []
     token_cols: List[np.ndarray] = []
     rank_time = np.zeros(pool)
+    step_time: List[float] = []
     rank_flops = np.zeros(pool)
     flops = sample_flops(coeffs, lens.astype(np.float64), lens.astype(np.float64) ** 2)
     for slots, finish, stats in steps:
         tokens, times = stats if stats is not None else _group_stats(slots, lens, par, tile, cm)[1:]
         rank_time += finish
+        step_time.append(float(np.max(finish)) if len(finish) else 0.0)
         k = 0
         for slot in slots:
             samples_col: list = []
@@ -143,7 +146,7 @@ def _assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig,
         microbatches_per_step=[len(s[0]) for s in steps], parallel=par, alignment=align, cap=budget,
         balance_by="time", microbatch_tokens=by_gpu.tolist(), microbatch_time=mb_time,
         rank_tokens=by_gpu.sum(axis=1).astype(np.int64), rank_flops=rank_flops, rank_time=rank_time,
-        padding_tokens=int(by_gpu.sum() - lens.sum()), real_tokens=int(lens.sum()),
+        step_time=step_time, padding_tokens=int(by_gpu.sum() - lens.sum()), real_tokens=int(lens.sum()),
         groups=[list(col) for col in zip(*group_cols)] if group_cols else [[] for _ in range(pool)],
         max_tokens_per_gpu=budget, fp8_tile=tile, **extra)
 
@@ -215,7 +218,7 @@ def score_with_cp_comm(plan: Plan, *, model: Any = None, cost_model: Optional[Co
         times.append((t_a + cm.cp_comm_time(par.cp, tok_a, att, spans)).tolist())
     out = copy.copy(plan)
     out.microbatch_time = times
-    out.rank_time = rank_times_of(times, plan.microbatches_per_step, cm)
+    out.rank_time, out.step_time = step_times_of(times, plan.microbatches_per_step, cm)
     return out
 
 

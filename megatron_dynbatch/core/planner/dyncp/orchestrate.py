@@ -31,10 +31,10 @@ Strategy (deterministic, no communication)
    accepts).
 4. **Never slower than the plain planner.** The fixed-CP candidate of every step is the plan plain
    ``plan_global_batch`` makes for the same layout (:class:`~.step.FixedLayout`), so together they are that
-   plan. A plan's time adds each GPU's time over the steps and takes the slowest GPU (as the plain planner's
-   ``rank_time`` does), which per-step winners do not always minimise (step 1's slowest GPU may be step 2's
-   fastest); when the winners together come out slower than the fixed-CP candidates together, the plan is the
-   fixed-CP one in every step.
+   plan. A plan's time is the sum over its steps of each step's slowest GPU (every step ends at its own
+   gradient all-reduce; :mod:`..timing`), so per-step winners, each no slower than its step's fixed-CP
+   candidate, are never slower together; the plan still checks it, and would take the fixed-CP candidate in
+   every step if they were.
 5. The plan records the winners' names (``candidate``), the fixed-CP plan's modelled time
    (``fixed_cp_step_time``: the plain planner's plan scored with the CP exchange, i.e. ``score_with_cp_comm``
    of it; NaN when the fixed layout cannot plan the batch) and a lower bound no schedule beats
@@ -125,8 +125,8 @@ def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: PlanOpti
     fixed_time = float("nan")
     if all(fixed is not None for _, fixed, _ in picked):
         fixed_finish = [fixed.finish() for _, fixed, _ in picked]
-        fixed_time = float(np.sum(fixed_finish, axis=0).max())
-        if float(np.sum(finish, axis=0).max()) > fixed_time:  # step 4: the winners together lost
+        fixed_time = float(sum(np.max(f) for f in fixed_finish))
+        if float(sum(np.max(f) for f in finish)) > fixed_time:  # step 4: the winners together lost
             picked = [(fixed, fixed, step_samples) for _, fixed, step_samples in picked]
             finish = fixed_finish
     steps: List[StepSlots] = []
