@@ -111,7 +111,7 @@ def reference_coefficients(samples: Sequence[Mapping[str, Any]], mode: str,
     if mode == "group_mean":  # token-reduced groups
         assert group_ids is not None
         group_tokens: Dict[Any, float] = {}
-        for gid, x in zip(group_ids, t):
+        for gid, x in zip(group_ids, t, strict=True):
             group_tokens[gid] = group_tokens.get(gid, 0.0) + x
         live_groups = sum(1 for v in group_tokens.values() if v > 0)
         return [1.0 / (live_groups * group_tokens[g]) if group_tokens[g] > 0 else 0.0 for g in group_ids]
@@ -137,7 +137,7 @@ def unpacked_reference(model: Any, samples: Sequence[Mapping[str, Any]],
     for p in model.parameters():
         p.grad = None
     total = 0.0
-    for sample, c in zip(samples, coefficients):
+    for sample, c in zip(samples, coefficients, strict=True):
         _, mask = sample_targets(sample)
         ce = _sbhd_forward(model, sample)
         loss = (ce.double() * mask.double()).sum() * float(c)
@@ -164,7 +164,7 @@ def log_prob_max_diff(per_sample: Sequence[Any], reference: Sequence[Any],
     predicts the padding label, so it is left out."""
     idx = range(len(per_sample)) if indices is None else indices
     return max(float((a[:-1] - reference[i][:-1]).abs().max()) if a.shape[0] > 1 else 0.0
-               for a, i in zip(per_sample, idx))
+               for a, i in zip(per_sample, idx, strict=True))
 
 
 # ------------------------------------------------------------------------------------ the worker

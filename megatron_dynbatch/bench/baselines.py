@@ -316,7 +316,7 @@ def roll_layout(lengths: np.ndarray, ctx: BaselineContext, sequence_round: int =
             bounds.append(j)
             longest = int(row_len[j])
     bounds.append(rows)
-    ranges = [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    ranges = [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     if par.pp > 1 and par.vpp > 1:
         target = -(-len(ranges) // par.pp) * par.pp
         if target > rows:

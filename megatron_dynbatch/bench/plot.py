@@ -113,7 +113,7 @@ def plot_timelines(plans: Mapping[str, Any], path: str, title: Optional[str] = N
     sizes_used: set = set()
     fig, axes = plt.subplots(len(names), 1, figsize=(11, max(3.0, height)), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [len(shown[n]) + 3 for n in names]})
-    for ax, name in zip(axes[:, 0], names):
+    for ax, name in zip(axes[:, 0], names, strict=True):
         plan = plans[name]
         pp = max(1, int(getattr(plan.parallel, "pp", 1)))
         ranks = shown[name]
@@ -134,13 +134,14 @@ def plot_timelines(plans: Mapping[str, Any], path: str, title: Optional[str] = N
                 colors = [OVER_COLORS[0] if over[j] else _group_color(sizes[j]) for j in range(widths.size)]
                 ends = lefts + widths
                 prev = np.concatenate([[0.0], ends[:-1]])
-                waits = [(float(a), float(b - a)) for a, b in zip(prev, lefts) if b - a > 1e-3 * xmax]  # visible
+                waits = [(float(a), float(b - a)) for a, b in zip(prev, lefts, strict=True)
+                         if b - a > 1e-3 * xmax]  # visible
                 if waits:
                     any_group_wait = True
                     ax.broken_barh(waits, (y - 0.4, 0.8), facecolors=GROUP_WAIT_COLOR, hatch="...",
                                    edgecolor="#B8A15A", linewidth=0.0)
                 done = float(ends[-1]) if ends.size else 0.0
-            ax.broken_barh(list(zip(lefts.tolist(), widths.tolist())), (y - 0.4, 0.8), facecolors=colors,
+            ax.broken_barh(list(zip(lefts.tolist(), widths.tolist(), strict=True)), (y - 0.4, 0.8), facecolors=colors,
                            edgecolor="white", linewidth=0.3)
             rest = float(plan.rank_time[r]) - done
             if rest > 1e-12:

@@ -65,7 +65,7 @@ def format_table(result: BenchResult) -> str:
     lines = aligned([[c for c, _ in COLUMNS], *body], [a for _, a in COLUMNS], rule=True)
     out = lines[:2]
     prev = None
-    for r, text in zip(body, lines[2:]):
+    for r, text in zip(body, lines[2:], strict=True):
         if prev is not None and r[0] != prev:
             out.append("")
         out.append(text)

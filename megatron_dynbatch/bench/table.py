@@ -31,7 +31,7 @@ def aligned(rows: Sequence[Sequence[str]], aligns: Sequence[str], *, rule: bool 
     def line(cells: Sequence[str]) -> str:
         last = n - 1
         parts = [str(c) if i == last and not pad_last and a == "<" else f"{str(c):{a}{widths[i]}}"
-                 for i, (c, a) in enumerate(zip(cells, aligns))]
+                 for i, (c, a) in enumerate(zip(cells, aligns, strict=True))]
         return gap.join(parts).rstrip()
 
     out = [line(r) for r in rows]

@@ -93,7 +93,7 @@ def record_features_padded(model: Any, records: Sequence[Any], *, measured_layer
                            lm_head: bool = False, peak_flops: float) -> Tuple[Dict[str, np.ndarray], np.ndarray]:
     """:func:`record_features` and each record's padded token count (the ``padded_tokens`` it passed on)."""
     g, lens, secs = parse_records(records)
-    padded = np.array([float((-(-x // (2 * k)) * (2 * k)).sum()) for x, k in zip(lens, g.tolist())])
+    padded = np.array([float((-(-x // (2 * k)) * (2 * k)).sum()) for x, k in zip(lens, g.tolist(), strict=True)])
     sq = np.array([float((x.astype(np.float64) ** 2).sum()) for x in lens])
     out = slice_features(model, g, padded, sq, measured_layers=measured_layers, tp=tp, lm_head=lm_head,
                          peak_flops=peak_flops)

@@ -123,7 +123,7 @@ class DynBatchSequencePacker:
         where: List[Optional[int]] = [None] * len(lengths)
         for b, members in enumerate(bins):
             starts[b] = bin_seq_starts(lengths, members, mult)
-            for i, start in zip(members, starts[b]):
+            for i, start in zip(members, starts[b][:-1], strict=True):  # [-1]: the padded end
                 n = lengths[i]
                 tokens[b, start:start + n] = trajs[i, :n]
                 positions[b, start:start + n] = torch.arange(n, device=trajs.device)

@@ -108,7 +108,8 @@ def dynamic_batching_shard(origin_batch: Any, dp_size: int, max_tokens_per_micro
     meta["micro_batch_lengths"] = lengths
     meta["num_micro_batchs"] = len(indices)
 
-    padded_tokens = sum((b - a) * s for (a, b), s in zip(indices, lengths)) * len(shard.order) // shard.shard_size
+    padded_tokens = (sum((b - a) * s for (a, b), s in zip(indices, lengths, strict=True)) * len(shard.order)
+                     // shard.shard_size)
     origin_tokens = batch_size * width
     prefix = f"dynamic_batching/{log_prefix}" if log_prefix else "dynamic_batching"
     metrics = {

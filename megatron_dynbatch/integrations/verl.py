@@ -286,7 +286,7 @@ def prepare_dynamic_batch(data: Any, max_token_len: int, dp_group: Any = None, n
         same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
         use_dynamic_bsz_balance=use_dynamic_bsz_balance, **extras)
     out = []
-    for part, idx in zip(batches, idx_list):
+    for part, idx in zip(batches, idx_list, strict=True):
         tensors = dict(part)
         non_tensors = {k: _select_value(v, idx) for k, v in data.non_tensor_batch.items()}
         out.append(type(data).from_dict(tensors, non_tensors, meta_info=copy.deepcopy(data.meta_info)))

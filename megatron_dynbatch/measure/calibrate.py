@@ -119,7 +119,7 @@ def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = N
     cache: Dict[Any, float] = {}
     done_est = done_meas = 0.0
     stopped = False
-    for i, (point, e) in enumerate(zip(setup.points, est)):
+    for i, (point, e) in enumerate(zip(setup.points, est, strict=True)):
         elapsed = time.perf_counter() - t0
         if setup.max_seconds is not None and \
                 projected_finish(elapsed, done_est, done_meas, float(e)) > setup.max_seconds:

@@ -85,7 +85,7 @@ def check_share(group_size: int, lengths: Sequence[int], member: int) -> Tuple[i
         raise DynBatchConfigError("group_size", group_size, "must be an integer >= 1", "pass the CP group size")
     try:
         lens = tuple(int(n) for n in lengths)
-        bad = [n for n, raw in zip(lens, lengths) if not is_int(raw) or n < 0]
+        bad = [n for n, raw in zip(lens, lengths, strict=True) if not is_int(raw) or n < 0]
     except (TypeError, ValueError):
         lens, bad = (), [lengths]
     if bad or not lens:
@@ -106,7 +106,7 @@ def share_geometry(group_size: int, lengths: Sequence[int], member: int) -> Shar
     slots = [int(s) for s in align.seq_len(list(lens))]
     slots[-1] += align.padded_total(sum(slots)) - sum(slots)  # tail padding on the last slot, as the packer does
     cu, cu_p = [0], [0]
-    for n, s in zip(lens, slots):
+    for n, s in zip(lens, slots, strict=True):
         cu.append(cu[-1] + n)
         cu_p.append(cu_p[-1] + s)
     rows = zigzag_partition_indices(torch.tensor(cu_p), group_size, member)

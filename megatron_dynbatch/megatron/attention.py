@@ -237,7 +237,7 @@ class ThdDotProductAttention(DotProductAttention):
         out = query.new_zeros(t, heads * head_dim)
         rows_out = []
         pieces = []
-        lens_padded = [b - a for a, b in zip(pad_q[:-1], pad_q[1:])]
+        lens_padded = [b - a for a, b in zip(pad_q[:-1], pad_q[1:], strict=True)]
         local_start = 0
         for i, slot in enumerate(lens_padded):
             n_local = slot // cp
@@ -387,7 +387,7 @@ class _AllGatherCP(torch.autograd.Function):
 
 
 def _lengths(cu: List[int]) -> List[int]:
-    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+    return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
 
 def _thd_offsets(params: Any) -> Tuple[List[int], List[int], List[int], List[int]]:

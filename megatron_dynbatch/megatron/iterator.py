@@ -482,7 +482,7 @@ class DynamicBatchIterator:
         """The normaliser counted each sample's loss tokens from the sample dict; the packer must agree."""
         mask = packed.loss_mask[0].detach().to("cpu").double()
         starts = packed.cu_seqlens_padded[:-1].tolist()
-        for i, s, n in zip(idx, starts, packed.seqlens):
+        for i, s, n in zip(idx, starts, packed.seqlens, strict=True):
             got = float(mask[s:s + n].sum())
             if abs(got - self._mask_sums[i]) > 1e-6 * max(1.0, self._mask_sums[i]):
                 raise DynBatchConfigError(f"samples[{i}]['loss_mask']", got,
@@ -523,7 +523,7 @@ class DynamicBatchIterator:
                                       f"expected one per micro-batch ({len(mbs)})",
                                       "pass the outputs of every micro-batch of the step, in execution order")
         found: Dict[int, Any] = {}
-        for k, (mb, out) in enumerate(zip(mbs, per_microbatch_outputs)):
+        for k, (mb, out) in enumerate(zip(mbs, per_microbatch_outputs, strict=True)):
             if _is_tensor(out):
                 per_sample = split_per_sample(out, mb)
             else:
@@ -532,7 +532,7 @@ class DynamicBatchIterator:
                 raise DynBatchConfigError(f"per_microbatch_outputs[{k}]", f"{len(per_sample)} entries",
                                           f"micro-batch {k} holds {len(mb.sample_indices)} samples",
                                           "give one output per sample, in packing order")
-            for i, o in zip(mb.sample_indices, per_sample):
+            for i, o in zip(mb.sample_indices, per_sample, strict=True):
                 found[i] = o
         return [found[i] for i in sorted(found)]
 
@@ -555,7 +555,7 @@ class DynamicBatchIterator:
         dist.all_gather_object(gathered, (mine, list(per_sample_local)), group=group)
         found: Dict[int, Any] = {}
         for indices, values in gathered:
-            found.update(zip(indices, values))
+            found.update(zip(indices, values, strict=True))
         return [found[i] for i in sorted(found)]
 
 
@@ -565,7 +565,7 @@ class _ShardSamples(Sequence):
     this rank does not hold raises (it was never shipped here)."""
 
     def __init__(self, samples: Sequence[Mapping[str, Any]], indices: Sequence[int], num_samples: int) -> None:
-        self._by_index = {int(i): s for i, s in zip(indices, samples)}
+        self._by_index = {int(i): s for i, s in zip(indices, samples, strict=True)}
         self.indices = [int(i) for i in indices]
         self._n = int(num_samples)
 
@@ -637,4 +637,4 @@ def split_per_sample(per_token: Any, packed: Any) -> List[Any]:
                                   f"expected [1, {total}, ...] or [{total}, ...] (the full packed length)",
                                   "gather context-parallel outputs first (context_parallel.gather_cp_outputs)")
     starts = packed.cu_seqlens_padded[:-1].tolist()
-    return [x[s:s + n] for s, n in zip(starts, packed.seqlens)]
+    return [x[s:s + n] for s, n in zip(starts, packed.seqlens, strict=True)]

@@ -45,7 +45,7 @@ def records_of(iterator: Any, step: Optional[int], seconds: Sequence[float]) -> 
         return []
     plan, row, lens = iterator.plan, iterator.row, np.asarray(iterator.lengths)
     out = []
-    for j, s in zip(js, seconds):
+    for j, s in zip(js, seconds, strict=True):
         idx = plan.micro_batches[row][j]
         g = plan.groups[row][j][1] if iterator.dynamic_cp else iterator.cp_size
         out.append([int(g), [int(lens[i]) for i in idx], float(s)])

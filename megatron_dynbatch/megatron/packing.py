@@ -158,7 +158,7 @@ class PackedMicroBatch:
                 "pass the un-sliced output of this micro-batch (gather context-parallel outputs first)",
             )
         starts = self.cu_seqlens_padded[:-1].tolist()
-        return [x[s:s + n] for s, n in zip(starts, self.seqlens)]
+        return [x[s:s + n] for s, n in zip(starts, self.seqlens, strict=True)]
 
     def to(self, device: Device) -> "PackedMicroBatch":
         """A copy with every tensor (including the PackedSeqParams cu_seqlens) on ``device``."""
@@ -259,7 +259,7 @@ def pack_microbatch(
     sample_fields: Dict[str, List[Any]] = {k: [] for k in keys["per_sample"]}
 
     start = 0
-    for i, (sample, n, p) in enumerate(zip(samples, seqlens, padded)):
+    for i, (sample, n, p) in enumerate(zip(samples, seqlens, padded, strict=True)):
         tok = _as_1d(sample["tokens"], torch.long)
         tokens[start:start + n] = tok
         if "labels" in sample:
@@ -331,7 +331,7 @@ def _classify_fields(samples: Sequence[Mapping[str, Any]], seqlens: List[int]) -
                 )
     per_token, per_sample = [], []
     for k in key_set:
-        kinds = {_is_per_token(s[k], n) for s, n in zip(samples, seqlens)}
+        kinds = {_is_per_token(s[k], n) for s, n in zip(samples, seqlens, strict=True)}
         if len(kinds) != 1:
             raise DynBatchConfigError(
                 f"samples[*]['{k}']", "mixed", "is per-token in some samples and per-sample in others",

@@ -362,7 +362,7 @@ def dynamic_forward_backward(
             for r in results:
                 slots[position[tuple(r.sample_indices)]] = r
             per_mb = []
-            for r, mb in zip(slots, mbs):
+            for r, mb in zip(slots, mbs, strict=True):
                 full = r.outputs
                 if mb.dynamic_cp:  # this micro-batch's own group
                     full = _gather_cp(full, mb, mb.cp_size, mb.cp_group) if mb.cp_size > 1 else full

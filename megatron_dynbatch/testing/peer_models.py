@@ -155,6 +155,6 @@ def roll_dynamic_batching_shard(lengths: Sequence[int], dp: int, cap: int, rnd: 
             ranges.append([a + (b - a) // 2, b])
             sizes.append(sizes[k])
             ranges[k] = [a, a + (b - a) // 2]
-        pairs = sorted(zip(ranges, sizes))
+        pairs = sorted(zip(ranges, sizes, strict=True))
         ranges, sizes = [p[0] for p in pairs], [p[1] for p in pairs]
     return RollLayout(rows, ranges, sizes)

@@ -46,7 +46,8 @@ def merged_profile(summed: Sequence[float], base: CostProfile, name: str = "onli
     peak = max(base.peak_flops, 1.0 / s_lin, 1.0 / s_att)  # efficiencies stay <= 1 (see cost_fit)
     cp = {}
     if v[7] >= 1:
-        cp = dict(zip(("cp_linear_overhead", "cp_chunk_tokens", "cp_min_per_layer_s"), (v[8:] / v[7]).tolist()))
+        cp = dict(zip(("cp_linear_overhead", "cp_chunk_tokens", "cp_min_per_layer_s"), (v[8:] / v[7]).tolist(),
+                      strict=True))
     return base.replace(name=name, peak_flops=peak, linear_efficiency=1.0 / (s_lin * peak),
                         attention_efficiency=1.0 / (s_att * peak), overhead_s=0.0, overhead_per_layer_s=a,
                         min_per_layer_s=floor, uncertainty=min(1.0, unc), **cp)

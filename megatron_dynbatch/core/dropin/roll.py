@@ -124,7 +124,7 @@ def roll_shard(lengths, dp: int, max_tokens_per_microbatch: int, sequence_length
         for r, sample in enumerate(row if i % 2 == 0 else row[::-1]):
             shard[r].append(int(sample))
     return RollShard(order=[i for r in shard for i in r],
-                     micro_batch_indices=[[a, b] for a, b in zip(bounds[:-1], bounds[1:])],
+                     micro_batch_indices=[[a, b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
                      micro_batch_lengths=[int(s[b - 1]) for b in bounds[1:]], shard_size=rows.shape[0])
 
 

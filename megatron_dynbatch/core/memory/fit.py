@@ -148,7 +148,7 @@ def fit_memory_records(records: Any, model: ModelLike, parallel: Any = None, *,
     y = np.array([r.peak_bytes for r in recs], dtype=np.float64)
     coef = nnls_relative(x, y, y)
     rel = (x @ coef - y) / y
-    coefficients = {k: float(v) for k, v in zip(COEFFICIENTS, coef)}
+    coefficients = {k: float(v) for k, v in zip(COEFFICIENTS, coef, strict=True)}
     rms, worst = float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel)))
     info: Dict[str, Any] = {"model": model_key(m), "tp": p.tp, "slice_layers": sorted({r.layers for r in recs}),
                             "records": len(recs), "rel_rms_error": rms, "max_rel_error": worst,

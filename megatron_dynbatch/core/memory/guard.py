@@ -304,18 +304,18 @@ class MemoryGuard:
 
     def slopes(self) -> List[float]:
         """Per stage: the refitted bytes per token (the profile's per-token bytes x :meth:`scales`)."""
-        return [float(k * t.per_token) for k, t in zip(self.scales(), self.terms)]
+        return [float(k * t.per_token) for k, t in zip(self.scales(), self.terms, strict=True)]
 
     def bases(self) -> List[float]:
         """Per stage: resident bytes at a step's start -- measured (the window's largest), else the model's."""
-        return [max(b) if b else t.static for b, t in zip(self._bases, self.terms)]
+        return [max(b) if b else t.static for b, t in zip(self._bases, self.terms, strict=True)]
 
     def stage_peaks(self, tokens: Any) -> List[float]:
         """Per stage: the predicted allocator peak (bytes, reserve excluded) at ``tokens`` per GPU -- one number
         for every stage, or one per stage -- with the safe scales."""
         ts = self._tokens_per_stage(tokens, "tokens")
         return [b + max(t.workspace + k * n * t.per_token, t.step)
-                for b, k, n, t in zip(self.bases(), self.safe_scales(), ts, self.terms)]
+                for b, k, n, t in zip(self.bases(), self.safe_scales(), ts, self.terms, strict=True)]
 
     def predicted_peak_bytes(self, tokens: Any) -> float:
         """The highest stage's predicted allocator peak at ``tokens`` per GPU (:meth:`stage_peaks`)."""
@@ -329,7 +329,7 @@ class MemoryGuard:
         """The largest budget (a multiple of ``multiple``; 0 when none fits) whose predicted peak is at most
         ``usable_bytes`` on every stage, and the limiting stage."""
         fits = []
-        for b, k, t in zip(self.bases(), self.safe_scales(), self.terms):
+        for b, k, t in zip(self.bases(), self.safe_scales(), self.terms, strict=True):
             free = self.usable_bytes - b
             if free <= 0 or t.step > free or free < t.workspace:
                 fits.append(0.0)

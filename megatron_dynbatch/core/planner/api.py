@@ -247,7 +247,7 @@ def _build_plan(micro_batches, per_step, tokens, sqs, flops, lens, par: Parallel
     in lockstep inside each step) and the plan's is the sum of each step's slowest rank (:mod:`.timing`); ranks
     with different micro-batch counts (possible for baselines) are timed each on its own."""
     mb_time = [cm.microbatch_time(np.asarray(t, dtype=np.float64), np.asarray(q, dtype=np.float64)).tolist()
-               for t, q in zip(tokens, sqs)]
+               for t, q in zip(tokens, sqs, strict=True)]
     rank_time, step_time = step_times_of(mb_time, per_step, cm)
     return Plan(
         micro_batches=micro_batches,

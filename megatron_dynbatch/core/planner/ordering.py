@@ -131,7 +131,7 @@ class RankTimes:
         ``pp == 1``, else the best arrangement (:func:`best_arrangements`)."""
         if self.cm.pp == 1:
             perms = [arrangement(t, "desc") for t in times]
-            return self.cm.step_time([t[p] for t, p in zip(times, perms)]), perms
+            return self.cm.step_time([t[p] for t, p in zip(times, perms, strict=True)]), perms
         return best_arrangements(times, self.cm, None if self.memo is None else self.memo.arranged)
 
     @staticmethod
@@ -167,7 +167,7 @@ def best_of_list(times: List[float], cm: CostModel) -> Tuple[float, str, List[in
         return cm.rank_time_of(times), "desc", descending(times)
     best = None
     stage = [t / cm.pp for t in times]
-    for pattern, perm in zip(PATTERNS, arrangements_of(times)):
+    for pattern, perm in zip(PATTERNS, arrangements_of(times), strict=True):
         t = cm.pipeline_time_of([stage[i] for i in perm])
         if best is None or t < best[0] - 1e-15:
             best = (t, pattern, perm)
@@ -220,7 +220,7 @@ class SmallRankTimes(RankTimes):
         if slots is None:
             return self.times[r]
         tm, known, out = self.align.total_multiple, self.memo.mb, []
-        for s, q in zip(slots, sqs):
+        for s, q in zip(slots, sqs, strict=True):
             t = known.get((s, q))
             if t is None:
                 t = known[s, q] = self.cm.microbatch_time_of(-(-s // tm) * tm, q)
@@ -247,7 +247,7 @@ class SmallRankTimes(RankTimes):
         # (its vectorised 1F1B simulation is the per-rank one, row by row)
         if self.cm.pp == 1:
             perms = [descending(t) for t in times]
-            return np.array([self.cm.rank_time_of([t[i] for i in p]) for t, p in zip(times, perms)]), perms
+            return np.array([self.cm.rank_time_of([t[i] for i in p]) for t, p in zip(times, perms, strict=True)]), perms
         best = [self._best(t) for t in times]
         return np.array([b[0] for b in best]), [b[2] for b in best]
 
@@ -280,12 +280,12 @@ def best_arrangements(times: List[np.ndarray], cm: CostModel,
         return np.array([k[0] for k in known]), [k[1] for k in known]
     if len({t.size for t in times}) != 1 or cm.pp == 1:
         out = [RankTimes.best_of(t, cm) for t in times]
-        return np.array([o[0] for o in out]), [arrangement(t, o[1]) for t, o in zip(times, out)]
+        return np.array([o[0] for o in out]), [arrangement(t, o[1]) for t, o in zip(times, out, strict=True)]
     perms = [arrangement(t, PATTERNS[0]) for t in times]
-    rank_t = cm.rank_times(np.stack([t[p] for t, p in zip(times, perms)]))
+    rank_t = cm.rank_times(np.stack([t[p] for t, p in zip(times, perms, strict=True)]))
     for pattern in PATTERNS[1:]:
         cand = [arrangement(t, pattern) for t in times]
-        cand_t = cm.rank_times(np.stack([t[p] for t, p in zip(times, cand)]))
+        cand_t = cm.rank_times(np.stack([t[p] for t, p in zip(times, cand, strict=True)]))
         better = cand_t < rank_t - 1e-15
         for r in np.flatnonzero(better).tolist():
             perms[r] = cand[r]
@@ -303,13 +303,13 @@ def order_and_time(bins, aligned, sq, cm: CostModel, align: Alignment, memo: Opt
         best = None
         for pattern in patterns:
             perms = [arrangement(t, pattern) for t in times]
-            rank_t = cm.step_time([t[p] for t, p in zip(times, perms)])
+            rank_t = cm.step_time([t[p] for t, p in zip(times, perms, strict=True)])
             if best is None or rank_t.max() < best[1].max() - 1e-15:
                 best = (perms, rank_t)
         perms, rank_t = best
     else:
         rank_t, perms = rt.ranks_timed(times)
-    ordered = [[rank[i] for i in p] for rank, p in zip(bins, perms)]
+    ordered = [[rank[i] for i in p] for rank, p in zip(bins, perms, strict=True)]
     values = rank_t.tolist()
     top, mean = max(values), np_sum(values) / len(values)  # as rank_t.max() and rank_t.mean()
     return ordered, top, top / mean if mean > 0 else 1.0

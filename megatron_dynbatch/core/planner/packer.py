@@ -582,7 +582,7 @@ def _pair_lists(units_a, units_b, *, gap, used_a, used_b, items_a, items_b, capa
         last = len(ord_b) - 1
         pos = [bisect.bisect_left(wb_sorted, weight[x] - half) for x in units_a]
         for shift in (0, -1):
-            for x, p in zip(units_a, pos):
+            for x, p in zip(units_a, pos, strict=True):
                 j = p + shift
                 y = ord_b[0 if j < 0 else last if j > last else j]
                 delta = weight[x] - weight[y]
@@ -659,7 +659,7 @@ def _lpt_bins(items: List[int], needs: List[int], weights: List[float], k: int,
     rooms = [(-cap, b) for b in range(k)]  # max-heap on room; an entry is current iff it matches used[b]
     pop, push = heapq.heappop, heapq.heappush
     allowance = min(SKIPS_PER_ITEM * len(items), MAX_SKIPS)
-    for i, need, w in zip(items, needs, weights):
+    for i, need, w in zip(items, needs, weights, strict=True):
         skipped = []
         target = -1
         while heap and len(skipped) < max(SKIP_LIMIT, allowance):
@@ -698,7 +698,7 @@ def _best_fit_bins(items: np.ndarray, aligned, k: int, cap: int) -> Optional[Lis
     bins: List[List[int]] = [[] for _ in range(k)]
     distinct = [cap]                      # distinct room values, ascending
     holders = {cap: list(range(k))}       # room -> heap of bin indices
-    for i, need in zip(order.tolist(), aligned[order].tolist()):
+    for i, need in zip(order.tolist(), aligned[order].tolist(), strict=True):
         j = bisect.bisect_left(distinct, need)
         if j == len(distinct):
             return None
@@ -782,7 +782,7 @@ def deal_by_tier(bins: List[List[int]], inp: StepInput, dp: int, m: int) -> List
         tier_bins = order[tier * dp:(tier + 1) * dp]
         # Snake the tiers so the small remainders of each tier do not pile on the same ranks.
         ranks = range(dp) if tier % 2 == 0 else range(dp - 1, -1, -1)
-        for r, b in zip(ranks, tier_bins):
+        for r, b in zip(ranks, tier_bins, strict=True):
             out[r].append(bins[b])
     return out
 

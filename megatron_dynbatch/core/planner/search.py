@@ -367,7 +367,8 @@ def _max_count(inp: StepInput, dp: int) -> int:
         c = sorted(inp.unit_lists.items, reverse=True)
         total = sum(c)
         tops = itertools.accumulate([0] + c)  # the j largest
-        bound = min((total - top) // (dp - j) for j, top in zip(range(min(dp, len(c))), tops))
+        # the first min(dp, len(c)) prefix sums only: zip stops at the range on purpose
+        bound = min((total - top) // (dp - j) for j, top in zip(range(min(dp, len(c))), tops, strict=False))
     else:
         c = np.sort(inp.unit_count)[::-1]
         j = np.arange(min(dp, c.size))

@@ -134,7 +134,7 @@ def log_probs_on_shard(
     it = iterator or shard_iterator(shard, samples, forward_only=True, pad_token_id=pad_token_id, device=device)
     res = forward_log_probs(model, it, **kwargs)
     if store_as is not None and res.per_sample is not None:
-        for i, lp in zip(res.sample_indices, res.per_sample):
+        for i, lp in zip(res.sample_indices, res.per_sample, strict=True):
             it.samples[i][store_as] = lp.detach().to("cpu").float()  # type: ignore[index]
     return _result(shard, "log_probs", None, res, it, t0, return_outputs, loss=None)
 

@@ -236,9 +236,10 @@ def plan_log_probs(train_plan: Plan, lengths: Sequence[int], options: Optional[P
         m = _common_count([p.num_microbatches for p in subs], min(len(idx) for idx in ranks), par)
         try:
             subs = [p if p.num_microbatches == m else plan_global_batch(lens[idx], common, num_microbatches=m)
-                    for p, idx in zip(subs, ranks)]
-            micro_batches = [[[idx[k] for k in mb] for mb in p.micro_batches[0]] for p, idx in zip(subs, ranks)]
-            oversize_samples = sorted(idx[k] for p, idx in zip(subs, ranks) for k in p.oversize_samples)
+                    for p, idx in zip(subs, ranks, strict=True)]
+            micro_batches = [[[idx[k] for k in mb] for mb in p.micro_batches[0]]
+                             for p, idx in zip(subs, ranks, strict=True)]
+            oversize_samples = sorted(idx[k] for p, idx in zip(subs, ranks, strict=True) for k in p.oversize_samples)
         except DynBatchConfigError:
             micro_batches = None
     fallback = micro_batches is None
@@ -247,8 +248,8 @@ def plan_log_probs(train_plan: Plan, lengths: Sequence[int], options: Optional[P
     if micro_batches is None:  # a rank with too few samples for m: reuse the training micro-batches
         m = train_plan.num_microbatches
         cap = int(max_tokens_per_gpu) * par.cp
-        over = [mb for rank, toks in zip(train_plan.micro_batches, train_plan.microbatch_tokens)
-                for mb, t in zip(rank, toks) if t > cap and (len(mb) > 1 or oversize != "alone")]
+        over = [mb for rank, toks in zip(train_plan.micro_batches, train_plan.microbatch_tokens, strict=True)
+                for mb, t in zip(rank, toks, strict=True) if t > cap and (len(mb) > 1 or oversize != "alone")]
         if over or not is_valid_microbatch_count(m, par):
             raise DynBatchConfigError(
                 "log_probs_max_tokens_per_gpu", max_tokens_per_gpu,
@@ -302,7 +303,7 @@ def gather_in_order(results: Iterable[Optional[ShardResult]], shards: Any = None
                                       "every output needs its sample index", "pass ShardResult objects unchanged")
         steps.add(res.step)
         batch_ids.add(res.batch_id)
-        for i, v in zip(res.sample_indices, res.per_sample):
+        for i, v in zip(res.sample_indices, res.per_sample, strict=True):
             found.setdefault(int(i), v)
     if len(batch_ids) > 1:
         raise DynBatchConfigError("results", sorted(batch_ids), "come from different rollout batches",

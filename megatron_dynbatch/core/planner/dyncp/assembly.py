@@ -142,12 +142,13 @@ def _assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig,
     extra.setdefault("lower_bound_microbatches", 0)
     extra.setdefault("lower_bound_step_time", 0.0)
     return DynamicCPPlan(
-        micro_batches=[list(col) for col in zip(*sample_cols)] if sample_cols else [[] for _ in range(pool)],
+        micro_batches=([list(col) for col in zip(*sample_cols, strict=True)] if sample_cols
+                       else [[] for _ in range(pool)]),
         microbatches_per_step=[len(s[0]) for s in steps], parallel=par, alignment=align, cap=budget,
         balance_by="time", microbatch_tokens=by_gpu.tolist(), microbatch_time=mb_time,
         rank_tokens=by_gpu.sum(axis=1).astype(np.int64), rank_flops=rank_flops, rank_time=rank_time,
         step_time=step_time, padding_tokens=int(by_gpu.sum() - lens.sum()), real_tokens=int(lens.sum()),
-        groups=[list(col) for col in zip(*group_cols)] if group_cols else [[] for _ in range(pool)],
+        groups=[list(col) for col in zip(*group_cols, strict=True)] if group_cols else [[] for _ in range(pool)],
         max_tokens_per_gpu=budget, fp8_tile=tile, **extra)
 
 
@@ -206,7 +207,7 @@ def score_with_cp_comm(plan: Plan, *, model: Any = None, cost_model: Optional[Co
     spans = fixed_cp_spans_nodes(par)
     sq_all = None if lengths is None else check_lengths(lengths).astype(np.float64) ** 2
     times = []
-    for r, (tok, t) in enumerate(zip(plan.microbatch_tokens, plan.microbatch_time)):
+    for r, (tok, t) in enumerate(zip(plan.microbatch_tokens, plan.microbatch_time, strict=True)):
         tok_a, t_a = np.asarray(tok, dtype=np.float64), np.asarray(t, dtype=np.float64)
         if sq_tokens is not None:
             att = cm.attention_s_per_sq_token * np.asarray(sq_tokens[r], dtype=np.float64)

@@ -164,7 +164,7 @@ def place_wide(step: StepData, cls: np.ndarray, floor: int = 1) -> Dict[int, Lis
             k = best[1]
             parts[k].append(i)
             load[k] += gpu_s[i]
-        for kid, part in zip(kids, parts):
+        for kid, part in zip(kids, parts, strict=True):
             stack.append((kid.index, np.asarray(part, dtype=np.int64)))
     return own
 

@@ -130,7 +130,7 @@ def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: PlanOpti
             picked = [(fixed, fixed, step_samples) for _, fixed, step_samples in picked]
             finish = fixed_finish
     steps: List[StepSlots] = []
-    for (best, _, step_samples), done in zip(picked, finish):
+    for (best, _, step_samples), done in zip(picked, finish, strict=True):
         slots, tokens, times = best.slots(step_samples)
         steps.append((slots, done, (tokens, times)))
     plan = assemble(lens, steps, par, align, budget, tile, cm, coeffs, lower_bound_microbatches=lb_count,

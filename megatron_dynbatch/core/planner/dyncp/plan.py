@@ -87,8 +87,8 @@ class DynamicCPPlan(Plan, kind="dynamic_cp"):
         """Micro-batches over the budget (a sample over it even on the whole pool, placed alone there under
         ``oversize='alone'``), each (slot, group) counted once -- at its first GPU, as :meth:`group_sizes` counts --
         not once per GPU of its group."""
-        return sum(1 for i, (slots, tokens) in enumerate(zip(self.groups, self.microbatch_tokens))
-                   for (start, _), t in zip(slots, tokens) if start == i and t > self.cap)
+        return sum(1 for i, (slots, tokens) in enumerate(zip(self.groups, self.microbatch_tokens, strict=True))
+                   for (start, _), t in zip(slots, tokens, strict=True) if start == i and t > self.cap)
 
     @property
     def speedup_vs_fixed_cp(self) -> float:
