@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..core.errors import DynBatchConfigError
-from ..core.memory.guard import GuardChange, MemoryGuard, reading_vector, stage_tokens
+from ..core.memory.guard import GuardChange, MemoryGuard, largest_peak, reading_vector, stage_tokens
 from .collectives import all_reduce_vector, rank0_print
 from .model_layers import rank_layers
 
@@ -141,11 +141,7 @@ class StepMemoryGuard:
     @property
     def peak_bytes(self) -> Optional[float]:
         """The last step's measured peak, the largest over the ranks (allocator bytes), or ``None``."""
-        if self.last_merged is None:
-            return None
-        peaks = self.last_merged[1::2]
-        peaks = peaks[peaks >= 0]
-        return float(peaks.max()) if peaks.size else None
+        return largest_peak(self.last_merged)
 
     def options(self, options: Any) -> Any:
         """``options`` with the guard's budget."""
@@ -213,11 +209,7 @@ class MemoryRecorder:
     @property
     def peak_bytes(self) -> Optional[float]:
         """This rank's peak of the last step (allocator bytes), or ``None``."""
-        if self.vector is None:
-            return None
-        peaks = self.vector[1::2]
-        peaks = peaks[peaks >= 0]
-        return float(peaks.max()) if peaks.size else None
+        return largest_peak(self.vector)
 
     def run(self, fn: Callable[[], Any], model: Any = None, iterator: Any = None, step: Optional[int] = None) -> Any:
         stage = rank_stage(0) if self.stage is None else int(self.stage)

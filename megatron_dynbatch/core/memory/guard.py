@@ -83,7 +83,7 @@ DEFAULT_MAX_RAISE = 0.10
 DEFAULT_MIN_FILL = 0.5
 MAX_CARD_BYTES = MAX_GPU_MEMORY_GB * GiB
 
-__all__ = ["MemoryGuard", "GuardChange", "reading_vector", "merge_readings", "stage_tokens", "MISSING",
+__all__ = ["MemoryGuard", "GuardChange", "reading_vector", "largest_peak", "merge_readings", "stage_tokens", "MISSING",
            "DEFAULT_WINDOW", "DEFAULT_PRIOR_STEPS", "DEFAULT_MAX_RAISE", "DEFAULT_MIN_FILL"]
 
 
@@ -106,6 +106,16 @@ def reading_vector(pp: int, stage: int, base_bytes: Any, peak_bytes: Any) -> Tup
     if ok:
         vec[2 * stage], vec[2 * stage + 1] = float(base_bytes), float(peak_bytes)
     return vec, ok
+
+
+def largest_peak(vector: Optional[np.ndarray]) -> Optional[float]:
+    """The largest measured peak (bytes) in a :func:`reading_vector` -- one rank's, or a merge of several -- or
+    ``None`` when no stage was measured (or no vector was given)."""
+    if vector is None:
+        return None
+    peaks = np.asarray(vector, dtype=np.float64)[1::2]
+    peaks = peaks[peaks >= 0]  # MISSING (-1): a stage not measured
+    return float(peaks.max()) if peaks.size else None
 
 
 def merge_readings(vectors: Sequence[Any]) -> np.ndarray:
