@@ -346,9 +346,9 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
     smp = [samples[u] for u in order]
     slack = sum(cnt) - dp * m
     capacity = m * inp.cap
-    room_slack = dp * capacity - sum(tok)
+    token_slack = dp * capacity - sum(tok)
     target = inp.sample_target(dp)
-    if slack < 0 or room_slack < 0 or n_units < dp:
+    if slack < 0 or token_slack < 0 or n_units < dp:
         return None
     placed = [False] * n_units
 
@@ -364,8 +364,8 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
         return bins if bins is not None else _rank_bin_search(inp, members, m, budget)
 
     def completions(first: int, excess_left: int, waste_left: int) -> List[tuple]:
-        """Sets of unplaced units after ``first`` completing its rank within the slacks left, as (cost, excess,
-        waste, positions), cheapest first."""
+        """Sets of unplaced units after ``first`` completing its rank within the slacks left, as (excess, waste,
+        positions), cheapest first."""
         free = [p for p in range(first + 1, n_units) if not placed[p]]
         found: List[tuple] = []
 
@@ -412,7 +412,7 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
                         return [*ranks, bins] if len(ranks) == dp - 1 else None
             elif len(stack) < dp - 1 and first is not None:  # open the next rank around the largest unit left
                 placed[first] = True
-                stack.append([first, completions(first, slack - spent_slack[0], room_slack - spent_slack[1]), 0,
+                stack.append([first, completions(first, slack - spent_slack[0], token_slack - spent_slack[1]), 0,
                               spent_slack])
                 ranks.append([])
             while stack:  # the next completion of the innermost rank that has one, else close ranks
