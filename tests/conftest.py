@@ -66,3 +66,22 @@ def cuda_world1():
         parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     yield
+
+
+@pytest.fixture
+def memory_model_calls(monkeypatch):
+    """Counts evaluations of the memory model (``core.memory.peak.stage_terms``, wherever it was imported): a
+    deterministic measure of the work behind a budget, in place of a wall-clock bound (timings live in the
+    benchmark, ``benchmarks/memory_speed.py``). The list holds one entry per call."""
+    from megatron_dynbatch.core.memory import budget, guard, peak
+
+    calls: list = []
+    real = peak.stage_terms
+
+    def counted(*args, **kwargs):
+        calls.append(args[:2])
+        return real(*args, **kwargs)
+
+    for module in (peak, budget, guard):
+        monkeypatch.setattr(module, "stage_terms", counted)
+    return calls
