@@ -17,8 +17,8 @@ import pytest
 
 from megatron_dynbatch import DynBatchConfigError, PlanOptions, plan_global_batch
 from megatron_dynbatch.core.memory import GiB, MemorySettings
-from megatron_dynbatch.core.memory.guard import (MISSING, GuardChange, MemoryGuard, merge_readings, reading_vector,
-                                                 stage_tokens)
+from megatron_dynbatch.core.memory.guard import (MISSING, GuardChange, MemoryGuard, largest_peak, merge_readings,
+                                                 reading_vector, stage_tokens)
 
 SPEC = "qwen3-0.6b"
 ST = MemorySettings(reserve_gb=2.0)
@@ -300,3 +300,14 @@ def test_bad_knobs_are_refused():
     assert g.budget == 4096 and g.parallel.dp == 4
     with pytest.raises(DynBatchConfigError, match="PlanOptions"):
         g.options({"max_tokens_per_gpu": 1})
+
+
+def test_largest_peak_reads_the_peaks_of_a_reading_vector():
+    """The one reader of a reading vector's peaks (the Megatron guard and the Ray recorder report it)."""
+    assert largest_peak(None) is None
+    assert largest_peak(np.full(6, MISSING)) is None  # no stage measured
+    bad, ok = reading_vector(3, 1, float("nan"), 5.0)
+    assert not ok and largest_peak(bad) is None  # an untrusted reading is no reading
+    merged = merge_readings([reading_vector(3, s, 10.0 * s, 10.0 * s + p)[0] for s, p in enumerate((7.0, 2.0, 4.0))])
+    assert largest_peak(merged) == 24.0  # stage 2: base 20 + 4; bases never count
+    assert largest_peak(reading_vector(3, 0, 1.0, 3.0)[0]) == 3.0
