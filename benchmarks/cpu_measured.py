@@ -220,7 +220,7 @@ def _worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, Any]:
     from megatron_dynbatch.megatron.iterator import DynamicBatchIterator
     from megatron_dynbatch.core.model_spec import ModelSpec
     from megatron_dynbatch.megatron.schedule import default_forward_step, dynamic_forward_backward
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     pp = int(opts["pp"])
     megatron_cpu.init_cpu_distributed(rank, world_size, pp=pp, seed=opts["seed"], timeout_s=float(opts["timeout"]))
@@ -634,7 +634,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             "hidden_size": args.hidden_size, "heads": args.heads, "query_groups": args.query_groups,
             "ffn_hidden_size": args.ffn_hidden_size, "vocab": args.vocab, "timeout": args.timeout, "pp": args.pp}
     opts["lengths"] = make_lengths(opts).tolist()
-    from megatron_dynbatch.testing.multiproc import run_ranks
+    from megatron_dynbatch.megatron.ranks import run_ranks
 
     t0 = time.perf_counter()
     if "dynbatch-calibrated" in algos:

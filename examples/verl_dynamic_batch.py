@@ -54,7 +54,7 @@ def rank_main(rank: int, world_size: int, shares) -> dict:
 
 def main() -> None:
     from megatron_dynbatch.integrations.verl import balance_batch
-    from megatron_dynbatch.testing.multiproc import run_ranks
+    from megatron_dynbatch.megatron.ranks import run_ranks
     from megatron_dynbatch.testing.peer_types import grpo_batch
 
     rng = np.random.default_rng(3)

@@ -182,7 +182,7 @@ def _demo_worker(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, 
 
     from .core.model_spec import ModelSpec
     from .megatron.schedule import dynamic_forward_backward
-    from .testing import megatron_cpu
+    from .megatron import cpu as megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size, seed=opts["seed"],
                                       addr=opts.get("master_addr") or "127.0.0.1",
@@ -400,7 +400,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              f"{args.samples} samples/step, max_tokens_per_gpu={args.max_tokens_per_gpu}, loss={args.loss_mode}")
     t0 = time.perf_counter()
     if env is None:
-        from .testing.multiproc import RankFailure, run_ranks
+        from .megatron.ranks import RankFailure, run_ranks
 
         try:
             results = run_ranks(_demo_worker, args.dp, opts, timeout=args.timeout)

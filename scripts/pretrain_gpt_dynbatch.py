@@ -23,7 +23,7 @@ batching to a launch script of your own, these are the lines::
 
 Without ``--use-dynamic-batch-size`` the same command runs plain Megatron batching on the same samples
 (fixed ``--micro-batch-size`` micro-batches padded to ``--seq-length``, Megatron-LM's own ``forward_step``):
-the A/B baseline. On a machine without CUDA the CPU shims of ``megatron_dynbatch.testing.megatron_cpu`` are
+the A/B baseline. On a machine without CUDA the CPU shims of ``megatron_dynbatch.megatron.cpu`` are
 installed (tests and smoke runs only). Without Megatron-LM (``megatron.training`` is not part of the
 megatron-core wheel) the script still answers ``--help`` and explains what to install.
 """
@@ -75,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     if not torch.cuda.is_available():  # CPU smoke/test runs only: the documented shims
-        from megatron_dynbatch.testing import megatron_cpu
+        from megatron_dynbatch.megatron import cpu as megatron_cpu
 
         megatron_cpu.install_megatron_lm_cpu_shims()
         gpt_builder = megatron_cpu.thd_gpt_builder(gpt_builder)

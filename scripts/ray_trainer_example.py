@@ -7,7 +7,7 @@ Driver, once per rollout:  rollout -> advantages -> plan_rollout (ONE plan; one 
                            -> actors: log-probs (kept on the actors) -> training steps -> gather results in order.
 Actor (one Megatron rank): your usual Megatron actor + DynBatchActorMixin; two methods of a few lines each.
 
-On CPU every actor is one gloo rank of a tiny GPT (megatron_dynbatch.testing.megatron_cpu: CPU shims, DDP); on
+On CPU every actor is one gloo rank of a tiny GPT (megatron_dynbatch.megatron.cpu: CPU shims, DDP); on
 GPUs keep your own model / optimizer setup -- only the two actor methods and the driver loop matter here.
 See docs/ray.md for the data flow.
 """
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ray.init(num_cpus=max(2, dp), include_dashboard=False, _temp_dir=args.ray_temp_dir, log_to_driver=args.verbose,
              logging_level="ERROR")
     try:
-        from megatron_dynbatch.testing.multiproc import free_port
+        from megatron_dynbatch.megatron.ranks import free_port
 
         port = free_port()
         actors = [TrainActor.remote(r, dp, port, args.seed, args.lr) for r in range(dp)]
@@ -139,7 +139,7 @@ def build_cpu_megatron(rank, world_size, master_port, seed, lr):
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size, port=master_port, seed=seed)
     config = megatron_cpu.tiny_gpt_config()

@@ -25,13 +25,13 @@ def megatron_world1():
     """megatron-core initialised in THIS process as a world of one gloo rank (CPU shims installed).
 
     Session-scoped: torch.distributed can be initialised once per process. Tests that need other layouts
-    spawn ranks with ``megatron_dynbatch.testing.multiproc.run_ranks`` instead.
+    spawn ranks with ``megatron_dynbatch.megatron.ranks.run_ranks`` instead.
     """
     pytest.importorskip("megatron.core")
     import torch.distributed as dist
 
-    from megatron_dynbatch.testing import megatron_cpu
-    from megatron_dynbatch.testing.multiproc import free_port
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
+    from megatron_dynbatch.megatron.ranks import free_port
 
     if dist.is_initialized():  # someone else set it up; reuse it if it is a world of one
         if dist.get_world_size() != 1:
@@ -56,7 +56,7 @@ def cuda_world1():
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_dynbatch.testing.multiproc import free_port
+    from megatron_dynbatch.megatron.ranks import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -22,7 +22,7 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def models(megatron_world1):
     """Tiny GPTs with the THD spec: GQA (4 heads / 2 groups), MHA and MQA."""
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     out = {}
     for name, groups in (("gqa", 2), ("mha", 4), ("mqa", 1)):
@@ -141,7 +141,7 @@ def _core(megatron_world1, groups=2, **cfg_overrides):
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_dynbatch.megatron.attention import ThdDotProductAttention
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     cfg = megatron_cpu.tiny_gpt_config(num_query_groups=groups, **cfg_overrides)
     return ThdDotProductAttention(cfg, layer_number=2, attn_mask_type=AttnMaskType.causal, attention_type="self")

@@ -148,7 +148,7 @@ def core_factory(megatron_world1):
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_dynbatch.megatron.attention import ThdDotProductAttention
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     def make(groups=2, mask=AttnMaskType.causal, cls=ThdDotProductAttention, **cfg):
         return cls(megatron_cpu.tiny_gpt_config(num_query_groups=groups, **cfg), layer_number=2,
@@ -265,7 +265,7 @@ def test_gpt_model_with_reference_kernel_equals_per_sample(megatron_world1):
     from megatron_dynbatch.core.parallel import ParallelConfig
     from megatron_dynbatch.megatron.attention import set_thd_varlen_kernel
     from megatron_dynbatch.megatron.packing import pack_microbatch
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     torch.manual_seed(0)
     model = megatron_cpu.build_tiny_gpt(megatron_cpu.tiny_gpt_config(), vocab_size=128, max_seq_len=64, thd=True)

@@ -85,7 +85,7 @@ def _core(groups, cls=None, **cfg):
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_dynbatch.megatron.attention import ThdDotProductAttention
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     config = megatron_cpu.tiny_gpt_config(num_attention_heads=8, num_query_groups=groups, hidden_size=512,
                                           bf16=True, params_dtype=BF16, deterministic_mode=False, **cfg)
@@ -163,7 +163,7 @@ def test_gpt_model_packed_equals_per_sample_bf16(cuda_world1):
     from megatron_dynbatch.core.alignment import Alignment
     from megatron_dynbatch.core.parallel import ParallelConfig
     from megatron_dynbatch.megatron.packing import pack_microbatch
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     torch.manual_seed(0)
     config = megatron_cpu.tiny_gpt_config(hidden_size=256, num_attention_heads=4, num_query_groups=2,

@@ -47,7 +47,7 @@ def test_online_timer_reads_cuda_events_once_per_step(cuda_world1):
     from megatron_dynbatch.demo import synthetic_rl_batch
     from megatron_dynbatch.megatron.online_calibration import OnlineCalibrator
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     config = megatron_cpu.tiny_gpt_config(hidden_size=256, num_attention_heads=4, num_query_groups=2,
                                           kv_channels=64, ffn_hidden_size=512, use_cpu_initialization=False,

@@ -58,7 +58,7 @@ def test_demo_torchrun_mode_single_rank_check():
     import subprocess
     import sys
 
-    from megatron_dynbatch.testing.multiproc import free_port
+    from megatron_dynbatch.megatron.ranks import free_port
 
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}

@@ -123,7 +123,7 @@ def _mirror(tmp: Path) -> Path:
 
 
 def _env() -> dict:
-    from megatron_dynbatch.testing.multiproc import free_port
+    from megatron_dynbatch.megatron.ranks import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in SCRUB and not k.startswith(("SLURM_", "PET_"))}
     venv_bin = str(Path(sys.prefix) / "bin")  # not on PATH unless the doc activates it

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from megatron_dynbatch import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning  # noqa: E402
 from megatron_dynbatch.integrations import verl  # noqa: E402
-from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import run_ranks  # noqa: E402
 from megatron_dynbatch.testing.peer_types import DataProto, grpo_batch  # noqa: E402
 
 

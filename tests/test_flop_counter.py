@@ -30,7 +30,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_dynbatch import ModelSpec  # noqa: E402
 from megatron_dynbatch.core.flops import flops_coefficients  # noqa: E402
-from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import run_ranks  # noqa: E402
 
 VOCAB = 128
 LENGTHS = (16, 96)  # two lengths identify the linear and the quadratic coefficient
@@ -79,7 +79,7 @@ def _worker(rank: int, world_size: int) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size)
     results: dict = {}

@@ -213,7 +213,7 @@ def _gather_worker(rank, world_size):
 
 @pytest.mark.multiprocess
 def test_gather_across_dp_gives_global_order():
-    from megatron_dynbatch.testing.multiproc import run_ranks
+    from megatron_dynbatch.megatron.ranks import run_ranks
 
     r0, r1 = run_ranks(_gather_worker, 2, timeout=60)
     assert r0 == r1 == [f"out{i}" for i in range(10)]

@@ -203,3 +203,52 @@ def test_no_private_name_is_imported_from_another_package():
                     and _owner_package(modules[node.value.id]) != here:
                 bad.append(f"{rel}:{node.lineno} reads {node.value.id}.{node.attr}")
     assert not bad, bad
+
+
+#: the layers from the bottom up (docs/architecture.md, "What each layer may import"): a module imports only from
+#: its own layer or one below it. ``cli``/``demo``/``_cli_*`` and the package root sit on top; ``testing`` beside it.
+LAYERS = {"core": 0, "bench": 1, "megatron": 1, "measure": 2, "integrations": 2}
+TOP = 9
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return TOP
+    return LAYERS.get(parts[1], TOP)
+
+
+def _module_graph():
+    graph = {}
+    for p in sorted(PKG.rglob("*.py")):
+        rel = p.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if p.name == "__init__.py" else rel.parts)
+        package = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        graph[name] = {m for m in _imported_modules(p, package) if m.startswith("megatron_dynbatch.")}
+    return graph
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    """Layers import downwards only (lazy imports inside functions included): ``core`` below ``bench`` and
+    ``megatron``; ``measure`` and ``integrations`` above ``megatron``; ``bench`` and ``megatron`` never import each
+    other. The memory-reader seam is in ``megatron/`` so that the guard (``megatron/``) and ``calibrate``'s memory
+    grid (``measure/``) both read memory through it without ``megatron/`` reaching up into ``measure/``."""
+    bad = []
+    for name, imports in _module_graph().items():
+        src = _layer(name)
+        for m in sorted(imports):
+            dst = _layer(m)
+            sideways = src == dst == 1 and name.split(".")[1] != m.split(".")[1]
+            if (dst > src or sideways) and src != TOP:
+                bad.append(f"{name} imports {m}")
+    assert not bad, bad
+
+
+def test_no_shipped_module_imports_test_support():
+    """``megatron_dynbatch.testing`` is test support: only the tests (and the testing package itself) import it;
+    what the demo and ``calibrate`` need to run megatron-core on CPU lives in ``megatron/cpu.py`` and
+    ``megatron/ranks.py``."""
+    bad = [f"{name} imports {m}" for name, imports in _module_graph().items()
+           if not name.startswith("megatron_dynbatch.testing")
+           for m in imports if m.startswith("megatron_dynbatch.testing")]
+    assert not bad, bad

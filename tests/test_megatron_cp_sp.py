@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import run_ranks  # noqa: E402
 
 VOCAB = 128
 TOL = 1e-5
@@ -68,7 +68,7 @@ def _core_attention_cp_check(cp_rank: int, cp: int) -> dict:
     from megatron_dynbatch.megatron.context_parallel import zigzag_partition_indices
     from megatron_dynbatch.megatron.packing import pack_microbatch
     from megatron_dynbatch.core.parallel import ParallelConfig
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     cases = {"mixed": ([5, 0, 9, 1, 12], AttnMaskType.causal), "one_token": ([1, 1], AttnMaskType.causal),
              "bidirectional": ([7, 3, 10], AttnMaskType.no_mask)}
@@ -108,7 +108,7 @@ def _core_attention_sbhd_cp_check(cp_rank: int, cp: int) -> dict:
     from megatron_dynbatch.core.errors import DynBatchConfigError
     from megatron_dynbatch.megatron.attention import ThdDotProductAttention
     from megatron_dynbatch.megatron.context_parallel import zigzag_partition_indices
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     causal = AttnMaskType.causal
     g = torch.Generator().manual_seed(11)
@@ -148,7 +148,7 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
 
     from megatron_dynbatch.core.model_spec import ModelSpec
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     tp, cp = {"sp": (2, 1), "cp": (1, 2)}[layout]
     sp = layout == "sp"

@@ -1,5 +1,5 @@
 """Real megatron-core on CPU: a tiny GPTModel through get_forward_backward_func() with Megatron DDP under
-DP=2, TP=2 and PP=2 (two gloo ranks each), using the shims in megatron_dynbatch.testing.megatron_cpu."""
+DP=2, TP=2 and PP=2 (two gloo ranks each), using the shims in megatron_dynbatch.megatron.cpu."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_dynbatch.testing.multiproc import RankFailure, run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import RankFailure, run_ranks  # noqa: E402
 
 SEQ, MBS, NUM_MB, VOCAB = 16, 2, 2, 128
 
@@ -28,7 +28,7 @@ def _fwd_bwd_worker(rank: int, world_size: int, tp: int, pp: int) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size, tp=tp, pp=pp)
     try:
@@ -110,7 +110,7 @@ def _thd_pp_worker(rank: int, world_size: int) -> dict:
 
     from megatron_dynbatch.core.alignment import Alignment
     from megatron_dynbatch.megatron.packing import pack_microbatch
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size, pp=2)
     try:
@@ -183,9 +183,9 @@ def test_cpu_torch_proxy_keeps_cuda_draws_off_the_cpu_generator():
     generator of their own (on a GPU they use the CUDA generator, so the CPU generator that
     ``--use-cpu-initialization`` initialises weights from must not move: Megatron-LM's start-up warm-up draws
     layout-dependent shapes); ``pin_memory`` dropped; draws on the CPU and explicit generators untouched."""
-    from megatron_dynbatch.testing.megatron_cpu import _CpuTorchProxy
+    from megatron_dynbatch.megatron.cpu import CpuTorchProxy
 
-    proxy = _CpuTorchProxy(torch)
+    proxy = CpuTorchProxy(torch)
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)

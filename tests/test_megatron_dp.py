@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import run_ranks  # noqa: E402
 
 VOCAB = 128
 TOL = 1e-5
@@ -34,7 +34,7 @@ def _dp_worker(rank: int, world_size: int) -> dict:
 
     from megatron_dynbatch.core.model_spec import ModelSpec
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size)
     try:

@@ -27,7 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import run_ranks  # noqa: E402
 
 VOCAB = 128
 TOL = 1e-5
@@ -67,7 +67,7 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
     from megatron_dynbatch.core.planner.dyncp import build_dynamic_cp_plan
     from megatron_dynbatch.megatron.dynamic_cp import destroy_dynamic_cp_groups, get_dynamic_cp_groups
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     pp = 2 if layout == "pp" else 1
     megatron_cpu.init_cpu_distributed(rank, world_size, pp=pp, cp=2)

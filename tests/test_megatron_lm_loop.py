@@ -89,7 +89,7 @@ def launcher(tmp_path_factory):
                CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
     def run(*flags: str, nproc: int = 2, iters: int = ITERS) -> dict:
-        from megatron_dynbatch.testing.multiproc import free_port
+        from megatron_dynbatch.megatron.ranks import free_port
 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                str(free_port()), str(ENTRY), *TINY_GPT, "--train-iters", str(iters), *flags]

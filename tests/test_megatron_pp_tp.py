@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import run_ranks  # noqa: E402
 
 VOCAB = 128
 TOL = 1e-5
@@ -120,7 +120,7 @@ def _layout_worker(rank: int, world_size: int, layout: str) -> dict:
 
     from megatron_dynbatch.core.model_spec import ModelSpec
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     tp, pp, vpp = {"tp": (2, 1, 1), "pp": (1, 2, 1), "vpp": (1, 2, 2)}[layout]
     num_layers = 4 if vpp > 1 else 2

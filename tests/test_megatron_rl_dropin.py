@@ -158,7 +158,7 @@ def test_flag_accepts_dynbatch_on_a_megatron_style_parser():
 # ------------------------------------------------------------------------------------------ upstream's own code
 _RUN = r"""
 import json
-from megatron_dynbatch.testing.multiproc import run_ranks
+from megatron_dynbatch.megatron.ranks import run_ranks
 from megatron_dynbatch.testing import upstream_rl as ur
 L = [[60, 10, 33, 5, 64, 20, 7, 40, 2, 50], [64, 3, 16, 16, 30, 45, 9, 12, 1, 28]]
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def calibrated(tmp_path_factory):
     import torch
 
     from megatron_dynbatch.measure.calibrate import calibrate
-    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader
 
     torch.set_num_threads(1)
     reader = FakeMemoryReader.from_coefficients(**COEF)

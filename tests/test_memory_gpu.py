@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_cuda_reader_sees_a_known_allocation():
-    from megatron_dynbatch.measure.memory import CudaPeakReader
+    from megatron_dynbatch.megatron.memory_reader import CudaPeakReader
 
     keep = torch.empty(1 << 20, device="cuda")  # resident: in the base, not the increment
     r = CudaPeakReader("cuda").measure(lambda: torch.empty(4 << 20, dtype=torch.uint8, device="cuda"))

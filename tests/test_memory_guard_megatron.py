@@ -1,7 +1,7 @@
 """The online memory guard and the per-step figures on real megatron-core (CPU, gloo; issue 27 items 5 and 6).
 
 Two DP ranks train a tiny GPT through ``dynamic_forward_backward(..., memory_guard=guard)``; the CUDA peak reader
-is replaced by the deterministic fake of ``measure/memory.py`` (the same code path: reader.measure around the
+is replaced by the deterministic fake of ``megatron/memory_reader.py`` (the same code path: reader.measure around the
 schedule call), which reports a peak TWICE as large per token on rank 1 as on rank 0. Then
 
 * one all-reduce (MAX) gives both ranks rank 1's reading: both lower the budget alike, to what rank 1's slope
@@ -30,7 +30,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_dynbatch.core.errors import DynBatchConfigError  # noqa: E402
 from megatron_dynbatch.core.memory import MemorySettings  # noqa: E402
-from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import run_ranks  # noqa: E402
 
 VOCAB = 128
 START = 96
@@ -60,7 +60,7 @@ class BrokenReader:
         self.inner = inner
 
     def measure(self, fn, probe=None):
-        from megatron_dynbatch.measure.memory import MemoryReading
+        from megatron_dynbatch.megatron.memory_reader import MemoryReading
 
         reading = self.inner.measure(fn, probe)
         return MemoryReading(reading.base, float("nan"))
@@ -72,10 +72,10 @@ def _worker(rank: int, world_size: int) -> dict:
     quiet_megatron_warnings()
     from megatron_dynbatch.core.memory.guard import MemoryGuard
     from megatron_dynbatch.core.model_spec import ModelSpec
-    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader
     from megatron_dynbatch.megatron.memory_guard import StepMemoryGuard
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size)
     try:
@@ -201,7 +201,7 @@ def test_ray_actors_send_readings_and_figures_and_the_driver_guard_lowers_alike(
         m = r["ray"]["metrics"]
         assert m["dynbatch/peak_memory_gb"] > 0 and "dynbatch/microbatches" in m  # this actor's own peak
     assert a["ray"]["memory"][1] < b["ray"]["memory"][1]  # rank 1 read twice the bytes per token
-    from megatron_dynbatch.testing import megatron_cpu  # noqa: F401  (the same tiny model's shape)
+    from megatron_dynbatch.megatron import cpu as megatron_cpu  # noqa: F401  (the same tiny model's shape)
 
     spec = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
             "ffn_hidden_size": 128, "swiglu": True, "vocab_size": VOCAB}
@@ -302,7 +302,7 @@ def test_the_hook_writes_nothing_where_megatron_has_no_writer():
 
 def test_the_hook_hands_its_guard_to_every_step():
     from megatron_dynbatch.integrations.megatron_lm import DynamicForwardBackward
-    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader
     from megatron_dynbatch.megatron.args import plan_options_from_args
     from megatron_dynbatch.megatron.memory_guard import memory_guard_from_args
 

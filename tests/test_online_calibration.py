@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import run_ranks  # noqa: E402
 
 VOCAB = 128
 STEPS = 4
@@ -45,7 +45,7 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
     from megatron_dynbatch.core.model_spec import ModelSpec
     from megatron_dynbatch.megatron.online_calibration import OnlineCalibrator
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     pp, vpp, layers = LAYOUTS[layout]
     megatron_cpu.init_cpu_distributed(rank, world_size, pp=pp, vpp=vpp)

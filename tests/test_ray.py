@@ -255,7 +255,7 @@ class _TrainActor(DynBatchActorMixin):
         quiet_megatron_warnings()
         from megatron.core import parallel_state
 
-        from megatron_dynbatch.testing import megatron_cpu
+        from megatron_dynbatch.megatron import cpu as megatron_cpu
 
         megatron_cpu.init_cpu_distributed(rank, world_size, port=port, seed=SEED)
         config = megatron_cpu.tiny_gpt_config()
@@ -305,7 +305,7 @@ def ray_run(ray_cluster):
     log-probs stored on the actors as old_log_probs -> a PPO-style training step with group_mean; rollout B
     (per-sample refs from a rollout actor) -> log-probs -> training step 1 of a two-step plan."""
     ray = ray_cluster
-    from megatron_dynbatch.testing.multiproc import free_port
+    from megatron_dynbatch.megatron.ranks import free_port
 
     t0 = time.perf_counter()
     Actor = ray.remote(num_cpus=1)(_TrainActor)
@@ -351,7 +351,7 @@ def ray_run(ray_cluster):
 @pytest.fixture(scope="module")
 def reference(megatron_world1):
     """The tiny GPT built in THIS process with the actors' seed (unwrapped, for the unpacked reference)."""
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     config = megatron_cpu.tiny_gpt_config()
     torch.manual_seed(SEED)

@@ -394,7 +394,7 @@ def test_quickstart_custom_loop_snippet_runs_on_cpu(megatron_world1):
 
     from megatron_dynbatch.demo import synthetic_rl_batch
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward, forward_log_probs
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     rc = RunConfig.from_yaml("tiny-cpu-demo").replace(parallel={"world_size": 1}, samples_per_step=8)
     torch.manual_seed(0)

@@ -170,7 +170,7 @@ def test_sbatch_body_runs_cpu_demo():
     """The sbatch body itself, with DYNBATCH_CPU_SMOKE=1: Slurm-style env, torchrun with 2 CPU processes on one
     node (rendezvous on 127.0.0.1), running the CPU demo with real megatron-core."""
     pytest.importorskip("megatron.core")
-    from megatron_dynbatch.testing.multiproc import free_port
+    from megatron_dynbatch.megatron.ranks import free_port
 
     env = dict(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
                SLURM_GPUS_ON_NODE="8", DYNBATCH_CPU_SMOKE="1", MASTER_PORT=str(free_port()),
@@ -449,7 +449,7 @@ def test_wrapper_runs_a_real_megatron_schedule_on_cpu(megatron_world1):
 
     from megatron_dynbatch.demo import synthetic_rl_batch
     from megatron_dynbatch.core.model_spec import ModelSpec
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     config = megatron_cpu.tiny_gpt_config()
     torch.manual_seed(0)
@@ -490,7 +490,7 @@ def test_documented_megatron_lm_lines_drive_a_real_schedule(doc, megatron_world1
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     state: dict = {}
     training = types.ModuleType("megatron.training.training")

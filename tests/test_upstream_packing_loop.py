@@ -112,7 +112,7 @@ def test_grouping_keeps_upstreams_contract(upstream):
 
 _TRAIN = r"""
 import json
-from megatron_dynbatch.testing.multiproc import run_ranks
+from megatron_dynbatch.megatron.ranks import run_ranks
 from megatron_dynbatch.testing import upstream_packing as up
 STEPS = %(steps)r
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ measured_peak_bytes, predicted_peak_bytes, analytic_peak_bytes, rel_error}`` for
 (the auto budget fits and is >= 85% of the largest that fits; predicted within 5% of measured at every size).
 
 ``--device cpu --tiny`` runs the same pipeline on the CPU with ``tiny-gpt`` through the reader seam: a
-deterministic fake reader (:class:`megatron_dynbatch.measure.memory.FakeMemoryReader`) reports the real resident
+deterministic fake reader (:class:`megatron_dynbatch.megatron.memory_reader.FakeMemoryReader`) reports the real resident
 tensors plus activations 3% above the analytic model's, and "runs out of memory" above a small fake card. Its
 numbers only show the pipeline works.
 
@@ -154,7 +154,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from megatron_dynbatch.core.memory import choose_budget, peak_memory
     from megatron_dynbatch.core.memory.settings import GiB
     from megatron_dynbatch.measure.budget_search import search_largest_fit
-    from megatron_dynbatch.measure.memory import CudaPeakReader, FakeMemoryReader, MemoryProbe
+    from megatron_dynbatch.megatron.memory_reader import CudaPeakReader, FakeMemoryReader, MemoryProbe
     from megatron_dynbatch.measure.timer import device_name
     from megatron_dynbatch.measure.whole_model import WholeModel, device_memory_gb
 

@@ -15,10 +15,11 @@ What is measured: compute of one GPU (one TP rank's widths, one CP member's shar
 the CP ring's transfers, not the pipeline's p2p, not the optimizer. Those keep the base profile's numbers.
 
 Memory (``setup.memory``, on by default on a GPU): after the timings, the peak memory of one forward + backward on
-1- and 2-layer slices and a 1-layer slice with the LM head (:func:`~.memory.measure_memory`, read by a
-:class:`~.memory.CudaPeakReader`, or the ``memory_reader`` given -- a :class:`~.memory.FakeMemoryReader` in CPU
-tests) is fitted by :func:`~megatron_dynbatch.core.memory.fit.fit_memory_records`; the result's ``memory_fit``
-profile is the file's ``memory`` section. It is skipped, with a note, when ``max_seconds`` would be passed.
+1- and 2-layer slices and a 1-layer slice with the LM head (:func:`~.memory.measure_memory`, read through the
+memory-reader seam :mod:`megatron_dynbatch.megatron.memory_reader`: a ``CudaPeakReader``, or the ``memory_reader``
+given -- a ``FakeMemoryReader`` in CPU tests) is fitted by
+:func:`~megatron_dynbatch.core.memory.fit.fit_memory_records`; the result's ``memory_fit`` profile is the file's
+``memory`` section. It is skipped, with a note, when ``max_seconds`` would be passed.
 """
 
 from __future__ import annotations

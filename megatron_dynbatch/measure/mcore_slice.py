@@ -6,7 +6,7 @@ micro-batches only, ``group_size == 1``: TE's context-parallel attention needs t
 
 * **Process state.** megatron-core needs ``torch.distributed`` and its ``parallel_state``.
   :func:`ensure_world_of_one` creates a world of one (NCCL on CUDA, gloo on CPU, where it also installs the
-  documented CPU shims of :mod:`megatron_dynbatch.testing.megatron_cpu`) unless the process has one already; a
+  documented CPU shims of :mod:`megatron_dynbatch.megatron.cpu`) unless the process has one already; a
   process whose ``parallel_state`` has ``tp``, ``pp`` or ``cp`` > 1 is refused (the slice emulates TP by its
   widths, so it must not be split again) -- time in a separate process there.
 * **Without embedding / LM head** (``vocab == 0``) the model is a middle pipeline stage (``pre_process`` and
@@ -46,7 +46,7 @@ def ensure_world_of_one(device: torch.device, seed: int) -> None:
     from megatron.core import tensor_parallel
 
     if device.type == "cpu":
-        from ..testing.megatron_cpu import install_cpu_shims  # megatron-core on CPU needs them (docs/packing.md)
+        from ..megatron.cpu import install_cpu_shims  # megatron-core on CPU needs them (docs/packing.md)
 
         install_cpu_shims()
     elif device.index is not None:

@@ -72,8 +72,8 @@ class WholeModel:
                        vocab_size=m.padded_vocab_size, max_sequence_length=1 << 20, pre_process=True,
                        post_process=True, position_embedding_type="rope", share_embeddings_and_output_weights=False)
         gpt.to(device=self.device, dtype=self.dtype)
-        if self.device.type == "cpu":  # the optimizer's literal CUDA tensors (testing/megatron_cpu.py)
-            from ..testing.megatron_cpu import install_cpu_optimizer_shims
+        if self.device.type == "cpu":  # the optimizer's literal CUDA tensors (megatron/cpu.py)
+            from ..megatron.cpu import install_cpu_optimizer_shims
 
             install_cpu_optimizer_shims()
         self.ddp = DistributedDataParallel(config=self.config, module=gpt, ddp_config=DistributedDataParallelConfig(

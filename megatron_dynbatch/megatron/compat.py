@@ -21,7 +21,7 @@ versions pip never saw). What differs, and where it is handled:
   ``pipeline_parallel/schedules.py``, looked up by name at every call in 0.15-0.19) that online calibration
   wraps to time each micro-batch -- :func:`schedule_step_functions`;
 * CPU-only test shims differ too (0.19 synchronises a CUDA stream in the DDP grad sync): those live with the
-  other shims in :mod:`megatron_dynbatch.testing.megatron_cpu`, selected by the same kind of probing.
+  other shims in :mod:`megatron_dynbatch.megatron.cpu`, selected by the same kind of probing.
 
 Nothing here imports megatron-core at module import; every probe does it lazily and answers "absent" when the
 import fails.

@@ -1,10 +1,10 @@
 """The online memory guard on a Megatron rank: read each training step's peak, merge it over the ranks, and plan the
 next step with the budget every rank agrees on.
 
-:class:`StepMemoryGuard` joins a peak reader -- the seam of :mod:`megatron_dynbatch.measure.memory`:
-:class:`~megatron_dynbatch.measure.memory.CudaPeakReader` on a GPU (synchronise, note ``memory_allocated``, reset
+:class:`StepMemoryGuard` joins a peak reader -- the seam of :mod:`megatron_dynbatch.megatron.memory_reader`:
+:class:`~.memory_reader.CudaPeakReader` on a GPU (synchronise, note ``memory_allocated``, reset
 the peak statistics, run, synchronise, read ``max_memory_allocated``: reset per step),
-:class:`~megatron_dynbatch.measure.memory.FakeMemoryReader` in CPU tests, which runs the same code -- with the
+:class:`~.memory_reader.FakeMemoryReader` in CPU tests, which runs the same code -- with the
 torch-free :class:`~megatron_dynbatch.core.memory.guard.MemoryGuard` (refit, budget, log):
 
 * :meth:`StepMemoryGuard.run` runs one training schedule call under the reader and keeps this rank's reading
@@ -70,7 +70,7 @@ def measured_call(reader: Any, fn: Callable[[], Any], *, model: Any, plan: Any, 
     """Run ``fn`` under ``reader`` (its probe: this rank's decoder layers, the LM head on the last stage, the
     stage's tokens in flight); returns ``(reading, seconds, fn())`` -- seconds from ``fn``'s start to the
     reader's synchronisation after it."""
-    from ..measure.memory import MemoryProbe
+    from .memory_reader import MemoryProbe
 
     tokens = stage_tokens(plan, max(num_layers, pp), step)[stage] if plan is not None else 0
     probe = MemoryProbe(rank_layers(model) or max(1, num_layers // pp), stage == pp - 1, int(tokens))
@@ -105,12 +105,13 @@ class StepMemoryGuard:
         self.state = MemoryGuard(start_budget, card_bytes, model=model, parallel=parallel, settings=settings,
                                  profile=profile, log=log, **guard_kwargs)
         if reader is None:
-            from ..measure.memory import CudaPeakReader
+            from .memory_reader import CudaPeakReader
 
             reader = CudaPeakReader(device)
         if not callable(getattr(reader, "measure", None)):
             raise DynBatchConfigError("reader", type(reader).__name__, "has no measure(fn, probe) method",
-                                      "pass a CudaPeakReader or FakeMemoryReader (megatron_dynbatch.measure.memory)")
+                                      "pass a CudaPeakReader or FakeMemoryReader "
+                                      "(megatron_dynbatch.megatron.memory_reader)")
         self.reader = reader
         self.merge = merge or (lambda v: all_reduce_vector(v, "max"))
         self.stage = stage
@@ -189,12 +190,13 @@ class MemoryRecorder:
     def __init__(self, *, pp: int = 1, reader: Any = None, stage: Optional[int] = None,
                  num_layers: Optional[int] = None, device: Any = None) -> None:
         if reader is None:
-            from ..measure.memory import CudaPeakReader
+            from .memory_reader import CudaPeakReader
 
             reader = CudaPeakReader(device)
         if not callable(getattr(reader, "measure", None)):
             raise DynBatchConfigError("reader", type(reader).__name__, "has no measure(fn, probe) method",
-                                      "pass a CudaPeakReader or FakeMemoryReader (megatron_dynbatch.measure.memory)")
+                                      "pass a CudaPeakReader or FakeMemoryReader "
+                                      "(megatron_dynbatch.megatron.memory_reader)")
         self.reader, self.pp, self.stage, self.num_layers = reader, int(pp), stage, num_layers
         self.vector: Optional[np.ndarray] = None
         self.last_reading: Any = None

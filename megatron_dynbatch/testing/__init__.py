@@ -1,10 +1,12 @@
-"""Test support: run real megatron-core on CPU with gloo, and spawn several ranks from one test.
+"""Test support, never imported by the library: references and stand-ins the tests compare against.
 
-* :mod:`megatron_dynbatch.testing.megatron_cpu` -- the documented CPU shims, distributed init/teardown and
-  tiny GPT builders;
-* :mod:`megatron_dynbatch.testing.multiproc` -- ``run_ranks(fn, world_size, *args)``;
-* :mod:`megatron_dynbatch.testing.attention_ref` -- the per-sample attention reference of the THD tests.
+* :mod:`megatron_dynbatch.testing.attention_ref` -- the per-sample attention reference of the THD tests;
+* :mod:`megatron_dynbatch.testing.peer_types` / :mod:`~megatron_dynbatch.testing.peer_models` -- stand-ins for the
+  trainers' data types and models of their batching functions;
+* :mod:`megatron_dynbatch.testing.upstream_packing` / :mod:`~megatron_dynbatch.testing.upstream_rl` -- Megatron-LM's
+  own packing paths on gloo ranks (``MEGATRON_LM_DIR``).
 
-Nothing here is imported by the library itself (except the CPU shims, lazily, where megatron-core must run on a
-CPU: the demo and ``measure``'s megatron-core slice); megatron-core is imported only when these modules are.
+What the shipped code needs to run megatron-core on CPU ranks (the demo, ``calibrate``'s slices, the whole-model
+memory bench) lives in the package proper: :mod:`megatron_dynbatch.megatron.cpu` (the documented CPU shims,
+distributed init, tiny GPT builders) and :mod:`megatron_dynbatch.megatron.ranks` (``run_ranks``).
 """

@@ -10,7 +10,7 @@ them; upstream's ``get_batch_on_this_rank_for_sequence_packing`` builds every mi
 Megatron DDP; plain SGD steps on the DDP gradient buffers. Returns per step: the global token-mean loss, the
 gradient norm, the micro-batch count and upstream's returned sums, and the micro-batch lengths of this rank.
 
-The only CPU accommodations are :mod:`.megatron_cpu`'s shims plus ``Tensor.cuda`` keeping tensors on the CPU
+The only CPU accommodations are the CPU shims (``megatron/cpu.py``) plus ``Tensor.cuda`` keeping tensors on the CPU
 (upstream's gathering calls ``.cuda()``); the local attention is replaced by the THD one of this package.
 """
 
@@ -82,13 +82,13 @@ def train(rank: int, world_size: int, scheduler: str, steps: Sequence[Sequence[S
     from megatron.core.datasets import data_schedule as ds
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from . import megatron_cpu as mc
+    from ..megatron import cpu as mc
     from ..integrations import megatron_packing as ours
 
     mc.init_cpu_distributed(rank, world_size, tp=tp, pp=pp, cp=cp)
     if cp > 1 and importlib.util.find_spec("transformer_engine") is None:
         _stand_in_for_te_cp_index(ds)
-    torch.Tensor.cuda = mc._tensor_stays_on_cpu  # type: ignore[method-assign]
+    torch.Tensor.cuda = mc.tensor_stays_on_cpu  # type: ignore[method-assign]
     config = mc.tiny_gpt_config(calculate_per_token_loss=True)
     config.max_seqlen_per_dp_cp_rank = budget
     config.sequence_packing_scheduler = "dp_balanced"

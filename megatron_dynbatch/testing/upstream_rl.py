@@ -3,7 +3,7 @@ drop-in (:mod:`megatron_dynbatch.integrations.megatron_rl`).
 
 Runs against the ``megatron.rl`` importable here -- the tests put ``MEGATRON_LM_DIR`` first on ``PYTHONPATH``.
 CPU accommodations, all outside upstream's code: ``typing.override`` (Python 3.12) defined as the identity on
-3.11 (Megatron-LM's training modules only decorate with it), :mod:`.megatron_cpu`'s shims, ``Tensor.cuda``
+3.11 (Megatron-LM's training modules only decorate with it), the CPU shims (``megatron/cpu.py``), ``Tensor.cuda``
 keeping tensors on the CPU, ``device="cuda"`` factories in ``sequence_packing_utils`` mapped to the CPU, and the
 two globals ``pack_all_trajectories`` reads (a tokenizer with ``pad``/``eod``, Megatron's timers).
 """
@@ -36,15 +36,15 @@ def pack(rank: int, world_size: int, algo: str, steps_lengths: Sequence[Sequence
     """``steps_lengths[d]``: the trajectory lengths DP rank ``d`` generated. Returns this rank's packing."""
     if not hasattr(typing, "override"):
         typing.override = lambda f: f  # type: ignore[attr-defined]
-    from . import megatron_cpu as mc
+    from ..megatron import cpu as mc
 
     mc.init_cpu_distributed(rank, world_size)
-    torch.Tensor.cuda = mc._tensor_stays_on_cpu  # type: ignore[method-assign]
+    torch.Tensor.cuda = mc.tensor_stays_on_cpu  # type: ignore[method-assign]
     import megatron.rl.sequence_packing_utils as spu
     from megatron.core.timers import Timers
     from megatron.training import global_vars as gv
 
-    spu.torch = mc._CpuTorchProxy(torch)
+    spu.torch = mc.CpuTorchProxy(torch)
     gv._GLOBAL_TOKENIZER = types.SimpleNamespace(pad=PAD, eod=EOD)
     gv._GLOBAL_TIMERS = Timers(0, "minmax")
     if use_dropin:

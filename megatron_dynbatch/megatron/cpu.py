@@ -1,9 +1,10 @@
 """Run real megatron-core (0.15-0.19) and Megatron-LM's ``pretrain()`` on CPU with gloo: the shims,
 distributed init, and a tiny GPT.
 
-This is the ONE place where the project patches megatron-core / torch for CPU runs. It is test and demo
-support only; the library never imports it. :func:`install_cpu_shims` is idempotent and changes nothing on a
-machine where CUDA is available (there the real code paths are used).
+This is the ONE place where the project patches megatron-core / torch for CPU runs. The planner and the data path
+never import it; the tests, the demo, ``calibrate``'s megatron-core slice and the whole-model memory bench do, lazily
+and only on a CPU device. :func:`install_cpu_shims` is idempotent and changes nothing on a machine where CUDA is
+available (there the real code paths are used).
 
 Shims (each was found by running a ``GPTModel`` with the local layer spec through
 ``get_forward_backward_func()`` and Megatron DDP on CPU with DP=2, TP=2 and PP=2):
@@ -99,7 +100,7 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)  # an int means a CUDA ordinal
 
 
-class _CpuTorchProxy(types.ModuleType):
+class CpuTorchProxy(types.ModuleType):
     """Stands in for ``torch`` inside one megatron module: tensor factories given a CUDA device get the CPU.
 
     Random factories given a CUDA device draw from :data:`_CUDA_STANDIN_GENERATOR`, not from the CPU default
@@ -136,7 +137,7 @@ class _CpuTorchProxy(types.ModuleType):
         return value
 
 
-#: What random draws "on the CUDA device" use in a CPU-only process (:class:`_CpuTorchProxy`).
+#: What random draws "on the CUDA device" use in a CPU-only process (:class:`CpuTorchProxy`).
 _CUDA_STANDIN_GENERATOR = torch.Generator().manual_seed(0)
 
 
@@ -202,8 +203,8 @@ def install_cpu_shims() -> None:
     from megatron.core.distributed import param_and_grad_buffer
 
     for module in (schedules, param_and_grad_buffer):  # literal "cuda" tensors; 0.19+: CUDA streams in grad sync
-        if not isinstance(module.torch, _CpuTorchProxy):
-            module.torch = _CpuTorchProxy(torch)
+        if not isinstance(module.torch, CpuTorchProxy):
+            module.torch = CpuTorchProxy(torch)
 
     tutils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
@@ -236,8 +237,8 @@ def install_cpu_optimizer_shims() -> None:
         return
     for name in _OPTIMIZER_MODULES:
         module = importlib.import_module(name)
-        if not isinstance(module.torch, _CpuTorchProxy):
-            module.torch = _CpuTorchProxy(torch)
+        if not isinstance(module.torch, CpuTorchProxy):
+            module.torch = CpuTorchProxy(torch)
 
 
 # ------------------------------------------------------------------------------------------ distributed
@@ -257,7 +258,7 @@ def init_cpu_distributed(
 ) -> None:
     """Install the shims, start a gloo process group on ``addr``:``port`` (address default 127.0.0.1; pass
     ``os.environ["MASTER_ADDR"]`` under torchrun; port default: ``$MASTER_PORT``, as set by
-    :func:`~megatron_dynbatch.testing.multiproc.run_ranks` or torchrun, else 29500) and initialise Megatron's
+    :func:`~megatron_dynbatch.megatron.ranks.run_ranks` or torchrun, else 29500) and initialise Megatron's
     ``parallel_state`` (order tp-cp-ep-dp-pp, DP = world / (tp*pp*cp)) and its RNG tracker. Undo with
     :func:`destroy`."""
     install_cpu_shims()
@@ -533,8 +534,8 @@ def install_megatron_lm_cpu_shims() -> None:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        if hasattr(module, "torch") and not isinstance(module.torch, _CpuTorchProxy):
-            module.torch = _CpuTorchProxy(torch)
+        if hasattr(module, "torch") and not isinstance(module.torch, CpuTorchProxy):
+            module.torch = CpuTorchProxy(torch)
     import megatron.training.initialize as minit
     import megatron.training.training as mtrain
 
@@ -552,7 +553,7 @@ def install_megatron_lm_cpu_shims() -> None:
 
     fused_kernels.load = _no_fused_kernels
     torch.nn.Module.cuda = _module_stays_on_cpu  # type: ignore[method-assign]
-    torch.Tensor.cuda = _tensor_stays_on_cpu  # type: ignore[method-assign]
+    torch.Tensor.cuda = tensor_stays_on_cpu  # type: ignore[method-assign]
 
 
 #: The layer (or block) spec :func:`thd_gpt_builder` hands to Megatron-LM's ``gpt_builder`` through ``--spec``.
@@ -598,7 +599,7 @@ def _module_stays_on_cpu(self: Any, device: Any = None) -> Any:
     return self
 
 
-def _tensor_stays_on_cpu(self: Any, device: Any = None, non_blocking: bool = False, **k: Any) -> Any:
+def tensor_stays_on_cpu(self: Any, device: Any = None, non_blocking: bool = False, **k: Any) -> Any:
     return self
 
 
