@@ -36,7 +36,7 @@ tokens/s (real tokens / step time), padding fraction and micro-batches per rank.
 predicted step-time RATIO vs ``fixed_padded`` (its absolute seconds are for an H100 and mean nothing on a CPU;
 every plan is scored by the default model, plans made with the CPU calibration re-scored: ``default_model_step``),
 and the same ratio under a cost model FITTED to this run's measured THD micro-batch times
-(``cost_model.fit_cost_model``), which keeps the model's structure but uses CPU coefficients.
+(``cost_fit.fit_cost_model``), which keeps the model's structure but uses CPU coefficients.
 
 Run (2-core CPU: ~3-4 minutes with the defaults)::
 
@@ -357,7 +357,7 @@ def _cpu_fitted_ratios(per_rank: List[Dict[str, Any]], plans: Dict[str, Any], le
                        spec: Any) -> Dict[str, Any]:
     """Fit ``overhead + a*tokens + b*sum(L^2)`` to this run's measured THD micro-batch times (median over the
     timed steps) and re-score every plan with it: the cost model's structure with CPU coefficients."""
-    from megatron_dynbatch.core.cost_model import fit_cost_model
+    from megatron_dynbatch.core.cost_fit import fit_cost_model
     from megatron_dynbatch.core.planner import score_assignment
 
     toks, sqs, secs = [], [], []

@@ -18,11 +18,13 @@ import importlib
 from typing import Any
 
 from .core.alignment import Alignment
-from .core.cost_model import CostModel, fit_cost_model, fit_cp_comm, load_cost_model
+from .core.cost_model import CostModel
+from .core.cost_fit import fit_cost_model, fit_cp_comm
+from .core.cost_files import load_cost_model
 from .core.errors import (BudgetWarning, DropinAssertionError, DynBatchConfigError, OversizeAssertionError,
                           OversizeSampleError, OversizeSampleWarning, UnknownOptionError)
 from .core.flops import FlopsCoefficients, calculate_fwd_flops, flops_coefficients, per_gpu_flops
-from .core.memory import estimate_max_tokens_per_gpu
+from .core.memory import BudgetChoice, MemorySettings, choose_budget, estimate_max_tokens_per_gpu, peak_memory
 from .core.model_spec import ModelSpec
 from .core.parallel import ParallelConfig
 from .core.planner import (BalanceBy, DynamicCPPlan, Plan, PlanOptions, build_dynamic_cp_plan,
@@ -50,12 +52,14 @@ _LAZY = {
 __all__ = [
     "Alignment",
     "BalanceBy",
+    "BudgetChoice",
     "BudgetWarning",
     "CostModel",
     "DropinAssertionError",
     "DynBatchConfigError",
     "DynamicCPPlan",
     "FlopsCoefficients",
+    "MemorySettings",
     "ModelSpec",
     "OversizeAssertionError",
     "OversizeSampleError",
@@ -69,11 +73,13 @@ __all__ = [
     "build_dynamic_cp_plan",
     "calculate_fwd_flops",
     "check_max_seq_len_fits",
+    "choose_budget",
     "estimate_max_tokens_per_gpu",
     "fit_cost_model",
     "fit_cp_comm",
     "flops_coefficients",
     "load_cost_model",
+    "peak_memory",
     "per_gpu_flops",
     "local_microbatch_counts",
     "plan_global_batch",

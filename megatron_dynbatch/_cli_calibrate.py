@@ -197,7 +197,7 @@ def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace
                   f"{result.environment.get('device')} ({result.spec_note}; kernel {result.environment.get('kernel')})"
                   + ("; stopped by --max-seconds" if result.stopped_early else ""))
     from .core.calibration.compare import step_time_change
-    from .core.cost_model import save_cost_model
+    from .core.cost_files import save_cost_model
 
     change = step_time_change(lengths, old=args.base, new=cm, options=_plan_options(target, setup))
     save_cost_model(cm, args.output, report,

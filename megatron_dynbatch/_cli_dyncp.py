@@ -98,7 +98,7 @@ def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[s
     hybrid-CP scheduler, as the benchmark scores its dynamic-CP workloads."""
     from .bench.baselines import BASELINES, BaselineContext, run_baseline
     from .bench.hybrid_cp import BaselineInfeasible, plan_hybrid_cp
-    from .core.cost_model import resolve_cost_model
+    from .core.cost_files import resolve_cost_model
     from .core.planner.dyncp.assembly import score_with_cp_comm
 
     cm = resolve_cost_model(getattr(args, "cost_model", None), args.model, par)

@@ -288,7 +288,7 @@ def _compare(plan: Any, lengths: Sequence[int], args: argparse.Namespace, par: A
     """The comparison table, and the baselines' plans (for ``--plot``)."""
     from .bench.baselines import BASELINES, BaselineContext, run_baseline
     from .bench.table import aligned
-    from .core.cost_model import resolve_cost_model
+    from .core.cost_files import resolve_cost_model
 
     cm = resolve_cost_model(getattr(args, "cost_model", None), args.model, par)
     ctx = BaselineContext.build(par, args.max_tokens_per_gpu, args.model, args.fp8)

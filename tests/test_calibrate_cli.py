@@ -112,7 +112,8 @@ def calibrated(tmp_path_factory):
 @pytest.mark.slow
 def test_a_cpu_run_fits_reports_and_writes_the_file_every_reader_takes(calibrated, capsys):
     from megatron_dynbatch import plan_global_batch
-    from megatron_dynbatch.core.cost_model import CostModel, load_cost_model, resolve_cost_model
+    from megatron_dynbatch.core.cost_model import CostModel
+    from megatron_dynbatch.core.cost_files import load_cost_model, resolve_cost_model
     from megatron_dynbatch.core.run_config import RunConfig
 
     d, out = calibrated
@@ -243,7 +244,7 @@ def _fits_under_load(model, budget, seeds):
     0-20 ms (a time slice lost)."""
     import numpy as np
 
-    from megatron_dynbatch.core.calibration.budget import CPU_ESTIMATE
+    from megatron_dynbatch.core.calibration.timebox import CPU_ESTIMATE
     from megatron_dynbatch.core.calibration.setup import plan_calibration
     from megatron_dynbatch.core.cost_fit import fit_records, predict_records
     from megatron_dynbatch.core.errors import DynBatchConfigError

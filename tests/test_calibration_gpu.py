@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_calibrate_times_a_slice_on_the_gpu_and_writes_the_file(cuda_world1, tmp_path):
-    from megatron_dynbatch.core.cost_model import load_cost_model
+    from megatron_dynbatch.core.cost_files import load_cost_model
     from megatron_dynbatch.measure.calibrate import calibrate
 
     res = calibrate("qwen3-0.6b", parallel={"dp": 8}, max_tokens_per_gpu=4096, device="cuda", layers=1,

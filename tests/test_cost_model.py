@@ -139,7 +139,8 @@ def test_lower_bound_never_above_planned_time():
 
 
 def test_fit_recovers_coefficients_and_round_trips(tmp_path):
-    from megatron_dynbatch.core.cost_model import fit_cost_model, load_cost_model, save_cost_model
+    from megatron_dynbatch.core.cost_fit import fit_cost_model
+    from megatron_dynbatch.core.cost_files import load_cost_model, save_cost_model
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(256, 32768, size=60).astype(float)
@@ -157,7 +158,7 @@ def test_fit_recovers_coefficients_and_round_trips(tmp_path):
 
 
 def test_fit_keeps_coefficients_non_negative():
-    from megatron_dynbatch.core.cost_model import fit_cost_model
+    from megatron_dynbatch.core.cost_fit import fit_cost_model
 
     tokens = np.array([100.0, 200.0, 400.0, 800.0])
     model, _ = fit_cost_model(tokens, tokens ** 2, 1e-3 + 1e-6 * tokens)
@@ -170,7 +171,7 @@ def test_calibrated_model_reaches_the_planner_through_args(tmp_path):
     from megatron_dynbatch import plan_global_batch
     from megatron_dynbatch.megatron.args import (add_dynamic_batch_args, plan_options_from_args,
                                               validate_dynamic_batch_args)
-    from megatron_dynbatch.core.cost_model import load_cost_model, save_cost_model
+    from megatron_dynbatch.core.cost_files import load_cost_model, save_cost_model
 
     path = tmp_path / "cm.json"
     save_cost_model(CostModel(1e-7, 5e-11, overhead_s=1e-3), path)
@@ -190,7 +191,7 @@ def test_calibrated_model_reaches_the_planner_through_args(tmp_path):
 
 def test_bad_cost_model_file(tmp_path):
     from megatron_dynbatch import DynBatchConfigError
-    from megatron_dynbatch.core.cost_model import load_cost_model
+    from megatron_dynbatch.core.cost_files import load_cost_model
 
     bad = tmp_path / "bad.json"
     bad.write_text('{"linear_s_per_token": 1e-7}')

@@ -17,8 +17,9 @@ import pytest
 from megatron_dynbatch import plan_global_batch
 from megatron_dynbatch.cli import main
 from megatron_dynbatch.core.cost_fit import predict_records
-from megatron_dynbatch.core.cost_model import (CostModel, CostModelMismatchWarning, FitReport, fitted_for,
-                                               resolve_cost_model, save_cost_model)
+from megatron_dynbatch.core.cost_model import CostModel
+from megatron_dynbatch.core.cost_files import CostModelMismatchWarning, fitted_for, resolve_cost_model, save_cost_model
+from megatron_dynbatch.core.cost_fit import FitReport
 from megatron_dynbatch.core.cost_profiles import CostProfile
 from megatron_dynbatch.core.errors import DynBatchConfigError
 from megatron_dynbatch.core.parallel import ParallelConfig

@@ -11,7 +11,8 @@ import pytest
 
 from megatron_dynbatch import CostModel, DynBatchConfigError, ParallelConfig, plan_global_batch
 from megatron_dynbatch.core.cost_fit import fit_records, predict_records
-from megatron_dynbatch.core.cost_model import kv_bytes_per_token, load_cost_model, resolve_cost_model, save_cost_model
+from megatron_dynbatch.core.cost_model import kv_bytes_per_token
+from megatron_dynbatch.core.cost_files import load_cost_model, resolve_cost_model, save_cost_model
 from megatron_dynbatch.core.cost_profiles import ANALYTIC, FITTED, CostProfile, resolve_profile
 from megatron_dynbatch.core.topology import fixed_cp_spans_nodes, group_spans_nodes, spans_by_size
 

@@ -39,7 +39,8 @@ def test_pred_x_scores_every_plan_in_the_default_model(tmp_path):
     ``dynbatch-online`` started from it) is re-scored by the default (H100-fitted) model, as every other plan is.
     Before, ``dynbatch-online`` kept its CPU-model seconds: 35.370 against 0.500 for every other plan."""
     from megatron_dynbatch.core.calibration.compare import rescore
-    from megatron_dynbatch.core.cost_model import CostModel, save_cost_model
+    from megatron_dynbatch.core.cost_model import CostModel
+    from megatron_dynbatch.core.cost_files import save_cost_model
     from megatron_dynbatch.core.model_spec import ModelSpec
 
     mod = _load()

@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_dynbatch import plan_global_batch
-from megatron_dynbatch.core.cost_model import (CostModel, fit_cp_comm, kv_bytes_per_token, load_cost_model,
-                                               save_cost_model, simulate_1f1b)
+from megatron_dynbatch.core.cost_model import CostModel, kv_bytes_per_token, simulate_1f1b
+from megatron_dynbatch.core.cost_fit import fit_cp_comm
+from megatron_dynbatch.core.cost_files import load_cost_model, save_cost_model
 from megatron_dynbatch.core.errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from megatron_dynbatch.core.parallel import ParallelConfig
 from megatron_dynbatch.core.planner.dyncp import build_dynamic_cp_plan, score_with_cp_comm

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_dynbatch import DynBatchConfigError, ParallelConfig
-from megatron_dynbatch.core.cost_model import load_cost_model, resolve_cost_model
+from megatron_dynbatch.core.cost_files import load_cost_model, resolve_cost_model
 from megatron_dynbatch.core.memory import (
     GiB,
     MemoryProfile,

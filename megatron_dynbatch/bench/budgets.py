@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..core.cost_model import resolve_cost_model
+from ..core.cost_files import resolve_cost_model
 from ..core.errors import DynBatchConfigError, OversizeSampleError
 from ..core.memory import TRAINER_DEFAULTS, GiB, MemorySettings, choose_budget, peak_memory
 from .workloads import Workload

@@ -28,7 +28,8 @@ from .baselines import BASELINES, BaselineContext, run_baseline, structural_prob
 from .hybrid_cp import NAME as HYBRID_CP, plan_hybrid_cp
 from .partitioning import BaselineInfeasible
 from .speed import SpeedResult
-from ..core.cost_model import CostModel, resolve_cost_model
+from ..core.cost_model import CostModel
+from ..core.cost_files import resolve_cost_model
 from ..core.cost_profiles import DEFAULT_PROFILE
 from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError

@@ -1,4 +1,6 @@
-"""Fitting a cost profile to measured micro-batch timings: :func:`fit_records`.
+"""Fitting a cost profile to measured micro-batch timings: :func:`fit_records` (and the first, simpler fits:
+:func:`fit_cost_model` -- three per-micro-batch coefficients by least squares -- and :func:`fit_cp_comm` -- the CP
+exchange on top of a base model -- with their :class:`FitReport`).
 
 A record is one measured micro-batch share: ``[group_size, lengths, seconds]`` -- the time ONE GPU of a CP group
 of ``group_size`` GPUs spent, forward + backward, on its zig-zag share of a packed micro-batch of sequences of
@@ -31,17 +33,122 @@ transfers to any model and layout as a :class:`~.cost_profiles.CostProfile` (``F
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .checks import as_bool, as_int
-from .cost_model import CostModel, FitReport, nnls_relative
+from .cost_model import CostModel
 from .cost_profiles import CostProfile, resolve_profile
 from .errors import DynBatchConfigError
 from .flops import FWD_BWD_FACTOR, flops_breakdown
 from .model_spec import ModelSpec
 from .parallel import ParallelConfig
+
+# ------------------------------------------------------- the fit report, and the first fits (no floor, no profile)
+@dataclass(frozen=True)
+class FitReport:
+    """How well a fitted ``CostModel`` reproduces the measurements it was fitted on. :func:`.cost_fit.fit_records`
+    also fills ``per_group`` (group size -> ``n``, ``mean_rel_error`` (bias), ``mean_abs_rel_error``,
+    ``p95_abs_rel_error``), ``uncertainty`` (the mean over group sizes of ``mean_abs_rel_error``) and
+    ``profile`` (the fitted :class:`~.cost_profiles.CostProfile` as a dict, which transfers to other layouts);
+    ``megatron-dynbatch calibrate`` adds ``fitted_for`` (:func:`fitted_for`: the model and device timed), which
+    :func:`resolve_cost_model` checks against the model a file is used for."""
+
+    num_measurements: int
+    rel_rms_error: float
+    max_rel_error: float
+    per_group: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    uncertainty: Optional[float] = None
+    profile: Optional[Dict[str, Any]] = None
+    fitted_for: Optional[Dict[str, Any]] = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["per_group"] = {str(k): v for k, v in self.per_group.items()}
+        return {k: v for k, v in d.items() if v not in (None, {})}
+
+
+def fit_cost_model(padded_tokens: Sequence[float], sq_tokens: Sequence[float], seconds: Sequence[float],
+                   parallel: Optional[ParallelConfig] = None) -> "tuple[CostModel, FitReport]":
+    """Fit ``seconds ~ overhead + a * padded_tokens + b * sq_tokens`` to measured micro-batch times.
+
+    Each row is one measured micro-batch on one GPU (forward + backward): its padded token count, the sum of
+    its sequences' squared real lengths, and its time. The fit minimises *relative* squared error (small
+    micro-batches matter as much as large ones) with every coefficient kept >= 0 (an exact non-negative least
+    squares over the 8 active sets of three unknowns). Returns the model and its fit error on these rows.
+    """
+    x = np.column_stack([np.ones(len(seconds)), np.asarray(padded_tokens, float), np.asarray(sq_tokens, float)])
+    y = np.asarray(seconds, dtype=np.float64)
+    if y.ndim != 1 or x.shape[0] != y.size or y.size < 3:
+        raise DynBatchConfigError("measurements", int(y.size), "need at least 3 micro-batch timings of equal length",
+                                  "measure micro-batches of several sizes and lengths")
+    if (y <= 0).any() or not np.isfinite(x).all() or not np.isfinite(y).all():
+        raise DynBatchConfigError("measurements.seconds", "non-positive or non-finite value",
+                                  "every timing must be a positive, finite number of seconds",
+                                  "drop failed or warm-up measurements")
+    c, a, b = nnls_relative(x, y, y)
+    p = parallel or ParallelConfig()
+    model = CostModel(float(a), float(b), float(c), pp=p.pp, vpp=p.vpp, ep_group=max(1, p.ep), cp=p.cp)
+    rel = (x @ np.array([c, a, b]) - y) / y
+    return model, FitReport(int(y.size), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))))
+
+
+def nnls_relative(x: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Non-negative least squares of ``x @ coef ~ y`` with each row weighted by ``1 / scale`` (relative error),
+    exact over every active set of the (few) columns."""
+    w = 1.0 / scale
+    xw, yw = x * w[:, None], y * w
+    k = x.shape[1]
+    best = (float(np.sum(yw ** 2)), np.zeros(k))  # all coefficients 0
+    for mask in range(1, 2 ** k):
+        cols = [c for c in range(k) if mask >> c & 1]
+        coef, *_ = np.linalg.lstsq(xw[:, cols], yw, rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(k)
+        full[cols] = coef
+        err = float(np.sum((xw @ full - yw) ** 2))
+        if err < best[0]:
+            best = (err, full)
+    return best[1]
+
+
+def fit_cp_comm(base: CostModel, group_sizes: Sequence[int], padded_tokens: Sequence[float],
+                sq_tokens: Sequence[float], seconds: Sequence[float]) -> "tuple[CostModel, FitReport]":
+    """Calibrate the CP communication term of ``base`` from measured micro-batch times on CP groups.
+
+    Each row is one micro-batch run on a group of ``group_sizes[k]`` GPUs (any mix of sizes; rows with
+    ``g == 1`` anchor the compute part): its full packed token count, sum of squared real lengths and the
+    time one GPU of the group spent on it (forward + backward). ``base`` supplies the compute part (fit it first
+    with :func:`fit_cost_model` on ``g == cp`` rows, or use ``from_model``); the residual
+    ``seconds - (overhead + work * cp / g)`` is fitted, relative error, non-negative coefficients, to
+    ``(g - 1) * per_step + (g - 1) / g * tokens * per_token - overlap * attention_time(g)`` -- the exposed
+    communication without its ``max(0, .)``, so measure groups where the exchange shows (short sequences on
+    large groups) as well as long ones. The overlap is clipped to [0, 1]. Returns the model and the fit error
+    of the whole formula on these rows.
+    """
+    g = np.asarray(group_sizes, dtype=np.float64)
+    t = np.asarray(padded_tokens, dtype=np.float64)
+    q = np.asarray(sq_tokens, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if not (g.shape == t.shape == q.shape == y.shape) or y.ndim != 1 or y.size < 3:
+        raise DynBatchConfigError("measurements", int(y.size), "need at least 3 micro-batch timings, with a group "
+                                  "size, token count and squared-length sum each", "measure several group sizes")
+    if (g < 1).any() or (y <= 0).any() or not (np.isfinite(t).all() and np.isfinite(q).all() and np.isfinite(y).all()):
+        raise DynBatchConfigError("measurements", "bad row", "group sizes must be >= 1 and timings positive and "
+                                  "finite", "drop failed or warm-up measurements")
+    if not isinstance(base, CostModel):
+        raise DynBatchConfigError("base", type(base).__name__, "must be a CostModel", "fit_cost_model(...) first")
+    compute = base.with_cp_comm(0.0, 0.0, 0.0).group_microbatch_time(g, t, q)
+    att = base.attention_s_per_sq_token * q * base.cp / g
+    x = np.column_stack([g - 1.0, (g - 1.0) / g * t, np.where(g > 1, -att, 0.0)])  # one GPU: no exchange
+    step, per_token, overlap = nnls_relative(x, y - compute, y)
+    model = base.with_cp_comm(per_token, step, min(1.0, overlap))
+    rel = (model.group_microbatch_time(g, t, q) - y) / y
+    return model, FitReport(int(y.size), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))))
+
 
 #: at most this many alternations between the floor/compute assignment and the two least-squares solves
 MAX_ROUNDS = 100

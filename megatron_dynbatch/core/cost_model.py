@@ -47,14 +47,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .checks import as_float, read_json
-from .cost_profiles import PROFILES, CostProfile, is_cost_model_choice, resolve_profile
+from .checks import as_float
+from .cost_profiles import CostProfile, resolve_profile
 from .errors import DynBatchConfigError
 from .parallel import ParallelConfig
 from .pipeline_sim import simulate_1f1b, simulate_1f1b_batch
@@ -77,6 +76,17 @@ def kv_bytes_per_token(model) -> float:
     else:
         per_layer = 2 * m.num_query_groups * m.kv_channels
     return float(per_layer * m.num_layers * KV_BYTES_PER_ELEMENT)
+
+
+#: optional keys of a cost-model file: the CP communication term (dynamic CP) ...
+CP_COMM_KEYS = ("cp_comm_s_per_token", "cp_comm_s_per_step", "cp_comm_overlap")
+#: ... its inter-node numbers ...
+INTER_NODE_KEYS = ("cp_comm_inter_s_per_token", "cp_comm_inter_s_per_step")
+#: ... and the floor, the CP-member terms and the model's uncertainty
+EXTRA_KEYS = ("min_microbatch_s", "cp_min_microbatch_s", "cp_linear_overhead", "cp_chunk_tokens", "uncertainty")
+#: every number a cost-model file may hold
+FILE_KEYS = ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s") + CP_COMM_KEYS + INTER_NODE_KEYS + \
+    EXTRA_KEYS
 
 
 @dataclass(frozen=True)
@@ -418,305 +428,3 @@ def _with_overrides(profile: CostProfile, overrides: Dict[str, Any]) -> CostProf
         kw.setdefault("intra_node_latency_s", lat)
         kw.setdefault("inter_node_latency_s", lat)
     return profile.replace(**kw)
-
-
-def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, field: str = "cost_model") -> "CostModel":
-    """The cost model a planner call uses: a :class:`CostModel` (placed on ``parallel``), a profile name
-    (:data:`~.cost_profiles.PROFILES`: ``"fitted"``, ``"analytic"``) or a cost-model JSON file -- its
-    ``"profile"`` section applied to ``model`` when both are there (it transfers to this layout), else its
-    coefficients; ``None``: the default profile, or 1 us per token without a model."""
-    if isinstance(choice, CostModel):
-        return choice.with_layout(parallel)
-    if choice is None:
-        return CostModel.from_model(model, parallel) if model is not None else CostModel.tokens_only(parallel)
-    if not isinstance(choice, (str, os.PathLike)):
-        raise DynBatchConfigError(field, type(choice).__name__, "must be a CostModel, a profile name or a file path",
-                                  f"use one of {sorted(PROFILES)}, a cost-model JSON file, "
-                                  "or CostModel.from_model(...)")
-    key = str(choice)
-    if key in PROFILES:
-        if model is None:
-            raise DynBatchConfigError(field, key, "a cost profile needs the model's shape",
-                                      "pass model=... (a preset name, dict or ModelSpec), or a coefficient file")
-        return CostModel.from_model(model, parallel, profile=key)
-    # a file is parsed once: its "profile" section applies to the model when both are there, else its coefficients
-    data = unreadable = None
-    if model is not None or os.path.isfile(key):
-        try:
-            data = _read_json(key)
-        except (OSError, ValueError) as exc:
-            unreadable = exc
-    if model is not None and isinstance(data, dict) and "profile" in data:
-        from .model_spec import ModelSpec
-
-        spec = ModelSpec.from_any(model)  # the model is checked before the profile, as from_model(profile=key) does
-        profile = CostProfile.from_dict(data["profile"], where=f"{key}: profile")
-        check_fitted_for(data, spec, key, field=field, transfers=True)
-        return CostModel.from_model(spec, parallel, profile=profile)
-    if not is_cost_model_choice(key):  # not a profile name here, so: not a file
-        raise DynBatchConfigError(field, key, "is neither a cost profile nor a file",
-                                  f"use one of {sorted(PROFILES)} or the path of a cost-model JSON file")
-    if unreadable is not None:
-        raise _unreadable_cost_file(key, unreadable) from None
-    cm = _cost_model_from_file_data(key, data)
-    if model is not None:
-        check_fitted_for(data, model, key, field=field, transfers=False)
-    return cm.with_layout(parallel)
-
-
-class CostModelMismatchWarning(UserWarning):
-    """A cost-model file is used for a model other than the one it was fitted for (:func:`check_fitted_for`)."""
-
-
-#: the model fields that set the shapes of a layer's kernels: what a calibration measured, and what a file's
-#: ``fitted_for`` is compared on (layer count and vocabulary do not change a per-layer profile)
-WIDTH_FIELDS = ("hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size", "swiglu",
-                "num_experts", "moe_ffn_hidden_size", "multi_latent_attention")
-
-
-def fitted_for(model: Any, *, device: str, device_type: str, dtype: str, tp: int) -> Dict[str, Any]:
-    """What a calibrated cost-model file records it was fitted on (its ``"fit": {"fitted_for": ...}``): the model
-    timed (name and :data:`WIDTH_FIELDS`), its tensor-parallel widths, the device (its name and ``"cpu"`` /
-    ``"cuda"``) and the dtype."""
-    from .model_spec import ModelSpec
-
-    spec = ModelSpec.from_any(model)
-    return {"model": spec.name or "custom", "widths": {k: getattr(spec, k) for k in WIDTH_FIELDS}, "tp": int(tp),
-            "device": str(device), "device_type": str(device_type), "dtype": str(dtype)}
-
-
-def _describe_widths(name: str, w: Mapping[str, Any]) -> str:
-    moe = f", {w['num_experts']} experts" if w.get("num_experts") else ""
-    return (f"{name} (hidden {w.get('hidden_size')}, {w.get('num_attention_heads')} heads, FFN "
-            f"{w.get('ffn_hidden_size')}{moe})")
-
-
-def check_fitted_for(data: Any, model: Any, path: Any, *, field: str = "cost_model", transfers: bool) -> None:
-    """Check a cost-model file's ``fitted_for`` record (:func:`fitted_for`) against the ``model`` it is about to
-    be used for. Same widths, or no record (a hand-written or older file): nothing. Other widths: when the file's
-    ``"profile"`` is applied (``transfers``) a :class:`CostModelMismatchWarning` naming what it was fitted for
-    and on which device -- a profile transfers by design (``bench --cost-model`` applies one to every
-    workload's model), but the efficiencies of one model's kernels on one device are only a guess for other
-    widths, and a CPU-fitted one predicts CPU speed; when only its coefficients would be used (no profile: they
-    are per-token seconds of the model it was fitted for, nothing of them transfers) a ``DynBatchConfigError``.
-    ``docs/cost_model.md`` ("A file fitted for another model") says the same."""
-    import warnings
-
-    from .model_spec import ModelSpec
-
-    fit = data.get("fit") if isinstance(data, Mapping) else None
-    record = fit.get("fitted_for") if isinstance(fit, Mapping) else None
-    if not isinstance(record, Mapping) or not isinstance(record.get("widths"), Mapping):
-        return
-    spec = ModelSpec.from_any(model)
-    mine = {k: getattr(spec, k) for k in WIDTH_FIELDS}
-    theirs = dict(record["widths"])
-    if all(theirs.get(k) == v for k, v in mine.items()):
-        return
-    was = _describe_widths(str(record.get("model", "custom")), theirs)
-    now = _describe_widths(spec.name or "this model", mine)
-    device = str(record.get("device", "an unrecorded device"))
-    fix = (f"calibrate {spec.name or 'this model'} on the device you train on (megatron-dynbatch calibrate --model "
-           f"{spec.name or 'FILE'} ...), or plan {record.get('model', 'the model it was fitted for')} with it")
-    if not transfers:
-        raise DynBatchConfigError(field, str(path), f"holds the per-token seconds of {was}, timed on {device}; "
-                                  f"they do not apply to {now} (the file has no 'profile' section to transfer)", fix)
-    guess = ("it predicts the speed of a CPU" if record.get("device_type") == "cpu"
-             else "its step times are only a guess for other widths")
-    warnings.warn(f"{field}={str(path)!r} was fitted for {was} on {device}, not for {now}: {guess}. "
-                  f"Fix: {fix}", CostModelMismatchWarning, stacklevel=3)
-
-
-def _read_json(path) -> Any:
-    """The JSON value in ``path`` (``OSError`` / ``ValueError`` when it cannot be read as JSON)."""
-    import json
-
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
-
-
-# ---------------------------------------------------------------------------------------------- calibration
-@dataclass(frozen=True)
-class FitReport:
-    """How well a fitted ``CostModel`` reproduces the measurements it was fitted on. :func:`.cost_fit.fit_records`
-    also fills ``per_group`` (group size -> ``n``, ``mean_rel_error`` (bias), ``mean_abs_rel_error``,
-    ``p95_abs_rel_error``), ``uncertainty`` (the mean over group sizes of ``mean_abs_rel_error``) and
-    ``profile`` (the fitted :class:`~.cost_profiles.CostProfile` as a dict, which transfers to other layouts);
-    ``megatron-dynbatch calibrate`` adds ``fitted_for`` (:func:`fitted_for`: the model and device timed), which
-    :func:`resolve_cost_model` checks against the model a file is used for."""
-
-    num_measurements: int
-    rel_rms_error: float
-    max_rel_error: float
-    per_group: Dict[int, Dict[str, float]] = field(default_factory=dict)
-    uncertainty: Optional[float] = None
-    profile: Optional[Dict[str, Any]] = None
-    fitted_for: Optional[Dict[str, Any]] = None
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["per_group"] = {str(k): v for k, v in self.per_group.items()}
-        return {k: v for k, v in d.items() if v not in (None, {})}
-
-
-def fit_cost_model(padded_tokens: Sequence[float], sq_tokens: Sequence[float], seconds: Sequence[float],
-                   parallel: Optional[ParallelConfig] = None) -> "tuple[CostModel, FitReport]":
-    """Fit ``seconds ~ overhead + a * padded_tokens + b * sq_tokens`` to measured micro-batch times.
-
-    Each row is one measured micro-batch on one GPU (forward + backward): its padded token count, the sum of
-    its sequences' squared real lengths, and its time. The fit minimises *relative* squared error (small
-    micro-batches matter as much as large ones) with every coefficient kept >= 0 (an exact non-negative least
-    squares over the 8 active sets of three unknowns). Returns the model and its fit error on these rows.
-    """
-    x = np.column_stack([np.ones(len(seconds)), np.asarray(padded_tokens, float), np.asarray(sq_tokens, float)])
-    y = np.asarray(seconds, dtype=np.float64)
-    if y.ndim != 1 or x.shape[0] != y.size or y.size < 3:
-        raise DynBatchConfigError("measurements", int(y.size), "need at least 3 micro-batch timings of equal length",
-                                  "measure micro-batches of several sizes and lengths")
-    if (y <= 0).any() or not np.isfinite(x).all() or not np.isfinite(y).all():
-        raise DynBatchConfigError("measurements.seconds", "non-positive or non-finite value",
-                                  "every timing must be a positive, finite number of seconds",
-                                  "drop failed or warm-up measurements")
-    c, a, b = nnls_relative(x, y, y)
-    p = parallel or ParallelConfig()
-    model = CostModel(float(a), float(b), float(c), pp=p.pp, vpp=p.vpp, ep_group=max(1, p.ep), cp=p.cp)
-    rel = (x @ np.array([c, a, b]) - y) / y
-    return model, FitReport(int(y.size), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))))
-
-
-def nnls_relative(x: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """Non-negative least squares of ``x @ coef ~ y`` with each row weighted by ``1 / scale`` (relative error),
-    exact over every active set of the (few) columns."""
-    w = 1.0 / scale
-    xw, yw = x * w[:, None], y * w
-    k = x.shape[1]
-    best = (float(np.sum(yw ** 2)), np.zeros(k))  # all coefficients 0
-    for mask in range(1, 2 ** k):
-        cols = [c for c in range(k) if mask >> c & 1]
-        coef, *_ = np.linalg.lstsq(xw[:, cols], yw, rcond=None)
-        if (coef < 0).any():
-            continue
-        full = np.zeros(k)
-        full[cols] = coef
-        err = float(np.sum((xw @ full - yw) ** 2))
-        if err < best[0]:
-            best = (err, full)
-    return best[1]
-
-
-def fit_cp_comm(base: CostModel, group_sizes: Sequence[int], padded_tokens: Sequence[float],
-                sq_tokens: Sequence[float], seconds: Sequence[float]) -> "tuple[CostModel, FitReport]":
-    """Calibrate the CP communication term of ``base`` from measured micro-batch times on CP groups.
-
-    Each row is one micro-batch run on a group of ``group_sizes[k]`` GPUs (any mix of sizes; rows with
-    ``g == 1`` anchor the compute part): its full packed token count, sum of squared real lengths and the
-    time one GPU of the group spent on it (forward + backward). ``base`` supplies the compute part (fit it first
-    with :func:`fit_cost_model` on ``g == cp`` rows, or use ``from_model``); the residual
-    ``seconds - (overhead + work * cp / g)`` is fitted, relative error, non-negative coefficients, to
-    ``(g - 1) * per_step + (g - 1) / g * tokens * per_token - overlap * attention_time(g)`` -- the exposed
-    communication without its ``max(0, .)``, so measure groups where the exchange shows (short sequences on
-    large groups) as well as long ones. The overlap is clipped to [0, 1]. Returns the model and the fit error
-    of the whole formula on these rows.
-    """
-    g = np.asarray(group_sizes, dtype=np.float64)
-    t = np.asarray(padded_tokens, dtype=np.float64)
-    q = np.asarray(sq_tokens, dtype=np.float64)
-    y = np.asarray(seconds, dtype=np.float64)
-    if not (g.shape == t.shape == q.shape == y.shape) or y.ndim != 1 or y.size < 3:
-        raise DynBatchConfigError("measurements", int(y.size), "need at least 3 micro-batch timings, with a group "
-                                  "size, token count and squared-length sum each", "measure several group sizes")
-    if (g < 1).any() or (y <= 0).any() or not (np.isfinite(t).all() and np.isfinite(q).all() and np.isfinite(y).all()):
-        raise DynBatchConfigError("measurements", "bad row", "group sizes must be >= 1 and timings positive and "
-                                  "finite", "drop failed or warm-up measurements")
-    if not isinstance(base, CostModel):
-        raise DynBatchConfigError("base", type(base).__name__, "must be a CostModel", "fit_cost_model(...) first")
-    compute = base.with_cp_comm(0.0, 0.0, 0.0).group_microbatch_time(g, t, q)
-    att = base.attention_s_per_sq_token * q * base.cp / g
-    x = np.column_stack([g - 1.0, (g - 1.0) / g * t, np.where(g > 1, -att, 0.0)])  # one GPU: no exchange
-    step, per_token, overlap = nnls_relative(x, y - compute, y)
-    model = base.with_cp_comm(per_token, step, min(1.0, overlap))
-    rel = (model.group_microbatch_time(g, t, q) - y) / y
-    return model, FitReport(int(y.size), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))))
-
-
-def save_cost_model(model: CostModel, path, report: Optional[FitReport] = None,
-                    profile: Optional[CostProfile] = None, memory: Optional[Dict[str, Any]] = None) -> None:
-    """Write the per-micro-batch coefficients as JSON (the layout is not stored), with the fit report and the
-    transferable profile when given (``profile``, else the report's): ``CostModel.from_model(model, parallel,
-    profile=path)`` rebuilds the model for another model or layout from that section. ``memory``: a fitted
-    memory profile (``MemoryProfile.to_dict()``, :mod:`.memory`), read back by ``load_memory_profile(path)``."""
-    import json
-
-    d = {k: v for k, v in model.to_dict().items() if k in FILE_KEYS and v is not None}
-    prof = profile.to_dict() if profile is not None else (report.profile if report is not None else None)
-    if prof is not None:
-        d["profile"] = prof
-    if report is not None:
-        d["fit"] = report.to_dict()
-    if memory is not None:
-        d["memory"] = dict(memory)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(d, fh, indent=2)
-
-
-def load_cost_model(path) -> CostModel:
-    """Read a cost-model JSON file written by :func:`save_cost_model` (or by hand). Required: the three
-    per-micro-batch numbers; optional: :data:`FILE_KEYS` (older files without them load with the old meaning:
-    no floor, no CP-member terms, one network), ``"fit"``, ``"profile"``, ``"memory"`` (checked here, read by
-    ``core.memory.load_memory_profile``) and keys starting with ``_``."""
-    d = read_json(path, field="--dynbatch-cost-model",
-                  fix="pass a file written by save_cost_model / the calibration script")
-    return _cost_model_from_file_data(path, d)
-
-
-def _unreadable_cost_file(path, exc: Exception) -> DynBatchConfigError:
-    return DynBatchConfigError("--dynbatch-cost-model", str(path), f"cannot be read as JSON ({exc})",
-                               "pass a file written by save_cost_model / the calibration script")
-
-
-def _cost_model_from_file_data(path, d: Any) -> CostModel:
-    """:func:`load_cost_model` of the JSON value ``d`` already read from ``path``."""
-    flag = "--dynbatch-cost-model"
-    if not isinstance(d, dict):
-        raise DynBatchConfigError(flag, str(path), "is not a JSON object", "write an object of cost-model keys")
-    keys = ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s")
-    missing = [k for k in keys if k not in d]
-    if missing:
-        raise DynBatchConfigError(flag, str(path), f"is missing {missing}",
-                                  f"write the keys {list(keys)} "
-                                  "(seconds per token, per squared token, per micro-batch)")
-    sections = ("fit", "profile", "memory")
-    unknown = sorted(k for k in d if k not in FILE_KEYS + sections and not str(k).startswith("_"))
-    if unknown:
-        raise DynBatchConfigError(flag, str(path), f"has unknown key {unknown[0]!r}",
-                                  f"use only {list(FILE_KEYS)} (plus \"fit\", \"profile\", \"memory\", or keys "
-                                  "starting with _)")
-    values = {}
-    for k in FILE_KEYS:
-        if d.get(k) is None:
-            continue
-        v = d[k]
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise DynBatchConfigError(flag, str(path), f"{k} is {v!r}", f"write a number for {k}")
-        values[k] = float(v)
-    if d.get("profile") is not None:
-        CostProfile.from_dict(d["profile"], where=f"{path}: profile")  # refused now, not at first use
-    if d.get("memory") is not None:
-        from .memory.profile import MemoryProfile
-
-        MemoryProfile.from_dict(d["memory"], where=f"{path}: memory")  # likewise
-    try:
-        return CostModel(**values)
-    except DynBatchConfigError as exc:
-        raise DynBatchConfigError(flag, str(path), f"{exc.field} is {exc.value!r}: {exc.problem}", exc.fix) from None
-
-
-#: optional keys of a cost-model file: the CP communication term (dynamic CP) ...
-CP_COMM_KEYS = ("cp_comm_s_per_token", "cp_comm_s_per_step", "cp_comm_overlap")
-#: ... its inter-node numbers ...
-INTER_NODE_KEYS = ("cp_comm_inter_s_per_token", "cp_comm_inter_s_per_step")
-#: ... and the floor, the CP-member terms and the model's uncertainty
-EXTRA_KEYS = ("min_microbatch_s", "cp_min_microbatch_s", "cp_linear_overhead", "cp_chunk_tokens", "uncertainty")
-#: every number a cost-model file may hold
-FILE_KEYS = ("linear_s_per_token", "attention_s_per_sq_token", "overhead_s") + CP_COMM_KEYS + INTER_NODE_KEYS + \
-    EXTRA_KEYS

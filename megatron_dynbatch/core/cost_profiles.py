@@ -25,7 +25,7 @@ Two profiles are built in (:data:`PROFILES`): ``"fitted"`` (the default; fitted 
 2026-11-25, ``../shared/gpu`` -> ``benchmarks/gpu/results``, by :func:`.cost_fit.fit_records`; reproduce with
 ``python benchmarks/gpu/fit_profile.py``) and ``"analytic"`` (the assumptions this project used before any
 measurement: 55% / 35% of peak, 2 ms per micro-batch, one network). A profile may also come from a JSON file
-(the ``"profile"`` section :func:`.cost_model.save_cost_model` writes). Pure Python; no torch.
+(the ``"profile"`` section :func:`.cost_files.save_cost_model` writes). Pure Python; no torch.
 """
 
 from __future__ import annotations

@@ -29,12 +29,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..core.calibration.budget import STARTUP_S, point_seconds, projected_finish
+from ..core.calibration.timebox import STARTUP_S, point_seconds, projected_finish
 from ..core.calibration.grid import MIN_POINTS
 from ..core.calibration.setup import CalibrationSetup, plan_calibration
 from ..core.checks import read_json
 from ..core.cost_fit import fit_records
-from ..core.cost_model import CostModel, FitReport, fitted_for, save_cost_model
+from ..core.cost_model import CostModel
+from ..core.cost_fit import FitReport
+from ..core.cost_files import fitted_for, save_cost_model
 from ..core.errors import DynBatchConfigError
 from ..core.memory.fit import MemoryFit, fit_memory_records
 from .layout import SliceLayout
@@ -63,7 +65,7 @@ class CalibrationResult:
     memory_note: str = ""
 
     def save(self, path: str) -> None:
-        """The cost-model file (:func:`~megatron_dynbatch.core.cost_model.save_cost_model`: coefficients, fit
+        """The cost-model file (:func:`~megatron_dynbatch.core.cost_files.save_cost_model`: coefficients, fit
         report, transferable profile, and the memory section when memory was measured)."""
         save_cost_model(self.cost_model, path, self.report,
                         memory=self.memory_fit.profile.to_dict() if self.memory_fit is not None else None)
@@ -180,7 +182,7 @@ def fit_setup(setup: CalibrationSetup, records: List[Record], *, slice_model: An
 
 def _with_fitted_for(report: FitReport, setup: CalibrationSetup, measured: Any, device: str,
                      timed_on: Any = None) -> FitReport:
-    """``report`` with what it was fitted on (:func:`~megatron_dynbatch.core.cost_model.fitted_for`; ``timed_on``:
+    """``report`` with what it was fitted on (:func:`~megatron_dynbatch.core.cost_files.fitted_for`; ``timed_on``:
     the torch device of the timings, default ``setup``'s): the file records it, and using the file for another
     model warns or is refused (docs/cost_model.md)."""
     kind = "cpu" if str(setup.device if timed_on is None else timed_on) == "cpu" else "cuda"

@@ -4,7 +4,7 @@ Torch-free halves of the two calibrations; the timing lives in :mod:`megatron_dy
 :mod:`megatron_dynbatch.megatron` (online, during training):
 
 * :mod:`.grid` -- the micro-batch shares ``megatron-dynbatch calibrate`` times, ordered for a run cut short;
-* :mod:`.budget` -- the time that grid takes, and the grid cut to ``--max-seconds``;
+* :mod:`.timebox` -- the time that grid takes, and the grid cut to ``--max-seconds``;
 * :mod:`.setup` -- one validated calibration run (what ``calibrate --dry-run`` prints);
 * :mod:`.compare` -- what a new model changes: a batch's predicted step time, same plan and re-planned;
 * :mod:`.report` -- the fit error per group size and the fitted profile in words;

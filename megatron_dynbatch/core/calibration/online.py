@@ -49,7 +49,8 @@ import numpy as np
 
 from ..checks import as_int
 from ..cost_fit import fit_profile, fit_report, point_features, predict_features, record_features_padded
-from ..cost_model import CostModel, resolve_cost_model
+from ..cost_model import CostModel
+from ..cost_files import resolve_cost_model
 from ..cost_profiles import CostProfile, resolve_profile
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig

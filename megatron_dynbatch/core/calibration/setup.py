@@ -4,7 +4,7 @@ Shared by ``megatron-dynbatch calibrate`` (its ``--dry-run`` prints exactly this
 :func:`megatron_dynbatch.measure.calibrate.calibrate`: the model and the layout to plan for, the slice to time
 (``layers`` decoder layers at the per-TP-rank widths of ``tp``; the layer spec -- Transformer Engine or this
 package's local THD spec -- is resolved where the slice is built), the grid (:mod:`.grid`) cut to the time limit
-(:mod:`.budget`) and its estimate. Every bad value raises ``DynBatchConfigError`` naming the command-line flag, the
+(:mod:`.timebox`) and its estimate. Every bad value raises ``DynBatchConfigError`` naming the command-line flag, the
 value and the fix. Pure Python + NumPy: a dry run imports neither torch nor megatron-core.
 """
 
@@ -19,7 +19,7 @@ from ..cost_profiles import resolve_profile
 from ..memory.fit import memory_grid
 from ..model_spec import ModelSpec
 from ..parallel import ParallelConfig
-from .budget import fit_to_budget, point_seconds
+from .timebox import fit_to_seconds, point_seconds
 from .grid import GridPoint, build_grid, layout_group_sizes
 
 DEVICES = ("cuda", "cpu")
@@ -155,7 +155,7 @@ def plan_calibration(model: Any, *, parallel: Any = None, max_tokens_per_gpu: An
                                   "te (the CP-member terms then keep the base profile's values), or --spec local")
     est = point_seconds(grid, spec_m, measured_layers=n_layers, tp=par.tp, lm_head=head, device=dev, base=base,
                         warmup=n_warm, repeats=n_rep)
-    keep, total = fit_to_budget(grid, est, max_seconds)
+    keep, total = fit_to_seconds(grid, est, max_seconds)
     mem = dev != "cpu" if memory == "auto" else as_bool(memory, "--memory")
     if mem and dev == "cpu":
         raise DynBatchConfigError("--memory", True, "peak memory is read from the CUDA allocator, which a CPU has not",

@@ -1,7 +1,8 @@
 """GPU memory: each GPU's predicted peak for the real layout, and the token budget that fits the card.
 
-One model, used by everything that needs a memory number (``megatron-dynbatch budget``, ``bench --budgets``,
-``benchmarks/gpu/memory.py``, the legacy ``estimate_*`` front -- and, next, ``max_tokens_per_gpu="auto"``)::
+One model, used by everything that needs a memory number (``max_tokens_per_gpu="auto"``, ``megatron-dynbatch
+budget``, the drop-ins' start-up check, the online memory guard, ``bench --budgets``, ``benchmarks/gpu/memory.py``
+and the legacy ``estimate_*`` front)::
 
     from megatron_dynbatch.core.memory import MemorySettings, choose_budget, peak_memory
 
@@ -24,6 +25,10 @@ Modules, one job each:
 * :mod:`.fit` -- fitting a profile to measured peaks of model slices (torch-free; the measuring is in
   :mod:`megatron_dynbatch.measure.memory`);
 * :mod:`.trainers` -- the budget in each trainer's own settings (Megatron-LM / slime, verl, ROLL, NeMo-RL);
+* :mod:`.check` -- :func:`check_configured_budget` -> :class:`BudgetVerdict`: a trainer's configured budget judged
+  against the card (the drop-ins' start-up check: out of memory ahead, or speed left behind);
+* :mod:`.guard` -- :class:`MemoryGuard`: the online guard's state, measured step peaks in (merged over ranks), the
+  refitted slope and the next step's budget out (the measuring is in :mod:`megatron_dynbatch.megatron.memory_guard`);
 * :mod:`.megatron_flags` -- the settings a Megatron-LM launch implies (its argv or parsed args);
 * :mod:`.estimate` -- the first API (``estimate_memory``, ``estimate_max_tokens_per_gpu``), a thin front.
 

@@ -15,7 +15,7 @@ slope), the layers (which part of the slope is per layer), and the head (what th
 measures 1- and 2-layer slices without the head and a 1-layer slice with it, each at several token counts;
 :func:`check_memory_records` refuses records that cannot separate the terms.
 
-The fit is a non-negative least squares of the relative error (:func:`~..cost_model.nnls_relative`, exact over
+The fit is a non-negative least squares of the relative error (:func:`~..cost_fit.nnls_relative`, exact over
 every active set). :func:`fit_memory_records` returns the coefficients, the fit error and the
 :class:`~.profile.MemoryProfile` they make for the model and layout. Pure Python + NumPy.
 """
@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..checks import as_bool, as_int, scalar
-from ..cost_model import nnls_relative
+from ..cost_fit import nnls_relative
 from ..errors import DynBatchConfigError
 from ..model_spec import ModelLike, ModelSpec
 from ..parallel import ParallelConfig

@@ -46,7 +46,8 @@ import numpy as np
 
 from ..alignment import Alignment
 from ..checks import as_bool, as_float, as_int, did_you_mean
-from ..cost_model import CostModel, resolve_cost_model
+from ..cost_model import CostModel
+from ..cost_files import resolve_cost_model
 from ..errors import DynBatchConfigError, UnknownOptionError
 from ..memory import MAX_GPU_MEMORY_GB, BudgetChoice, MemorySettings, choose_budget
 from ..model_spec import ModelSpec

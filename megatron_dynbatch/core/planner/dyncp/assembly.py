@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ...alignment import Alignment, fp8_multiple
-from ...cost_model import CostModel, resolve_cost_model
+from ...cost_model import CostModel
+from ...cost_files import resolve_cost_model
 from ...errors import DynBatchConfigError
 from ...parallel import ParallelConfig
 from ...topology import fixed_cp_spans_nodes, group_spans_nodes

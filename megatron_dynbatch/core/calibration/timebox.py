@@ -4,7 +4,7 @@ The estimate of a point is what its timing runs: ``warmup + repeats`` forward + 
 (members ``0`` and ``g-1`` of a CP share, the one member of ``g = 1``), each priced by a profile on the slice's
 FLOPs (:func:`..cost_fit.predict_features`) -- the ``base`` profile on a GPU (the H100 fit: an estimate, a newer GPU
 is faster), :data:`CPU_ESTIMATE` on a CPU -- plus :data:`STARTUP_S` for importing megatron-core and building the
-slice once. :func:`fit_to_budget` keeps the longest prefix of the (coverage-ordered) grid that fits; the timing
+slice once. :func:`fit_to_seconds` keeps the longest prefix of the (coverage-ordered) grid that fits; the timing
 loop re-checks before each point with the ratio of measured to estimated seconds so far
 (:func:`projected_finish`), so a device slower than estimated still stops in time. Pure Python + NumPy.
 """
@@ -43,10 +43,10 @@ def point_seconds(points: Sequence[GridPoint], model: Any, *, measured_layers: i
     return predict_features(prof, f) * members * (int(warmup) + int(repeats))
 
 
-def fit_to_budget(points: Sequence[GridPoint], seconds: Sequence[float],
+def fit_to_seconds(points: Sequence[GridPoint], seconds: Sequence[float],
                   max_seconds: Optional[Any]) -> Tuple[List[GridPoint], float]:
     """The longest prefix of ``points`` whose estimated seconds (plus :data:`STARTUP_S`) fit ``max_seconds``
-    (``None``: all), and its estimate. Refuses a budget that cannot hold :data:`MIN_POINTS` points."""
+    (``None``: all), and its estimate. Refuses a time limit that cannot hold :data:`MIN_POINTS` points."""
     est = np.asarray(seconds, dtype=np.float64)
     total = STARTUP_S + np.cumsum(est)
     if max_seconds is None:
@@ -68,4 +68,4 @@ def projected_finish(elapsed: float, done_estimate: float, done_measured: float,
     return float(elapsed + next_estimate * ratio)
 
 
-__all__ = ["point_seconds", "fit_to_budget", "projected_finish", "STARTUP_S", "CPU_ESTIMATE"]
+__all__ = ["point_seconds", "fit_to_seconds", "projected_finish", "STARTUP_S", "CPU_ESTIMATE"]
