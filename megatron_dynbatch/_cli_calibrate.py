@@ -237,9 +237,11 @@ def cuda_visible() -> bool:
 
 
 class ProgressPrinter:
-    """The ``progress(i, n, elapsed)`` callback of a timing run, on ``stream``: on a terminal one line rewritten
-    per grid point; elsewhere a line for the first point and then at most one every ``every_s`` seconds, so a log
-    shows the run is alive without a line per point. ``estimate_s``: the dry run's estimate, quoted alongside."""
+    """The ``progress(i, n, elapsed, projected_s)`` callback of a timing run, on ``stream``: on a terminal one line
+    rewritten per grid point; elsewhere a line for the first point and then at most one every ``every_s`` seconds,
+    so a log shows the run is alive without a line per point. Each line quotes the run's projected length
+    (``projected_s``: the points left at the speed measured so far), which starts at the dry run's estimate
+    (``estimate_s``) and follows the device as it goes."""
 
     def __init__(self, stream: TextIO, estimate_s: float, *, every_s: float = PROGRESS_EVERY_S) -> None:
         self.stream, self.estimate_s, self.every_s = stream, float(estimate_s), float(every_s)
@@ -247,8 +249,9 @@ class ProgressPrinter:
         self._last: Optional[float] = None
         self.printed = False
 
-    def __call__(self, i: int, n: int, elapsed: float) -> None:
-        text = f"timing micro-batch share {i + 1}/{n} ({elapsed:.0f} s elapsed, ~{self.estimate_s:.0f} s estimated)"
+    def __call__(self, i: int, n: int, elapsed: float, projected_s: Optional[float] = None) -> None:
+        total = self.estimate_s if projected_s is None else float(projected_s)
+        text = f"timing micro-batch share {i + 1}/{n} ({elapsed:.0f} s elapsed, ~{total:.0f} s in all)"
         if self.tty:
             print(f"\r  {text}", end="", file=self.stream, flush=True)
             self.printed = True

@@ -205,7 +205,7 @@ def test_progress_is_a_rewritten_line_on_a_terminal_and_a_line_every_few_seconds
     p.close()
     lines = log.getvalue().splitlines()
     assert [ln.split("/")[0][-1] for ln in lines] == ["1", "4", "6"], lines
-    assert lines[0] == "  timing micro-batch share 1/6 (0 s elapsed, ~30 s estimated)"
+    assert lines[0] == "  timing micro-batch share 1/6 (0 s elapsed, ~30 s in all)"
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -217,6 +217,24 @@ def test_progress_is_a_rewritten_line_on_a_terminal_and_a_line_every_few_seconds
         p(i, 3, float(i))
     p.close()
     assert tty.getvalue().count("\r") == 3 and tty.getvalue().endswith("\n")
+
+
+def test_the_progress_line_follows_the_measured_speed():
+    """The estimate updates as the run goes: the projected length is the points left at the speed measured so
+    far (a device twice as slow as estimated doubles what is left), the dry run's estimate before any point."""
+    import io
+
+    from megatron_dynbatch._cli_calibrate import ProgressPrinter
+    from megatron_dynbatch.core.calibration.timebox import projected_total
+
+    assert projected_total(0.0, 0.0, 0.0, 30.0) == 30.0
+    assert projected_total(10.0, 5.0, 10.0, 25.0) == 60.0   # 5 s estimated took 10 s: the 25 s left take 50 s
+    assert projected_total(4.0, 8.0, 4.0, 12.0) == 10.0    # twice as fast
+    log = io.StringIO()
+    p = ProgressPrinter(log, 30.0, every_s=0.0)
+    p(0, 3, 0.0, 30.0)
+    p(1, 3, 10.0, projected_total(10.0, 5.0, 10.0, 25.0))
+    assert log.getvalue().splitlines()[-1] == "  timing micro-batch share 2/3 (10 s elapsed, ~60 s in all)"
 
 
 def test_megatron_core_notices_become_one_note_and_other_warnings_still_show(capsys):

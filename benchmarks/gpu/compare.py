@@ -3,8 +3,10 @@
 
 For each batch of the shared GPU data (``results/``, method in the shared ``README.md``) this
 
-1. regenerates the batch exactly as it was measured: ``bench/workloads.py`` with the REAL document file
-   (``--documents``, default ``../shared/data/document_lengths_wlbllm.json``; skipped with a message when absent);
+1. takes the batch exactly as it was measured: its lengths are bundled in ``results/h100_2026-11-25_batches.json``
+   (drawn by ``bench/workloads.py`` from the REAL document file, so a clone needs nothing else);
+   ``--documents PATH`` draws them again from that file (``../shared/data/document_lengths_wlbllm.json``) and
+   stops, naming the batch, where they differ from the bundle;
 2. rebuilds the two measured plans -- the fixed-CP plan and the dynamic-CP plan of project commit e7fb6ba, i.e.
    the planner with ``cost_model="analytic", decision_margin=0`` -- and checks them against the timing records
    (every micro-batch share of both plans must be there; batches without records are marked);
@@ -14,7 +16,7 @@ For each batch of the shared GPU data (``results/``, method in the shared ``READ
    like-for-like column; ``+comm`` adds the ring transfers at the default topology: 8 GPUs per node);
 5. plans the batch again with the fitted default (its decision margin included) and reports what it picks.
 
-    python benchmarks/gpu/compare.py [--json FILE] [--markdown]
+    python benchmarks/gpu/compare.py [--documents PATH] [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from megatron_dynbatch.core.cost_model import CostModel  # noqa: E402
 from megatron_dynbatch.core.planner import build_dynamic_cp_plan, plan_global_batch  # noqa: E402
 from megatron_dynbatch.core.planner.dyncp.pool_sim import simulate_pool  # noqa: E402
 
-DOCUMENTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "document_lengths_wlbllm.json"
+#: the lengths of every measured batch (step 1 of the module docstring)
+BATCHES = Path(__file__).resolve().parent / "results" / "h100_2026-11-25_batches.json"
 
 
 def fixed_slots(plan: Any) -> List[list]:
@@ -70,10 +73,30 @@ def scored(slots: List[list], lengths: np.ndarray, w: Any, cm: CostModel, per_st
                                        microbatches_per_step=per_step).predicted_step_time)
 
 
-def evaluate(key: str, measured: List[float], documents: np.ndarray, table: Dict) -> Dict[str, Any]:
-    name, seed = key.split("/s")
+def measured_batches(documents: Optional[str]) -> Dict[str, np.ndarray]:
+    """``workload/seed -> lengths`` of every measured batch: the bundle, checked against a fresh draw from the real
+    document file when one is given (module docstring)."""
+    if not BATCHES.is_file():
+        raise SystemExit(f"compare.py: {BATCHES} is missing -- it holds the lengths of the measured batches; "
+                         "restore it from the repository (git checkout -- benchmarks/gpu/results)")
+    bundle = {k: np.asarray(v, dtype=np.int64) for k, v in json.loads(BATCHES.read_text())["batches"].items()}
+    if documents is not None:
+        if not Path(documents).is_file():
+            raise SystemExit(f"compare.py: --documents {documents}: no such file (the real document-length file, "
+                             "../shared/data/document_lengths_wlbllm.json); or drop --documents to use the bundle")
+        docs = load_document_lengths(documents)
+        for key, lengths in bundle.items():
+            name, seed = key.split("/s")
+            drawn = WORKLOADS[name].generate(int(seed), documents=docs).lengths
+            if not np.array_equal(np.asarray(drawn), lengths):
+                raise SystemExit(f"compare.py: batch {key} drawn from {documents} differs from {BATCHES.name}: "
+                                 "the workload or the file changed since the measurement")
+    return bundle
+
+
+def evaluate(key: str, measured: List[float], lengths: np.ndarray, table: Dict) -> Dict[str, Any]:
+    name, _ = key.split("/s")
     w = WORKLOADS[name]
-    lengths = w.generate(int(seed), documents=documents).lengths
     kw = dict(model=w.model, parallel=w.parallel, max_tokens_per_gpu=w.max_tokens_per_gpu)
     old_fixed = plan_global_batch(lengths, cost_model="analytic", decision_margin=0, **kw)
     old_dyn = plan_global_batch(lengths, cost_model="analytic", decision_margin=0, dynamic_cp=True, **kw)
@@ -122,16 +145,16 @@ def markdown(rows: List[Dict[str, Any]]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--documents", default=str(DOCUMENTS), help="the real document-length file (JSON list)")
+    ap.add_argument("--documents", default=None, metavar="PATH",
+                    help="draw the batches again from the real document-length file and check them against the bundle")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = ap.parse_args()
-    if not Path(args.documents).is_file():
-        print(f"skipped: {args.documents} not found -- the measured batches were drawn from that file; pass "
-              "--documents PATH", file=sys.stderr)
-        return 0
-    documents = load_document_lengths(args.documents)
+    batches = measured_batches(args.documents)
     table = measured_lookup()
-    rows = [evaluate(k, v, documents, table) for k, v in sorted(measured_ratios().items())]
+    missing = sorted(k for k in measured_ratios() if k not in batches)
+    if missing:
+        raise SystemExit(f"compare.py: {BATCHES.name} has no lengths for {missing}; redraw them with --documents")
+    rows = [evaluate(k, v, batches[k], table) for k, v in sorted(measured_ratios().items())]
     print(markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))

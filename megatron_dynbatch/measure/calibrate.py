@@ -29,21 +29,21 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..core.calibration.timebox import STARTUP_S, point_seconds, projected_finish
+from ..core.calibration.timebox import STARTUP_S, point_seconds, projected_finish, projected_total
 from ..core.calibration.grid import MIN_POINTS
 from ..core.calibration.setup import CalibrationSetup, plan_calibration
 from ..core.checks import read_json
-from ..core.cost_fit import fit_records
-from ..core.cost_model import CostModel
-from ..core.cost_fit import FitReport
 from ..core.cost_files import fitted_for, save_cost_model
+from ..core.cost_fit import FitReport, fit_records
+from ..core.cost_model import CostModel
 from ..core.errors import DynBatchConfigError
 from ..core.memory.fit import MemoryFit, fit_memory_records
 from .layout import SliceLayout
 from .slices import Record, build_slice
 
-#: progress callback: (points timed, points planned, seconds elapsed)
-Progress = Callable[[int, int, float], None]
+#: progress callback: (points timed, points planned, seconds elapsed, the run's projected length in seconds:
+#: :func:`~megatron_dynbatch.core.calibration.timebox.projected_total`)
+Progress = Callable[[int, int, float, float], None]
 
 
 @dataclass
@@ -129,7 +129,8 @@ def run_calibration(setup: CalibrationSetup, *, progress: Optional[Progress] = N
             stopped = True
             break
         if progress is not None:
-            progress(i, len(setup.points), elapsed)
+            left = sum(float(x) for x in est[i:])
+            progress(i, len(setup.points), elapsed, projected_total(elapsed, done_est, done_meas, left))
         start = time.perf_counter()
         records += sl.time_records([point.item()], warmup=setup.warmup, repeats=setup.repeats, cache=cache)
         done_meas += time.perf_counter() - start

@@ -6,7 +6,9 @@ FLOPs (:func:`..cost_fit.predict_features`) -- the ``base`` profile on a GPU (th
 is faster), :data:`CPU_ESTIMATE` on a CPU -- plus :data:`STARTUP_S` for importing megatron-core and building the
 slice once. :func:`fit_to_seconds` keeps the longest prefix of the (coverage-ordered) grid that fits; the timing
 loop re-checks before each point with the ratio of measured to estimated seconds so far
-(:func:`projected_finish`), so a device slower than estimated still stops in time. Pure Python + NumPy.
+(:func:`projected_finish`), so a device slower than estimated still stops in time, and the progress line quotes the
+run's length projected the same way (:func:`projected_total`), so the estimate improves as points are timed.
+Pure Python + NumPy.
 """
 
 from __future__ import annotations
@@ -68,4 +70,11 @@ def projected_finish(elapsed: float, done_estimate: float, done_measured: float,
     return float(elapsed + next_estimate * ratio)
 
 
-__all__ = ["point_seconds", "fit_to_seconds", "projected_finish", "STARTUP_S", "CPU_ESTIMATE"]
+def projected_total(elapsed: float, done_estimate: float, done_measured: float, left_estimate: float) -> float:
+    """The run's projected length while it goes: seconds so far plus the estimate of the points left, scaled by
+    measured / estimated seconds of the points timed so far (the dry run's estimate until one is timed)."""
+    ratio = done_measured / done_estimate if done_estimate > 0 and done_measured > 0 else 1.0
+    return float(elapsed + max(0.0, left_estimate) * ratio)
+
+
+__all__ = ["point_seconds", "fit_to_seconds", "projected_finish", "projected_total", "STARTUP_S", "CPU_ESTIMATE"]
