@@ -134,7 +134,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         require_matplotlib(args.plot)  # before the run, not after it
     result = run_bench(workloads, seeds=args.seeds, algorithms=iter_algorithms(args.algorithms),
-                       speed=not args.no_speed, speed_repeats=args.speed_repeats, progress=args.progress,
+                       speed=_bench_speed(args), speed_repeats=args.speed_repeats, progress=args.progress,
                        keep_plans=bool(args.plot), argv=args.argv,
                        adversarial_sizes=ADVERSARIAL_FULL if args.adversarial else (ADVERSARIAL_DEFAULT,),
                        cost_model=args.cost_model, gpus_per_node=args.gpus_per_node,
@@ -424,6 +424,15 @@ def _cli_warnings() -> Iterator[None]:
 
 
 # ============================================================================================ parser
+def _bench_speed(args: argparse.Namespace) -> bool:
+    """Whether ``bench`` times its planning-speed cases: as asked (``--speed`` / ``--no-speed``, ``--adversarial``),
+    else only in the default run -- a run filtered to a few workloads is after their rows, and the speed cases would
+    be most of its time."""
+    if args.speed is not None:
+        return bool(args.speed)
+    return args.workloads is None or bool(args.adversarial)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = SuggestingArgumentParser(
         prog=PROG, description="FLOPs-balanced dynamic micro-batching for Megatron-Core: benchmark, plan, FLOPs.",
@@ -444,7 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="PNG", default=None,
                    help="write per-rank timelines (one panel per algorithm) of one workload to this image")
     b.add_argument("--plot-workload", default=None, help="workload to plot (default: the first one run)")
-    b.add_argument("--no-speed", action="store_true", help="skip the planning-speed micro-benchmark")
+    speed = b.add_mutually_exclusive_group()
+    speed.add_argument("--speed", dest="speed", action="store_true", default=None,
+                       help="time the planning-speed cases (default: with the default workloads only, not with "
+                            "--workloads)")
+    speed.add_argument("--no-speed", dest="speed", action="store_false", help="skip the planning-speed cases")
     b.add_argument("--adversarial", action="store_true",
                    help="time the adversarial input shapes at 4,096, 16,384 and 65,536 samples (up to 1,024 ranks; "
                         "about a minute) instead of 4,096 only")

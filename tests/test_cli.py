@@ -286,3 +286,20 @@ def test_plan_dynamic_cp_explains_the_winning_candidate(capsys):
         assert not text.startswith(name) and "(the candidates scored" in text, text
     assert "at least cp=2 GPUs" in describe_candidates("cp2-tree-1", 8, 2)
     assert describe_candidates("tree-1,all-root,tree-1", 8, 1).count("each sample on") == 1  # once per winner
+
+
+def test_bench_times_planning_speed_with_the_default_workloads_only():
+    """A run filtered with --workloads is after those rows: the planning-speed cases (most of such a run's time)
+    run only in the default run, with --adversarial, or when asked for with --speed."""
+    from megatron_dynbatch.cli import _bench_speed, build_parser
+
+    def speed(*argv):
+        return _bench_speed(build_parser().parse_args(["bench", *argv]))
+
+    assert speed() is True
+    assert speed("--workloads", "smoke") is False
+    assert speed("--workloads", "smoke", "--speed") is True
+    assert speed("--no-speed") is False
+    assert speed("--workloads", "smoke", "--adversarial") is True
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--speed", "--no-speed"])
