@@ -27,6 +27,7 @@ from ..checks import MAX_TOKENS, as_float, as_int
 from ..errors import DynBatchConfigError
 from ..model_spec import ModelLike, ModelSpec
 from ..parallel import ParallelConfig
+from .loss_paths import REFERENCE_BYTES, loss_path, loss_path_bytes
 from .peak import MemoryBreakdown, StageTerms, breakdown_of, check_pass, stage_terms
 from .settings import GiB, MemorySettings
 
@@ -53,16 +54,27 @@ class BudgetChoice:
     settings: MemorySettings
     breakdown: MemoryBreakdown
     limited_by: str
+    tp: int = 1
 
     @property
     def tokens_per_microbatch(self) -> int:
         return self.tokens_per_gpu * self.cp
 
+    @property
+    def loss(self) -> str:
+        """The loss path counted: the trainer's (:mod:`.loss_paths`) or the fp32 copies set."""
+        copies = self.settings.fp32_copies(self.pass_)
+        if copies is not None:
+            return f"loss with {copies} fp32 logits copies (set)"
+        path = loss_path(self.settings.trainer, self.pass_, self.settings.loss_options(), tp=self.tp)
+        return f"{self.settings.trainer}'s loss {path.column_bytes:g} B x T x V/tp"
+
     def to_dict(self) -> Dict[str, Any]:
         return {"max_tokens_per_gpu": self.tokens_per_gpu, "tokens_per_microbatch": self.tokens_per_microbatch,
                 "pass": self.pass_, "gpu_memory_gb": self.gpu_memory_gb, "usable_gb": self.usable_bytes / GiB,
                 "headroom": self.settings.headroom, "exact_tokens": self.exact_tokens, "multiple": self.multiple,
-                "limiting_stage": self.limiting_stage, "limited_by": self.limited_by,
+                "limiting_stage": self.limiting_stage, "limited_by": self.limited_by, "trainer": self.settings.trainer,
+                "loss_path": self.loss,
                 "predicted_peak_gb": self.breakdown.peak_gb,
                 "settings": self.settings.to_dict(), "breakdown": self.breakdown.to_dict()}
 
@@ -79,8 +91,7 @@ class BudgetChoice:
         lines.append(f"  {'headroom':<14} {(self.gpu_memory_gb * GiB - self.usable_bytes) / GiB:8.2f} GiB  "
                      "left free for allocator fragmentation")
         lines.append(f"  limited by: {self.limited_by} on stage {self.limiting_stage} (optimizer {st.optimizer}, "
-                     f"recompute {st.recompute}, fp32 logits copies {st.fp32_copies(self.pass_)}, "
-                     f"{b.profile_source} memory profile)")
+                     f"recompute {st.recompute}, {self.loss}, {b.profile_source} memory profile)")
         return "\n".join(lines)
 
 
@@ -108,8 +119,10 @@ def _fixes(st: MemorySettings, m: ModelSpec, p: ParallelConfig, static_too_big: 
             out.append("turn on full recompute (--recompute-granularity full)")
         out.append("raise tensor parallelism (--tp divides activations and logits)")
         out.append("raise pipeline or context parallelism (--pp, --cp)")
-        if st.logits_fp32_copies > 1 or st.log_prob_fp32_copies > 1:
-            out.append("keep fewer fp32 logits copies in the loss")
+        if any((c or 0) > 1 for c in (st.logits_fp32_copies, st.log_prob_fp32_copies)) or \
+                loss_path_bytes(st.trainer, "train", st.loss_options(), tp=p.tp) > REFERENCE_BYTES:
+            out.append(f"use a loss that keeps less over the vocabulary ({st.trainer}'s fused or chunked loss, no "
+                       "entropy term: docs/tuning.md, loss paths)")
         if st.optimizer != "cpu_offload":
             out.append("offload the optimizer to the CPU (frees static memory)")
     out.append("or use a larger GPU")
@@ -165,7 +178,7 @@ def choose_budget(model: ModelLike, parallel: Any, gpu_memory_gb: Any, *, pass_:
             f"{mult} ({pass_.replace('_', '-')} pass)", _fixes(st, m, p, False))
     lim = min(range(len(terms)), key=lambda i: fits[i])
     return BudgetChoice(tokens, pass_, card, usable, exact_int, mult, p.cp, lim, st,
-                        breakdown_of(terms, tokens, pass_, prof.source), _limited_by(terms[lim], st.recompute))
+                        breakdown_of(terms, tokens, pass_, prof.source), _limited_by(terms[lim], st.recompute), p.tp)
 
 
 __all__ = ["BudgetChoice", "choose_budget", "MAX_GPU_MEMORY_GB", "DEFAULT_MULTIPLE"]
