@@ -59,6 +59,7 @@ from ..core.checks import get_arg as _get
 from ..core.checks import is_int
 from ..core.cost_profiles import PROFILES, is_cost_model_choice
 from ..core.errors import DynBatchConfigError, trainer_terms
+from ..core.memory.budget import FIX_WORDS
 from ..core.parallel import DEFAULT_GPUS_PER_NODE, MAX_RANKS, ParallelConfig
 from ..core.planner.options import AUTO, BalanceBy, PlanOptions
 from .loss import GROUP_REDUCE, LOSS_MODES
@@ -447,7 +448,7 @@ def plan_options_from_args(args: Any, *, forward_only: bool = False, world_size:
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None and value is not False:  # store_true flags left off and unset flags: the default
             values[name] = value
-    words = dict(MEGATRON_WORDS)
+    words = {**FIX_WORDS["megatron"], **MEGATRON_WORDS}  # an auto budget's fixes name the launch's flags too
     if forward_only:
         words["max_tokens_per_gpu"] = "--log-probs-max-tokens-per-gpu"
     with trainer_terms(words):
