@@ -136,7 +136,7 @@ def _target(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any
     if card is None:
         if run.gpu_memory_gb is None:
             raise DynBatchConfigError("--gpu-memory-gb", None, f"is required: the run preset {run.name!r} names no "
-                                      "card (gpu_memory_gb)", "pass the GPU's memory in GiB, e.g. --gpu-memory-gb "
+                                      "card", "pass the GPU's memory in GiB, e.g. --gpu-memory-gb "
                                       "79.1 for an H100 80GB")
         card = float(run.gpu_memory_gb)
     profile = args.cost_model or (run.cost_model if run.cost_model and run.cost_model.endswith(".json") else None)
@@ -173,10 +173,11 @@ def _check_cost_model_file(path: Any, spec: Any) -> None:
     strictly by the memory model itself)."""
     if not isinstance(path, str) or not path.endswith(".json"):
         return
-    from .core.cost_model import _read_json, check_fitted_for
+    from .core.cost_model import check_fitted_for
 
     try:
-        data = _read_json(path)
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
     except (OSError, ValueError):
         return  # the memory model names the file and the problem
     check_fitted_for(data, spec, path, field="--cost-model", transfers=True)

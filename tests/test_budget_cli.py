@@ -169,3 +169,30 @@ def test_a_cost_model_fitted_for_another_model_warns_as_plan_does(capsys, tmp_pa
     rc, _, err = _run(capsys, ["budget", "--model", "qwen3-8b", "--dp", "8", "--gpu-memory-gb", "79.1",
                                "--cost-model", str(path)])
     assert rc == 0 and "warning: --cost-model=" in err and "was fitted for" in err
+
+
+def test_troubleshooting_quotes_the_budget_messages(capsys):
+    """docs/troubleshooting.md carries every message of the card-unit, layout, trainer and loss-option checks."""
+    from megatron_dynbatch import DynBatchConfigError
+    from megatron_dynbatch.core.memory import MemorySettings
+
+    doc = " ".join((ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8").split())
+    msgs = []
+    for argv in (["--model", "qwen3-8b", "--gpu-memory-gb", "8.5e10"],
+                 ["--model", "qwen3-8b", "--gpu-memory-gb", "81559"],
+                 ["--model", "qwen3-8b", "--dp", "8", "--gpu-memory-gb", "80"],
+                 ["--model", "qwen3-8b", "--gpu-memory-gb", "80", "--tp", "3"],
+                 ["--model", "qwen3-8b", "--gpu-memory-gb", "79.1", "--trainer", "slmie"],
+                 ["--run", "qwen3-30b-a3b-grpo"],
+                 ["--model", "qwen3-30b-a3b", "--dp", "8", "--ep", "8", "--gpu-memory-gb", "79.1"]):
+        _, _, err = _run(capsys, ["budget"] + argv)
+        msgs.append(err.strip().splitlines()[-1] if "error" in err else err.strip())
+    tiny = RunConfig.from_yaml("tiny-cpu-demo").to_dict()
+    for call in (lambda: MemorySettings(trainer="slmie"), lambda: MemorySettings(loss_chunk_tokens=0),
+                 lambda: choose_budget("qwen3-8b", {"dp": 8}, 8.5e10),
+                 lambda: RunConfig.from_dict({**tiny, "trainers": ["slmie"]})):
+        with pytest.raises(DynBatchConfigError) as exc:
+            call()
+        msgs.append(f"DynBatchConfigError: {exc.value}")
+    for m in msgs:
+        assert " ".join(m.split()) in doc, m
