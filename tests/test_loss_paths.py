@@ -125,3 +125,29 @@ def test_a_loss_that_keeps_more_never_gets_a_larger_budget(opts, pass_, model, t
         for b in rows:
             if a[0] >= b[0] and a[1] >= b[1]:  # keeps at least as much per token and per micro-batch
                 assert a[2] <= b[2], (rows, opts, pass_)
+
+
+def test_the_drop_ins_read_their_trainers_loss_options():
+    from megatron_dynbatch.core.dropin.budgets import nemo_rl_budgets, roll_budgets, slime_budgets, verl_budgets
+    from megatron_dynbatch.core.parallel import ParallelConfig
+    from megatron_dynbatch.testing.peer_types import nemo_rl_config, roll_worker_config, slime_args, verl_config
+
+    s = slime_budgets(slime_args(entropy_coef=0.01, rollout_temperature=0.8, log_probs_chunk_size=512),
+                      ParallelConfig()).settings
+    assert (s.trainer, s.loss_entropy, s.loss_temperature, s.loss_chunk_tokens) == ("slime", True, 0.8, 512)
+    s = slime_budgets(slime_args(log_probs_chunk_size=-1), ParallelConfig()).settings  # slime's default: off
+    assert (s.loss_entropy, s.loss_temperature, s.loss_chunk_tokens) == (False, 1.0, None)
+    v = verl_budgets(verl_config({"actor_rollout_ref.actor.entropy_coeff": 0.001,
+                                  "actor_rollout_ref.model.use_fused_kernels": True})).settings
+    assert (v.trainer, v.loss_entropy, v.loss_fused) == ("verl", True, True)
+    assert verl_budgets(verl_config()).settings.loss_entropy is False
+    r = roll_budgets(roll_worker_config({"strategy_args.strategy_config.cross_entropy_loss_fusion": True})).settings
+    assert (r.trainer, r.loss_fused) == ("roll", True)
+    n = nemo_rl_budgets(nemo_rl_config({"policy.logprob_chunk_size": 2048})).settings
+    assert (n.trainer, n.loss_chunk_tokens) == ("nemo-rl", 2048)
+
+
+def test_a_launch_names_the_trainer_and_its_loss_options():
+    args = pytest.importorskip("megatron_dynbatch.megatron.args")
+    kw = args.parse_memory_flag("trainer=slime,loss_entropy=true,loss_temperature=0.7,loss_chunk_tokens=1024")
+    assert MemorySettings(**kw).loss_options() == LossOptions(True, 0.7, False, 1024)

@@ -386,7 +386,8 @@ def memory_settings_from_args(args: Any):
 
 def parse_memory_flag(text: Optional[str]) -> Dict[str, Any]:
     """``headroom=0.15,logits_fp32_copies=2`` -> ``{"headroom": 0.15, "logits_fp32_copies": 2}`` (numbers read as
-    numbers; :class:`MemorySettings` checks names and values)."""
+    numbers, ``true`` / ``false`` as booleans -- ``trainer=slime,loss_entropy=true``; :class:`MemorySettings` checks
+    names and values)."""
     out: Dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
         key, sep, value = item.partition("=")
@@ -400,6 +401,8 @@ def parse_memory_flag(text: Optional[str]) -> Dict[str, Any]:
                 break
             except ValueError:
                 continue
+        if isinstance(value, str) and value.lower() in ("true", "false"):  # loss_entropy=true, loss_fused=false
+            value = value.lower() == "true"
         out[key.strip()] = value
     return out
 
