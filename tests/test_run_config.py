@@ -440,7 +440,8 @@ def test_max_seq_len_is_checked_at_construction():
 H100_GIB = 79.1
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "runs")
+                                         .glob("*.yaml")))
 def test_every_preset_fits_every_trainer_it_names(name):
     """Each named trainer's loss path (core/memory/loss_paths.py) at the preset's budgets -- its own ``auto``
     choice, or the number written -- predicts a peak within the usable memory of the preset's card, and the
