@@ -58,8 +58,8 @@ def add_memory_args(m: Any) -> None:
     m.add_argument("--headroom", default=None, metavar="X", help="fraction of the card left free (default 0.1)")
     m.add_argument("--reserve-gb", default=None, metavar="G", help="GiB for the CUDA context, NCCL (default 4)")
     m.add_argument("--logits-fp32-copies", default=None, metavar="N",
-                   help="fp32 logits copies the training loss keeps (1; 2 with an entropy term)")
-    m.add_argument("--log-prob-fp32-copies", default=None, metavar="N", help="the same for log-prob passes (1)")
+                   help="override every trainer's loss path: N fp32 logits copies beside the bf16 logits in training")
+    m.add_argument("--log-prob-fp32-copies", default=None, metavar="N", help="the same for log-prob passes")
     m.add_argument("--moe-imbalance", default=None, metavar="X", help="busiest expert's tokens over the mean (1.0)")
     m.add_argument("--log-prob-static", default=None,
                    help="resident in a log-prob pass: training (the actor's whole state, default) or weights")

@@ -236,7 +236,7 @@ class RunConfig:
         log-prob budget is checked as the budget of the forward-only options."""
         if not isinstance(self.memory, Mapping):
             raise DynBatchConfigError("memory", self.memory, "must be a mapping of memory settings",
-                                      "write e.g. memory: {headroom: 0.15, logits_fp32_copies: 2}")
+                                      "write e.g. memory: {headroom: 0.15, trainer: slime}")
         object.__setattr__(self, "memory", dict(self.memory))
         shared = [name for name in PlanOptions.names() if name in _OWN_FIELDS and name not in ("model", "memory")]
         auto = AUTO in (self.max_tokens_per_gpu, self.log_probs_max_tokens_per_gpu)
