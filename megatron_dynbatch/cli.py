@@ -182,9 +182,10 @@ def _cmd_bench_dropins(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     """``plan``: planning errors name the flags (``--max-tokens-per-gpu``); with ``--run`` the preset's keys."""
     from .core.errors import trainer_terms
+    from .core.memory.budget import FIX_WORDS
     from .core.planner.options import PlanOptions
 
-    with trainer_terms({} if args.run else PlanOptions.spellings("cli")):
+    with trainer_terms({} if args.run else {**FIX_WORDS["cli"], **PlanOptions.spellings("cli")}):
         return _plan(args)
 
 

@@ -331,7 +331,7 @@ def test_verl_config_judged_in_verls_words(checkpoint):
                        "trainer.nnodes": 2})
     cb = verl_budgets(cfg)
     assert cb.parallel.dp == 4 and cb.parallel.tp == 2 and cb.parallel.cp == 2 and cb.dp_known
-    assert cb.settings == MemorySettings(recompute="full", optimizer="distributed", param_dtype="bf16")
+    assert cb.settings == MemorySettings(recompute="full", optimizer="distributed", param_dtype="bf16", trainer="verl")
     assert [b[0] for b in cb.budgets] == ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                                           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"]
     spec = ModelSpec.from_hf_config(checkpoint)
@@ -440,9 +440,10 @@ def test_roll_skips_silently():
 # ------------------------------------------------------------------------------------------- NeMo-RL
 def test_nemo_rl_config_judged_per_bin(checkpoint):
     cfg = nemo_rl_config({"policy.model_name": str(checkpoint), "policy.megatron_cfg.context_parallel_size": 2,
-                          "policy.megatron_cfg.activation_checkpointing": True})
+                          "policy.megatron_cfg.activation_checkpointing": True, "policy.logprob_chunk_size": 1024})
     cb = nemo_rl_budgets(cfg)
     assert cb.parallel.dp == 4 and cb.parallel.cp == 2 and cb.settings.recompute == "full"
+    assert cb.settings.trainer == "nemo-rl" and cb.settings.loss_chunk_tokens == 1024  # NeMo-RL's loss path
     assert cb.settings.grad_dtype == "bf16"  # grad_reduce_in_fp32: false
     with pytest.warns(BudgetWarning):
         out = nemo_rl.check_budget_memory(cfg, gpu_memory_gb=CARD)
@@ -453,7 +454,8 @@ def test_nemo_rl_config_judged_per_bin(checkpoint):
     dyn = nemo_rl_config({"policy.model_name": str(checkpoint), "policy.sequence_packing.enabled": False,
                           "policy.dynamic_batching": {"enabled": True, "train_mb_tokens": 4096,
                                                       "logprob_mb_tokens": 8192}})
-    with pytest.warns(BudgetWarning, match="policy.dynamic_batching.logprob_mb_tokens=8192"):
+    # unchunked, NeMo-RL's log-prob keeps 14 bytes per token per V/tp column: 4096 training tokens go over
+    with pytest.warns(BudgetWarning, match="policy.dynamic_batching.train_mb_tokens=4096.*out of memory"):
         nemo_rl.check_budget_memory(dyn, gpu_memory_gb=CARD)
     # the policy alone needs the dp size; the settings can be changed field by field
     with pytest.raises(DynBatchConfigError) as info:

@@ -136,10 +136,11 @@ def test_the_optimizer_steps_temporaries_count_only_when_larger_than_the_activat
 def test_cannot_fit_errors_name_what_to_change():
     with pytest.raises(DynBatchConfigError, match="do not fit") as exc:
         choose_budget("qwen3-30b-a3b", {"dp": 8, "ep": 8}, 80)  # unsharded expert Adam state
-    assert "--optimizer-cpu-offload" in exc.value.fix and "--ep" in exc.value.fix and exc.value.field == "gpu_memory_gb"
+    assert 'optimizer="cpu_offload"' in exc.value.fix and "parallel.ep" in exc.value.fix  # Python's keywords
+    assert exc.value.field == "gpu_memory_gb"
     with pytest.raises(DynBatchConfigError, match="fewer than 256") as exc:
         choose_budget("qwen3-8b", {"dp": 8}, 55.44, settings={"optimizer": "cpu_offload"})
-    assert "full recompute" in exc.value.fix and "--tp" in exc.value.fix
+    assert "full recompute" in exc.value.fix and "parallel.tp" in exc.value.fix
     with pytest.raises(DynBatchConfigError, match="fewer than 256") as exc:
         choose_budget("qwen3-8b", {"dp": 8}, 55.44, settings={"optimizer": "cpu_offload", "recompute": "full"})
     assert "full recompute" not in exc.value.fix

@@ -437,7 +437,7 @@ def test_auto_budget_hostile_input_is_a_clear_error(kwargs, field):
 def test_a_model_that_cannot_fit_says_what_to_change():
     with pytest.raises(DynBatchConfigError) as info:
         PlanOptions(max_tokens_per_gpu="auto", model="qwen3-30b-a3b", parallel={"dp": 8, "ep": 8}, gpu_memory_gb=40)
-    assert "do not fit" in info.value.problem and "--optimizer-cpu-offload" in info.value.fix
+    assert "do not fit" in info.value.problem and 'optimizer="cpu_offload"' in info.value.fix  # Python's keywords
 
 
 def test_auto_run_preset_and_its_launch_plan_with_the_same_budget():

@@ -433,3 +433,42 @@ def test_max_seq_len_is_checked_at_construction():
     for bad in (0, -1, 2.5, True, "8192", 2 ** 41):
         with pytest.raises(DynBatchConfigError, match="max_seq_len"):
             RunConfig.from_dict({**base, "max_seq_len": bad})
+
+
+# ------------------------------------------------------------------------------- every trainer it names
+#: the card a preset that names none is written for (their comments: an H100 80GB, as torch reports it)
+H100_GIB = 79.1
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "runs")
+                                         .glob("*.yaml")))
+def test_every_preset_fits_every_trainer_it_names(name):
+    """Each named trainer's loss path (core/memory/loss_paths.py) at the preset's budgets -- its own ``auto``
+    choice, or the number written -- predicts a peak within the usable memory of the preset's card, and the
+    longest sample the preset declares fits that trainer's budgets."""
+    from megatron_dynbatch.core.memory import choose_budget, peak_memory
+
+    rc = RunConfig.from_yaml(name)
+    card = rc.gpu_memory_gb or H100_GIB
+    st = rc.memory_settings()
+    for trainer in rc.named_trainers():
+        mine = st.replace(trainer=trainer)
+        for pass_, value in (("train", rc.max_tokens_per_gpu), ("log_prob", rc.effective_log_probs_max_tokens_per_gpu)):
+            choice = choose_budget(rc.model_spec(), rc.parallel(), card, pass_=pass_, settings=mine)
+            tokens = choice.tokens_per_gpu if value == "auto" else value
+            peak = peak_memory(rc.model_spec(), rc.parallel(), tokens, pass_=pass_, settings=mine)
+            assert peak.peak_bytes <= choice.usable_bytes, (name, trainer, pass_, tokens, peak.peak_gb)
+            if rc.max_seq_len:
+                assert rc.max_seq_len <= tokens * rc.parallel().cp, (name, trainer, pass_, tokens)
+
+
+def test_the_trainers_a_preset_names_are_checked():
+    base = RunConfig.from_yaml("tiny-cpu-demo").to_dict()
+    assert RunConfig.from_dict({**base, "trainers": ["slime", "verl"]}).named_trainers() == ("slime", "verl")
+    assert RunConfig.from_dict(base).named_trainers() == ("megatron-lm",)
+    with pytest.raises(DynBatchConfigError) as exc:
+        RunConfig.from_dict({**base, "trainers": ["slmie"]})
+    assert exc.value.field == "trainers[0]" and "slime" in exc.value.fix
+    with pytest.raises(DynBatchConfigError) as exc:
+        RunConfig.from_dict({**base, "trainers": "slime"})
+    assert exc.value.field == "trainers"

@@ -100,6 +100,12 @@ class RunConfig:
             ``--dynbatch-calibration-interval``.
         gpu_memory_gb: the GPU's memory in GiB; needed by an ``auto`` budget (passed as
             ``--dynbatch-gpu-memory-gb``, so the launch plans for the card the preset was written for).
+        trainers: the trainers the preset is written for (``megatron-lm``, ``slime``, ``verl``, ``roll``,
+            ``nemo-rl``; empty: ``megatron-lm``, this package's own launch). Each loss keeps its own bytes over the
+            vocabulary (``core/memory/loss_paths.py``): ``megatron-dynbatch budget --run`` prints every named
+            trainer's budget from its own loss path and judges numeric budgets against each, and the shipped
+            presets fit every trainer they name (``tests/test_run_config.py``). An ``auto`` budget is chosen
+            again with the loss path of the trainer that launches.
         memory: memory-model settings the Megatron flags in ``megatron_args`` do not imply
             (:class:`~megatron_dynbatch.core.memory.MemorySettings` fields, e.g. ``{headroom: 0.15}``; passed as
             ``--dynbatch-memory``); :meth:`memory_settings` is what an ``auto`` budget assumes.
@@ -118,6 +124,7 @@ class RunConfig:
     log_probs_max_tokens_per_gpu: Union[None, int, str] = None
     gpu_memory_gb: Optional[float] = None
     memory: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    trainers: Tuple[str, ...] = ()
     balance_by: str = "time"
     oversize: str = "error"
     fp8_alignment: Union[None, str, int] = None
@@ -152,6 +159,7 @@ class RunConfig:
                                       "write one flag or value per list entry, "
                                       "e.g. ['--recompute-granularity', 'full']")
         set_("megatron_args", tuple(self.megatron_args))
+        self._check_trainers()
         for f in fields(self):  # NumPy integers (accepted like ints) are stored as plain ints
             value = getattr(self, f.name)
             if _is_int(value):
@@ -175,6 +183,19 @@ class RunConfig:
         self._check_steps(par)
         self._check_layout(spec, par)
         self._check_moe(spec, par)
+
+    def _check_trainers(self) -> None:
+        from .memory.loss_paths import TRAINERS, check_trainer
+
+        if isinstance(self.trainers, (str, bytes, Mapping)) or not isinstance(self.trainers, (list, tuple)):
+            raise DynBatchConfigError("trainers", self.trainers, "must be a list of trainer names",
+                                      f"write e.g. trainers: [megatron-lm, slime] (known: {', '.join(TRAINERS)})")
+        object.__setattr__(self, "trainers", tuple(check_trainer(t, f"trainers[{i}]")
+                                                   for i, t in enumerate(self.trainers)))
+
+    def named_trainers(self) -> Tuple[str, ...]:
+        """The trainers the preset names (``("megatron-lm",)`` when it names none)."""
+        return self.trainers or ("megatron-lm",)
 
     def _check_cost_model(self) -> None:
         from .cost_profiles import PROFILES, is_cost_model_choice
@@ -215,7 +236,7 @@ class RunConfig:
         log-prob budget is checked as the budget of the forward-only options."""
         if not isinstance(self.memory, Mapping):
             raise DynBatchConfigError("memory", self.memory, "must be a mapping of memory settings",
-                                      "write e.g. memory: {headroom: 0.15, logits_fp32_copies: 2}")
+                                      "write e.g. memory: {headroom: 0.15, trainer: slime}")
         object.__setattr__(self, "memory", dict(self.memory))
         shared = [name for name in PlanOptions.names() if name in _OWN_FIELDS and name not in ("model", "memory")]
         auto = AUTO in (self.max_tokens_per_gpu, self.log_probs_max_tokens_per_gpu)
@@ -484,7 +505,7 @@ class RunConfig:
                 continue
             if f.name == "expert_tensor_parallel_size":
                 continue
-            if f.name == "megatron_args":
+            if f.name in ("megatron_args", "trainers"):
                 value = list(value)
             if f.name == "model" and isinstance(value, Mapping):
                 value = dict(value)

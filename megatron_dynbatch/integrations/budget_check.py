@@ -48,7 +48,8 @@ def warn_configured_budgets(configured: Optional[ConfiguredBudgets], *, model: A
     """Judge every budget of ``configured`` and warn (:class:`~megatron_dynbatch.core.errors.BudgetWarning`) for
     each that is over what fits or far under it; return the verdicts (``[]`` when skipped: no config, no model,
     no card). ``model``: overrides the config's (a preset name, a ``config.json`` path, a ``ModelSpec``);
-    ``settings``: a :class:`~megatron_dynbatch.core.memory.MemorySettings` replaces the config's, a mapping
+    ``settings``: a :class:`~megatron_dynbatch.core.memory.MemorySettings` replaces the config's (its ``trainer``
+    left at the default ``megatron-lm`` means this drop-in's trainer: its loss path is counted), a mapping
     changes those fields of it; ``profile``: a calibrated cost-model file (its ``memory`` section). A config that
     does not give the data-parallel size, with the distributed optimizer, is an error naming ``dp_size``."""
     if configured is None or not configured.budgets:
@@ -59,8 +60,8 @@ def warn_configured_budgets(configured: Optional[ConfiguredBudgets], *, model: A
         return []
     if settings is None:
         st = configured.settings
-    elif isinstance(settings, MemorySettings):
-        st = settings
+    elif isinstance(settings, MemorySettings):  # left at the default trainer: this drop-in's trainer's loss path
+        st = settings if settings.trainer != "megatron-lm" else settings.replace(trainer=configured.trainer)
     else:
         MemorySettings.from_any(settings)  # unknown fields and bad values: an error naming them
         st = configured.settings.replace(**dict(settings))

@@ -59,6 +59,7 @@ from ..core.checks import get_arg as _get
 from ..core.checks import is_int
 from ..core.cost_profiles import PROFILES, is_cost_model_choice
 from ..core.errors import DynBatchConfigError, trainer_terms
+from ..core.memory.budget import FIX_WORDS
 from ..core.parallel import DEFAULT_GPUS_PER_NODE, MAX_RANKS, ParallelConfig
 from ..core.planner.options import AUTO, BalanceBy, PlanOptions
 from .loss import GROUP_REDUCE, LOSS_MODES
@@ -385,7 +386,8 @@ def memory_settings_from_args(args: Any):
 
 def parse_memory_flag(text: Optional[str]) -> Dict[str, Any]:
     """``headroom=0.15,logits_fp32_copies=2`` -> ``{"headroom": 0.15, "logits_fp32_copies": 2}`` (numbers read as
-    numbers; :class:`MemorySettings` checks names and values)."""
+    numbers, ``true`` / ``false`` as booleans -- ``trainer=slime,loss_entropy=true``; :class:`MemorySettings` checks
+    names and values)."""
     out: Dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
         key, sep, value = item.partition("=")
@@ -399,6 +401,8 @@ def parse_memory_flag(text: Optional[str]) -> Dict[str, Any]:
                 break
             except ValueError:
                 continue
+        if isinstance(value, str) and value.lower() in ("true", "false"):  # loss_entropy=true, loss_fused=false
+            value = value.lower() == "true"
         out[key.strip()] = value
     return out
 
@@ -447,7 +451,7 @@ def plan_options_from_args(args: Any, *, forward_only: bool = False, world_size:
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None and value is not False:  # store_true flags left off and unset flags: the default
             values[name] = value
-    words = dict(MEGATRON_WORDS)
+    words = {**FIX_WORDS["megatron"], **MEGATRON_WORDS}  # an auto budget's fixes name the launch's flags too
     if forward_only:
         words["max_tokens_per_gpu"] = "--log-probs-max-tokens-per-gpu"
     with trainer_terms(words):

@@ -26,6 +26,13 @@ Megatron there (the memory model is Megatron's):
   ``logprob_mb_tokens`` of ``policy.sequence_packing`` or ``policy.dynamic_batching`` (whichever is enabled);
   layout and memory settings from ``policy.megatron_cfg``, ``dp`` from ``cluster.gpus_per_node x num_nodes``.
 
+Each reader also sets the trainer's loss path (``MemorySettings.trainer`` and its loss options,
+:mod:`~megatron_dynbatch.core.memory.loss_paths`): slime's ``entropy_coef``, ``rollout_temperature`` and
+``log_probs_chunk_size``; verl's actor ``entropy_coeff`` and ``model.use_fused_kernels``; ROLL's
+``strategy_config.cross_entropy_loss_fusion`` (its ``entropy_loss_coef`` lives in the pipeline config, not the
+worker's: pass ``settings={"loss_entropy": True}`` to the check when it is above 0); NeMo-RL's
+``policy.logprob_chunk_size``.
+
 A layout whose ``dp`` the config does not give (verl's ``actor_rollout_ref`` or NeMo-RL's ``policy`` alone) has
 ``dp = 1`` and ``dp_known`` false: the distributed optimizer's state per GPU depends on it, so the check refuses
 to judge that case (pass ``dp_size=``); with any other optimizer ``dp`` does not change the memory. Values are
@@ -116,6 +123,16 @@ def _dtype(name: Any) -> Optional[str]:
             "float32": "fp32", "fp32": "fp32", "float": "fp32"}.get(str(name).lower()) if name is not None else None
 
 
+def _nonzero(coef: Any) -> bool:
+    """An entropy coefficient that puts an entropy term in the loss (a number other than 0)."""
+    return isinstance(coef, (int, float)) and not isinstance(coef, bool) and coef != 0
+
+
+def _positive(chunk: Any) -> bool:
+    """A chunk size that turns chunking on (slime's -1 and NeMo-RL's None / 0 leave it off)."""
+    return isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
+
+
 def _optimizer(offload: Any, distributed: Any) -> str:
     return "cpu_offload" if offload else "distributed" if distributed else "replicated"
 
@@ -134,8 +151,12 @@ def slime_budgets(args: Any, parallel: ParallelConfig, model: Any = None) -> Opt
         out.append(("--max-tokens-per-gpu", train, ""))
         out.append(("--log-probs-max-tokens-per-gpu", train if log_prob is None else log_prob,
                     "" if log_prob is not None else "unset, so slime uses --max-tokens-per-gpu there"))
+    chunk = _get(args, "log_probs_chunk_size", default=-1)
+    loss = {"trainer": "slime", "loss_entropy": _nonzero(_get(args, "entropy_coef", default=0.0)),
+            "loss_temperature": _get(args, "rollout_temperature", default=1.0),
+            "loss_chunk_tokens": chunk if _positive(chunk) else None}
     return ConfiguredBudgets("slime", tuple(b for b in out if b[1] is not None), parallel,
-                             settings_from_megatron(args), model)
+                             settings_from_megatron(args, **loss), model)
 
 
 # --------------------------------------------------------------------------------------------- verl
@@ -184,6 +205,8 @@ def verl_budgets(config: Any, dp_size: Optional[int] = None) -> Optional[Configu
         kw["param_dtype"] = _dtype(_get(meg, "dtype"))
     if _get(meg, "expert_tensor_parallel_size") is not None:
         kw["expert_tensor_parallel_size"] = _get(meg, "expert_tensor_parallel_size")
+    kw.update(trainer="verl", loss_entropy=_nonzero(_get(actor, "entropy_coeff", default=0.0)),
+              loss_fused=bool(_get(arr, "model", "use_fused_kernels", default=False)))
     return ConfiguredBudgets("verl", tuple(b for b in out if b[1] is not None), par, MemorySettings(**kw),
                              model_at(_get(arr, "model", "path")), dp_known)
 
@@ -217,7 +240,8 @@ def roll_budgets(worker_config: Any, role: str = "actor_train", dp_size: Optiona
     for key in ("recompute_granularity", "expert_tensor_parallel_size"):
         if _get(sc, key) is not None:
             argv += ["--" + key.replace("_", "-"), str(_get(sc, key))]
-    st = settings_from_megatron(argv)
+    st = settings_from_megatron(argv, trainer="roll",
+                                loss_fused=bool(_get(sc, "cross_entropy_loss_fusion", default=False)))
     dt = _dtype(_get(worker_config, "model_args", "dtype"))
     if dt:
         st = st.replace(param_dtype=dt)
@@ -265,5 +289,7 @@ def nemo_rl_budgets(config: Any, dp_size: Optional[int] = None) -> Optional[Conf
         kw["grad_dtype"] = dt
     if _get(mcfg, "expert_tensor_parallel_size") is not None:
         kw["expert_tensor_parallel_size"] = _get(mcfg, "expert_tensor_parallel_size")
+    chunk = _get(policy, "logprob_chunk_size")
+    kw.update(trainer="nemo-rl", loss_chunk_tokens=chunk if _positive(chunk) else None)
     return ConfiguredBudgets("nemo-rl", tuple(b for b in out if b[1] is not None), par, MemorySettings(**kw),
                              model_at(_get(policy, "model_name")), dp_known)

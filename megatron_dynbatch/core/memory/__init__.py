@@ -18,6 +18,8 @@ Modules, one job each:
   imbalance, reserve and headroom (validated at construction);
 * :mod:`.params` -- parameter counts and each stage's static bytes (weights, gradients, optimizer state);
 * :mod:`.analytic` -- the shape-derived per-token bytes of a layer, a layer's input, the LM head and loss;
+* :mod:`.loss_paths` -- each trainer's loss path (Megatron-LM, slime, verl, ROLL, NeMo-RL), read from its code:
+  the bytes per token per vocabulary column its loss keeps, per pass, and the options that change them;
 * :mod:`.profile` -- :class:`MemoryProfile`: those coefficients, analytic or fitted by ``calibrate`` (the
   ``memory`` section of the cost-model file: :func:`load_memory_profile`, :func:`resolve_memory_profile`);
 * :mod:`.peak` -- :func:`peak_memory` -> :class:`MemoryBreakdown`: every pipeline stage's peak, per pass;
@@ -36,6 +38,7 @@ Torch-free: nothing here imports torch, megatron or ray.
 """
 
 from .analytic import analytic_bytes, layer_activation_bytes
+from .loss_paths import TRAINERS, LossOptions, LossPath, loss_path, loss_path_bytes
 from .budget import MAX_GPU_MEMORY_GB, BudgetChoice, choose_budget
 from .estimate import MemoryEstimate, estimate_max_tokens_per_gpu, estimate_memory
 from .fit import MemoryFit, MemoryRecord, check_memory_records, fit_memory_records, memory_grid
@@ -52,5 +55,5 @@ __all__ = [
     "memory_grid", "load_memory_profile", "resolve_memory_profile", "model_key", "parameter_counts", "stage_static",
     "analytic_bytes", "layer_activation_bytes", "estimate_memory", "estimate_max_tokens_per_gpu",
     "trainer_settings", "TRAINER_DEFAULTS", "settings_from_megatron", "GiB", "OPTIMIZERS", "RECOMPUTE",
-    "MAX_GPU_MEMORY_GB",
+    "MAX_GPU_MEMORY_GB", "TRAINERS", "LossOptions", "LossPath", "loss_path", "loss_path_bytes",
 ]

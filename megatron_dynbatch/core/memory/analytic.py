@@ -10,8 +10,9 @@ no dropout -- the Korthikanti et al. (2022) count with flash attention, ``32 h``
   copies times ``moe_imbalance``, the FFN part ``/etp``) plus router logits and the shared expert;
 * **a layer's input** (what full recompute keeps): ``2h`` (``/tp`` with sequence parallelism);
 * **the LM head and loss** on the last stage: the bf16 logits ``T x V/tp`` plus one fp32 copy (Megatron's
-  vocab-parallel cross entropy; this package's loss path) plus the final norm's input, for the main head and
-  each MTP head; every further fp32 copy a loss keeps (entropy, extra log-probs) adds ``4 V/tp`` per head.
+  vocab-parallel cross entropy, :func:`~.loss_paths.loss_path_bytes` of ``megatron-lm``: this package's loss path)
+  plus the final norm's input, for the main head and each MTP head; a trainer whose loss keeps more or less
+  differs from it by :func:`~.loss_paths.head_terms` (added in :mod:`.peak`).
 
 Pure Python.
 """
@@ -22,6 +23,7 @@ from typing import Dict, List
 
 from ..model_spec import ModelSpec
 from ..parallel import ParallelConfig
+from .loss_paths import loss_path_bytes
 
 
 def layer_activation_bytes(m: ModelSpec, p: ParallelConfig, etp: int, moe_layer: bool, moe_imbalance: float) -> float:
@@ -68,7 +70,7 @@ def analytic_bytes(m: ModelSpec, p: ParallelConfig, etp: int, moe_imbalance: flo
         "layer": mean,
         "layer_peak": max(per_layer),
         "layer_input": 2.0 * m.hidden_size / (p.tp if p.sequence_parallel else 1),
-        "head": heads * (vocab * (2.0 + 4.0) + 2.0 * m.hidden_size),
+        "head": heads * (vocab * loss_path_bytes("megatron-lm") + 2.0 * m.hidden_size),
         "fp32_copy": heads * 4.0 * vocab,
         "mtp_layers": int(m.mtp_num_layers or 0) * mean,
     }

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..checks import MAX_TOKENS, as_float, as_int
 from ..errors import DynBatchConfigError
 from ..model_spec import ModelLike, ModelSpec
 from ..parallel import ParallelConfig
+from .loss_paths import REFERENCE_BYTES, loss_path, loss_path_bytes
 from .peak import MemoryBreakdown, StageTerms, breakdown_of, check_pass, stage_terms
 from .settings import GiB, MemorySettings
 
@@ -53,16 +54,27 @@ class BudgetChoice:
     settings: MemorySettings
     breakdown: MemoryBreakdown
     limited_by: str
+    tp: int = 1
 
     @property
     def tokens_per_microbatch(self) -> int:
         return self.tokens_per_gpu * self.cp
 
+    @property
+    def loss(self) -> str:
+        """The loss path counted: the trainer's (:mod:`.loss_paths`) or the fp32 copies set."""
+        copies = self.settings.fp32_copies(self.pass_)
+        if copies is not None:
+            return f"loss with {copies} fp32 logits copies (set)"
+        path = loss_path(self.settings.trainer, self.pass_, self.settings.loss_options(), tp=self.tp)
+        return f"{self.settings.trainer}'s loss {path.column_bytes:g} B x T x V/tp"
+
     def to_dict(self) -> Dict[str, Any]:
         return {"max_tokens_per_gpu": self.tokens_per_gpu, "tokens_per_microbatch": self.tokens_per_microbatch,
                 "pass": self.pass_, "gpu_memory_gb": self.gpu_memory_gb, "usable_gb": self.usable_bytes / GiB,
                 "headroom": self.settings.headroom, "exact_tokens": self.exact_tokens, "multiple": self.multiple,
-                "limiting_stage": self.limiting_stage, "limited_by": self.limited_by,
+                "limiting_stage": self.limiting_stage, "limited_by": self.limited_by, "trainer": self.settings.trainer,
+                "loss_path": self.loss,
                 "predicted_peak_gb": self.breakdown.peak_gb,
                 "settings": self.settings.to_dict(), "breakdown": self.breakdown.to_dict()}
 
@@ -79,39 +91,81 @@ class BudgetChoice:
         lines.append(f"  {'headroom':<14} {(self.gpu_memory_gb * GiB - self.usable_bytes) / GiB:8.2f} GiB  "
                      "left free for allocator fragmentation")
         lines.append(f"  limited by: {self.limited_by} on stage {self.limiting_stage} (optimizer {st.optimizer}, "
-                     f"recompute {st.recompute}, fp32 logits copies {st.fp32_copies(self.pass_)}, "
-                     f"{b.profile_source} memory profile)")
+                     f"recompute {st.recompute}, {self.loss}, {b.profile_source} memory profile)")
         return "\n".join(lines)
+
+
+#: cards whose marketing size in GB is a round number a user may type for GiB: GB -> (card, GiB torch reports)
+KNOWN_CARDS = {80: ("an H100 80GB", 79.1), 141: ("an H200", 139.8)}
+#: above this many GiB a card size is taken for bytes or MiB (no accelerator has 4 TiB)
+MAX_PLAUSIBLE_GB = 4096.0
+
+#: the words of :func:`choose_budget`'s fixes (Python keywords) at the entry points: ``"cli"`` (``plan`` and
+#: ``budget``) and ``"megatron"`` (a launch's flags), for :func:`~megatron_dynbatch.core.errors.trainer_terms`
+FIX_WORDS = {
+    "cli": {'recompute="full"': "--recompute full", 'optimizer="distributed"': "--optimizer distributed",
+            'optimizer="cpu_offload"': "--optimizer cpu_offload", "parallel.tp": "--tp", "parallel.pp": "--pp",
+            "parallel.cp": "--cp", "parallel.ep": "--ep", "gpu_memory_gb": "--gpu-memory-gb"},
+    "megatron": {'recompute="full"': "--recompute-granularity full",
+                 'optimizer="distributed"': "--use-distributed-optimizer",
+                 'optimizer="cpu_offload"': "--optimizer-cpu-offload",
+                 "parallel.tp": "--tensor-model-parallel-size", "parallel.pp": "--pipeline-model-parallel-size",
+                 "parallel.cp": "--context-parallel-size", "parallel.ep": "--expert-model-parallel-size",
+                 "gpu_memory_gb": "--dynbatch-gpu-memory-gb"},
+}
 
 
 def _card(gpu_memory_gb: Any) -> float:
     if gpu_memory_gb is None:
         raise DynBatchConfigError("gpu_memory_gb", None, "no card size is known",
                                   "pass the GPU's memory in GiB (torch.cuda.get_device_properties(0).total_memory "
-                                  "/ 2**30; about 79.1 for an H100 80GB), e.g. --gpu-memory-gb 80")
+                                  "/ 2**30; about 79.1 for an H100 80GB), e.g. gpu_memory_gb=79.1")
+    if isinstance(gpu_memory_gb, (int, float)) and not isinstance(gpu_memory_gb, bool) and \
+            math.isfinite(float(gpu_memory_gb)) and float(gpu_memory_gb) >= float(1 << 30):
+        raise DynBatchConfigError("gpu_memory_gb", gpu_memory_gb, "is a card size in bytes, not GiB "
+                                  f"({float(gpu_memory_gb):g} bytes = {float(gpu_memory_gb) / GiB:.1f} GiB)",
+                                  f"pass the GiB: gpu_memory_gb={float(gpu_memory_gb) / GiB:.1f}")
     return as_float(gpu_memory_gb, "gpu_memory_gb", minimum=1e-9, maximum=MAX_GPU_MEMORY_GB,
-                    fix=f"pass the GPU's memory in GiB, a number in (0, {MAX_GPU_MEMORY_GB:g}], e.g. 80")
+                    fix=f"pass the GPU's memory in GiB, a number in (0, {MAX_GPU_MEMORY_GB:g}], e.g. 79.1")
+
+
+def card_unit_problem(gpu_memory_gb: float) -> Optional[Tuple[str, float, str]]:
+    """What is wrong with the unit of a card size a person typed, as ``(unit, GiB, card)``; ``None`` if it reads as
+    GiB. ``("bytes" | "MiB", GiB, "")``: a value above :data:`MAX_PLAUSIBLE_GB` (an error at the entry points);
+    ``("GB", GiB torch reports, card)``: a round number that is a known card's size in GB (:data:`KNOWN_CARDS`: 80
+    for an H100 80GB), likely GB and not GiB (a warning: the budget is computed for the value typed)."""
+    v = float(gpu_memory_gb)
+    if v > MAX_PLAUSIBLE_GB:
+        return ("bytes", v / GiB, "") if v >= 1 << 30 else ("MiB", v / 1024.0, "")
+    if v in KNOWN_CARDS:
+        card, gib = KNOWN_CARDS[int(v)]
+        return "GB", gib, card
+    return None
 
 
 def _fixes(st: MemorySettings, m: ModelSpec, p: ParallelConfig, static_too_big: bool) -> str:
+    """What to change, in Python keywords (:data:`FIX_WORDS` spells them at the entry points)."""
     out: List[str] = []
     if static_too_big:
-        out.append("raise tensor or pipeline parallelism (--tp / --pp split the weights)")
+        out.append("raise tensor or pipeline parallelism (parallel.tp, parallel.pp split the weights)")
         if m.num_experts:
-            out.append("raise expert parallelism (--ep)")
+            out.append("raise expert parallelism (parallel.ep)")
         if st.optimizer == "replicated":
-            out.append("use the distributed optimizer (shards Adam state over dp x cp)")
+            out.append('use the distributed optimizer (optimizer="distributed" shards Adam state over the '
+                       "data-parallel ranks)")
         if st.optimizer != "cpu_offload":
-            out.append("offload the optimizer to the CPU (--optimizer-cpu-offload)")
+            out.append('offload the optimizer to the CPU (optimizer="cpu_offload")')
     else:
         if st.recompute != "full":
-            out.append("turn on full recompute (--recompute-granularity full)")
-        out.append("raise tensor parallelism (--tp divides activations and logits)")
-        out.append("raise pipeline or context parallelism (--pp, --cp)")
-        if st.logits_fp32_copies > 1 or st.log_prob_fp32_copies > 1:
-            out.append("keep fewer fp32 logits copies in the loss")
+            out.append('turn on full recompute (recompute="full")')
+        out.append("raise tensor parallelism (parallel.tp divides activations and logits)")
+        out.append("raise pipeline or context parallelism (parallel.pp, parallel.cp)")
+        if any((c or 0) > 1 for c in (st.logits_fp32_copies, st.log_prob_fp32_copies)) or \
+                loss_path_bytes(st.trainer, "train", st.loss_options(), tp=p.tp) > REFERENCE_BYTES:
+            out.append(f"use a loss that keeps less over the vocabulary ({st.trainer}'s fused or chunked loss, no "
+                       "entropy term: docs/tuning.md, loss paths)")
         if st.optimizer != "cpu_offload":
-            out.append("offload the optimizer to the CPU (frees static memory)")
+            out.append('offload the optimizer to the CPU (optimizer="cpu_offload" frees static memory)')
     out.append("or use a larger GPU")
     return "; ".join(out)
 
@@ -165,7 +219,8 @@ def choose_budget(model: ModelLike, parallel: Any, gpu_memory_gb: Any, *, pass_:
             f"{mult} ({pass_.replace('_', '-')} pass)", _fixes(st, m, p, False))
     lim = min(range(len(terms)), key=lambda i: fits[i])
     return BudgetChoice(tokens, pass_, card, usable, exact_int, mult, p.cp, lim, st,
-                        breakdown_of(terms, tokens, pass_, prof.source), _limited_by(terms[lim], st.recompute))
+                        breakdown_of(terms, tokens, pass_, prof.source), _limited_by(terms[lim], st.recompute), p.tp)
 
 
-__all__ = ["BudgetChoice", "choose_budget", "MAX_GPU_MEMORY_GB", "DEFAULT_MULTIPLE"]
+__all__ = ["BudgetChoice", "choose_budget", "MAX_GPU_MEMORY_GB", "DEFAULT_MULTIPLE", "FIX_WORDS", "KNOWN_CARDS",
+           "card_unit_problem"]

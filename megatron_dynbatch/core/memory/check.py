@@ -158,7 +158,8 @@ def check_configured_budget(setting: str, value: Any, model: Any, parallel: Any,
     per_gpu = val // factor
     usable = card * GiB * (1.0 - st.headroom)
     peak = peak_memory(m, par, per_gpu, pass_=own_pass, settings=st, profile=profile).peak_bytes
-    what = f"{m.name or 'the model'} on {_layout(par)}, optimizer {st.optimizer}, recompute {st.recompute}"
+    what = (f"{m.name or 'the model'} on {_layout(par)}, optimizer {st.optimizer}, recompute {st.recompute}, "
+            f"{st.trainer}'s loss path")
     note = f"; {note}" if note else ""
     head = (f"{name}={val}" + (f" ({per_gpu} tokens per GPU)" if factor != 1 else "")
             + f": predicted peak {peak / GiB:.1f} GiB on a {card:g} GiB card ({usable / GiB:.1f} usable, "

@@ -7,9 +7,11 @@ TP / SP division as the profile's bytes say) peaks at::
 
 * ``static_s`` -- weights, gradients, optimizer state of the stage (:mod:`.params`);
 * ``per_token_s``, training, no / selective recompute: ``units_s x layer + max(backward_extra, logits)``; full
-  recompute: ``units_s x layer_input + max(layer_peak, logits)`` -- ``logits`` (head + loss, plus every further
-  fp32 copy of the settings, plus the MTP layers) on the last stage only, 0 elsewhere. A forward-only log-prob
-  pass keeps nothing for backward (Megatron's forward-only schedule holds no micro-batch's tensors):
+  recompute: ``units_s x layer_input + max(layer_peak, logits)`` -- ``logits`` (head + loss, plus the trainer's
+  loss path's difference from Megatron's cross entropy -- :func:`~.loss_paths.head_terms` -- plus the MTP
+  layers) on the last stage only, 0 elsewhere; a chunked loss's chunk buffers in that stage's workspace. A
+  forward-only log-prob pass keeps nothing for backward (Megatron's forward-only schedule holds no micro-batch's
+  tensors):
   ``layer_input + max(layer_peak, logits)`` (the stage's input, one layer's working set, the head);
 * ``units_s`` -- decoder layers whose activations are alive at once: 1F1B's stage ``s`` holds ``pp - s``
   micro-batches of ``L / pp`` layers (the first stage ``pp`` of them -- about all ``L`` layers' worth whatever
@@ -36,6 +38,7 @@ from ..checks import as_int
 from ..errors import DynBatchConfigError
 from ..model_spec import ModelLike, ModelSpec
 from ..parallel import ParallelConfig
+from .loss_paths import head_terms
 from .params import stage_static
 from .profile import MemoryProfile, resolve_memory_profile
 from .settings import GiB, MemorySettings
@@ -169,9 +172,12 @@ def stage_terms(model: ModelLike, parallel: Any, *, pass_: str = "train", settin
                                   f"{m.num_layers} layers: a stage without layers", "use pp x vpp <= the layers")
     prof = resolve_memory_profile(profile, m, p, st)
     static = stage_static(m, p, st, pass_)
-    copies = st.fp32_copies(pass_)
     head = prof.head_bytes if pass_ == "train" else prof.head_forward_bytes
-    logits = head + (copies - 1) * prof.fp32_copy_bytes + (prof.mtp_layer_bytes if pass_ == "train" else 0.0)
+    # the trainer's loss path against the reference one the head counts (loss_paths.head_terms); a chunk's buffers
+    # are a constant of the last stage's micro-batch
+    loss, chunk, _ = head_terms(st, pass_, p.tp, prof.fp32_copy_bytes / (4.0 * (1 + int(m.mtp_num_layers or 0))),
+                                prof.fp32_copy_bytes)
+    logits = max(0.0, head + loss) + (prof.mtp_layer_bytes if pass_ == "train" else 0.0)
     reserve = st.reserve_gb * GiB
     out: List[StageTerms] = []
     for s in range(p.pp):
@@ -184,8 +190,8 @@ def stage_terms(model: ModelLike, parallel: Any, *, pass_: str = "train", settin
         else:
             kept, extra = units * prof.layer_bytes, prof.backward_extra_bytes
         res, step = static[s]
-        out.append(StageTerms(s, res, step if pass_ == "train" else 0.0, reserve, prof.workspace_bytes, kept,
-                              extra, last))
+        out.append(StageTerms(s, res, step if pass_ == "train" else 0.0, reserve,
+                              prof.workspace_bytes + (chunk if s == p.pp - 1 else 0.0), kept, extra, last))
     return out, prof
 
 

@@ -15,11 +15,12 @@ allocator's fragmentation (``headroom``). Pure Python.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Dict, Mapping, Optional
 
 from ..checks import as_bool, as_float, as_int
 from ..errors import DynBatchConfigError
+from .loss_paths import LossOptions, check_trainer
 
 GiB = float(1 << 30)
 OPTIMIZERS = ("distributed", "replicated", "cpu_offload")
@@ -30,6 +31,11 @@ DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
 LOG_PROB_STATIC = ("training", "weights")
 #: most fp32 copies of the logits a loss may keep (each is 4 bytes x T x V/tp)
 MAX_FP32_COPIES = 16
+
+
+def _option(default: Any = None, *, megatron: Optional[str] = None, cli: Optional[str] = None) -> Any:
+    """A field with its spellings at the entry points (as ``PlanOptions``' fields carry them)."""
+    return field(default=default, metadata={"megatron": megatron, "cli": cli})
 
 
 def _choice(value: Any, field: str, choices: Any) -> str:
@@ -53,9 +59,13 @@ class MemorySettings:
       optimizer state per parameter before sharding (12: fp32 master + two fp32 moments);
     * ``optimizer_step_bytes_per_param``: temporary buffers of the optimizer's step (0 for fused Adam --
       Transformer Engine's or apex's; about 4 for torch's foreach AdamW, Megatron's fallback without them);
-    * ``logits_fp32_copies``: fp32 copies of the ``T x V/tp`` logits the training loss keeps (1: Megatron's
-      cross entropy and this package's own loss path; 2 when an RL loss also computes entropy or log-probs over
-      the vocabulary); ``log_prob_fp32_copies``: the same for log-prob / reference passes;
+    * ``trainer``: whose loss path the LM head's term counts (:mod:`.loss_paths`: ``megatron-lm`` -- Megatron's
+      cross entropy, this package's own loss -- ``slime``, ``verl``, ``roll``, ``nemo-rl``), with the trainer
+      options that change it: ``loss_entropy`` (an entropy term in the training loss), ``loss_temperature``,
+      ``loss_fused`` (the trainer's fused loss kernel), ``loss_chunk_tokens`` (its log-prob chunk);
+    * ``logits_fp32_copies``: ``None`` (the trainer's loss path decides) or a count that overrides it: fp32
+      copies of the ``T x V/tp`` logits beside the bf16 logits in the training loss (1 is Megatron's cross
+      entropy); ``log_prob_fp32_copies``: the same for log-prob / reference passes;
     * ``moe_imbalance``: tokens of the busiest expert over the mean (>= 1; e.g. 1.5 early in training);
       ``expert_tensor_parallel_size``: Megatron's ETP (default the layout's ``tp``);
     * ``untie_embeddings``: the LM head has its own weights (False: tied to the input embedding);
@@ -73,14 +83,29 @@ class MemorySettings:
     grad_dtype: str = "fp32"
     optimizer_bytes_per_param: float = 12.0
     optimizer_step_bytes_per_param: float = 0.0
-    logits_fp32_copies: int = 1
-    log_prob_fp32_copies: int = 1
+    logits_fp32_copies: Optional[int] = None
+    log_prob_fp32_copies: Optional[int] = None
     moe_imbalance: float = 1.0
     expert_tensor_parallel_size: Optional[int] = None
     untie_embeddings: bool = True
     log_prob_static: str = "training"
     reserve_gb: float = 4.0
     headroom: float = 0.10
+    #: whose loss path the LM-head term counts (``megatron-lm``, ``slime``, ``verl``, ``roll``, ``nemo-rl``:
+    #: :mod:`megatron_dynbatch.core.memory.loss_paths`)
+    trainer: str = _option("megatron-lm", megatron="--dynbatch-trainer", cli="--trainer")
+    #: the training loss has an entropy term (slime ``--entropy-coef``, verl ``entropy_coeff``, ROLL
+    #: ``entropy_loss_coef`` not 0)
+    loss_entropy: bool = _option(False, megatron="--dynbatch-loss-entropy", cli="--loss-entropy")
+    #: the temperature the loss divides the logits by (slime ``--rollout-temperature``)
+    loss_temperature: float = _option(1.0, megatron="--dynbatch-loss-temperature", cli="--loss-temperature")
+    #: the trainer's fused loss kernel (Megatron ``--cross-entropy-loss-fusion``, verl ``use_fused_kernels``,
+    #: ROLL ``cross_entropy_loss_fusion``)
+    loss_fused: bool = _option(False, megatron="--dynbatch-loss-fused", cli="--loss-fused")
+    #: the trainer's log-prob chunk in tokens (slime ``--log-probs-chunk-size``, NeMo-RL ``logprob_chunk_size``);
+    #: ``None``: unchunked
+    loss_chunk_tokens: Optional[int] = _option(None, megatron="--dynbatch-loss-chunk-tokens",
+                                               cli="--loss-chunk-tokens")
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -93,6 +118,8 @@ class MemorySettings:
             s(self, name, as_float(getattr(self, name), f"settings.{name}", minimum=0.0, maximum=hi,
                                    fix=f"pass bytes per parameter between 0 and {hi:g}"))
         for name in ("logits_fp32_copies", "log_prob_fp32_copies"):
+            if getattr(self, name) is None:
+                continue
             s(self, name, as_int(getattr(self, name), f"settings.{name}", minimum=0, maximum=MAX_FP32_COPIES,
                                  fix="pass 1 (Megatron's cross entropy), 2 for a loss that also keeps entropy"))
         s(self, "moe_imbalance", as_float(self.moe_imbalance, "settings.moe_imbalance", minimum=1.0, maximum=64.0,
@@ -106,6 +133,12 @@ class MemorySettings:
                                        fix="pass the GiB kept for the CUDA context and NCCL, e.g. 4"))
         s(self, "headroom", as_float(self.headroom, "settings.headroom", minimum=0.0, maximum=0.9,
                                      fix="pass the fraction of the card left free, e.g. 0.1"))
+        s(self, "trainer", check_trainer(self.trainer, "settings.trainer"))
+        opts = self.loss_options()  # validates the loss options (named as the fields)
+        s(self, "loss_entropy", opts.entropy)
+        s(self, "loss_temperature", opts.temperature)
+        s(self, "loss_fused", opts.fused)
+        s(self, "loss_chunk_tokens", opts.chunk_tokens)
 
     @property
     def weight_bytes(self) -> float:
@@ -115,9 +148,19 @@ class MemorySettings:
     def grad_bytes(self) -> float:
         return DTYPE_BYTES[self.grad_dtype]
 
-    def fp32_copies(self, pass_: str) -> int:
-        """fp32 logits copies of ``pass_`` (``"train"`` or ``"log_prob"``)."""
+    def fp32_copies(self, pass_: str) -> Optional[int]:
+        """fp32 logits copies set for ``pass_`` (``"train"`` or ``"log_prob"``); ``None``: the trainer's path."""
         return self.logits_fp32_copies if pass_ == "train" else self.log_prob_fp32_copies
+
+    def loss_options(self) -> LossOptions:
+        """The trainer loss options (:class:`~.loss_paths.LossOptions`)."""
+        from ..errors import reword
+
+        try:
+            return LossOptions(self.loss_entropy, self.loss_temperature, self.loss_fused, self.loss_chunk_tokens)
+        except DynBatchConfigError as err:
+            raise reword(err, {k: "settings." + k for k in ("loss_entropy", "loss_temperature", "loss_fused",
+                                                              "loss_chunk_tokens")}) from None
 
     def replace(self, **changes: Any) -> "MemorySettings":
         return replace(self, **changes)
@@ -143,4 +186,4 @@ class MemorySettings:
                                   "pass MemorySettings(optimizer=..., recompute=...) or a dict of its fields")
 
 
-__all__ = ["MemorySettings", "GiB", "OPTIMIZERS", "RECOMPUTE", "DTYPE_BYTES", "LOG_PROB_STATIC"]
+__all__ = ["MemorySettings", "LossOptions", "GiB", "OPTIMIZERS", "RECOMPUTE", "DTYPE_BYTES", "LOG_PROB_STATIC"]

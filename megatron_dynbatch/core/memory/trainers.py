@@ -69,7 +69,9 @@ TRAINER_DEFAULTS: Dict[str, TrainerDefault] = {
 
 
 def trainer_settings(train_tokens: Any, log_prob_tokens: Any, parallel: Any = None) -> List[TrainerLine]:
-    """The budgets (per GPU) in every trainer's own settings (module docstring)."""
+    """The budgets (per GPU) in every trainer's own settings (module docstring). The same budgets for everybody:
+    ``megatron-dynbatch budget`` gives each trainer its own, from its loss path (:mod:`.loss_paths`), and takes
+    that trainer's line of this function with them."""
     bt = as_int(train_tokens, "train_tokens", minimum=1)
     bl = as_int(log_prob_tokens, "log_prob_tokens", minimum=1)
     p = ParallelConfig.from_any(parallel)
@@ -80,12 +82,13 @@ def trainer_settings(train_tokens: Any, log_prob_tokens: Any, parallel: Any = No
     out = [
         TrainerLine("megatron-lm", {"--max-tokens-per-gpu": bt, "--log-probs-max-tokens-per-gpu": bl},
                     f"--max-tokens-per-gpu {bt} --log-probs-max-tokens-per-gpu {bl}",
-                    f"per GPU, padding counted; a micro-batch holds this x cp {cp}; also slime with the drop-in"),
+                    f"per GPU, padding counted; a micro-batch holds this x cp {cp}"),
         TrainerLine("slime", {"--max-tokens-per-gpu": st, "--log-probs-max-tokens-per-gpu": sl},
                     f"--max-tokens-per-gpu {st} --log-probs-max-tokens-per-gpu {sl}",
                     f"slime's own batching: rounded down to tp x {SLIME_PAD} = {pad}, the multiple it pads each CP "
-                    "rank's share to" + ("" if bt >= pad else "; the budget is below one multiple, so a padded share "
-                                         "goes over it: use the drop-in")),
+                    "rank's share to (the drop-in counts that padding itself)"
+                    + ("" if bt >= pad else "; the budget is below one multiple, so a padded share goes over it: use "
+                                            "the drop-in")),
         TrainerLine("verl", {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": bt,
                              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": bl,
                              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": bl},
