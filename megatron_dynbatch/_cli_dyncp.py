@@ -87,15 +87,16 @@ def _fixed_cp_plan(lengths: Sequence[int], opts: Any) -> Tuple[Any, Optional[str
     try:
         with warnings.catch_warnings():  # the dynamic-CP plan already warned about what matters
             warnings.simplefilter("ignore")
-            plan = plan_global_batch(lengths, opts.replace(dynamic_cp=False))
+            plan = plan_global_batch(lengths, opts.replace(dynamic_cp=False, min_cp_size=None))
     except DynBatchConfigError as exc:
         return None, exc.problem
     return score_with_cp_comm(plan, model=opts.model, cost_model=opts.cost_model, lengths=lengths), None
 
 
 def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[str, Any]:
-    """``--compare``: each peer's plan scored with CP communication (or why it failed), and megatron-core's
-    hybrid-CP scheduler, as the benchmark scores its dynamic-CP workloads."""
+    """``--compare``: each peer's plan scored with CP communication (or why it failed), megatron-core's
+    hybrid-CP scheduler and Megatron-LM dev's dynamic-CP scheduler, as the benchmark scores its dynamic-CP
+    workloads."""
     from .bench.baselines import BASELINES, BaselineContext, run_baseline
     from .bench.hybrid_cp import BaselineInfeasible, plan_hybrid_cp
     from .core.cost_files import resolve_cost_model
@@ -112,6 +113,14 @@ def _peers(lengths: Sequence[int], args: argparse.Namespace, par: Any) -> Dict[s
         out["megatron-hybrid-cp"] = plan_hybrid_cp(lengths, par, args.max_tokens_per_gpu, cm)
     except BaselineInfeasible as exc:
         out["megatron-hybrid-cp"] = str(exc)
+    from .bench.megatron_dynamic_cp import NAME as DYNAMIC_CP, plan_megatron_dynamic_cp
+
+    try:  # Megatron-LM dev's scheduler, with the same minimum CP group (--min-cp-size)
+        out[DYNAMIC_CP] = plan_megatron_dynamic_cp(lengths, par, args.max_tokens_per_gpu, model=args.model,
+                                                   cost_model=cm, min_cp_size=getattr(args, "min_cp_size", None) or 1,
+                                                   fp8_alignment=args.fp8)
+    except BaselineInfeasible as exc:
+        out[DYNAMIC_CP] = str(exc)
     return out
 
 

@@ -24,7 +24,7 @@ from .core.errors import DynBatchConfigError
 OVERRIDE_FLAG = "--override-run"
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage", "gpus_per_node")
 #: flags named like the preset field they set (``--fp8`` sets ``fp8_alignment``)
-_SAME_NAME_FLAGS = ("balance_by", "oversize", "samples_per_step", "cost_model", "decision_margin")
+_SAME_NAME_FLAGS = ("balance_by", "oversize", "samples_per_step", "cost_model", "decision_margin", "min_cp_size")
 #: preset fields that ``plan`` has a flag for (named in the fix when the overridden preset fails its checks)
 _FLAG_OF_FIELD = ("model", "max_tokens_per_gpu") + _SAME_NAME_FLAGS + LAYOUT_FLAGS
 

@@ -37,6 +37,7 @@ VALUES = {
     "samples_per_step": 4,
     "rollouts_per_step": 2,
     "dynamic_cp": True,
+    "min_cp_size": 2,
     "num_microbatches": 3,
     "refine_rounds": 5,
     "equal_samples_per_rank": True,
@@ -61,10 +62,26 @@ CLI_TOKENS = {
     "fp8_alignment": ["--fp8", "mxfp8"],
     "samples_per_step": ["--samples-per-step", "4"],
     "dynamic_cp": ["--dynamic-cp"],
+    "min_cp_size": ["--min-cp-size", "2"],
     "num_microbatches": ["--num-microbatches", "3"],
     "gpu_memory_gb": ["--gpu-memory-gb", "79.1"],
     "memory": ["--recompute", "full"],
 }
+#: options valid only together with others: what each door adds for it (Python keywords, ``plan`` tokens, launch
+#: flags and Megatron's own args, run-preset fields)
+NEEDS = {
+    "min_cp_size": {"python": {"dynamic_cp": True, "parallel": {"dp": 2, "cp": 2}},
+                    "cli": ["--dynamic-cp", "--cp", "2"],
+                    "launch": ["--dynbatch-dynamic-cp", "--balance-by-flops"],
+                    "megatron": {"context_parallel_size": 2, "world_size": 4},
+                    "preset": {"dynamic_cp": True, "parallel": {"world_size": 4, "cp": 2}}},
+}
+
+
+def needs(name, door):
+    return NEEDS.get(name, {}).get(door, {} if door in ("python", "megatron", "preset") else [])
+
+
 #: options a Megatron launch does not set, and why (every other option has a launch flag)
 NOT_LAUNCH_OPTIONS = {
     "rollouts_per_step": "counts rollouts of a trainer's batch (slime); a launch steps by samples",
@@ -138,24 +155,26 @@ def test_every_option_has_a_test_value_and_a_documented_spelling():
 
 @pytest.mark.parametrize("name", sorted(VALUES))
 def test_python_api_and_the_options_object(name, recorder):
-    got = received(recorder, lambda: plan_global_batch([100] * 8, **{**BASE, name: VALUES[name]}))
+    base = {**BASE, **needs(name, "python")}
+    got = received(recorder, lambda: plan_global_batch([100] * 8, **{**base, name: VALUES[name]}))
     assert getattr(got, name) == expected(name)
-    opts = PlanOptions(**{**BASE, name: VALUES[name]})
+    opts = PlanOptions(**{**base, name: VALUES[name]})
     assert received(recorder, lambda: plan_global_batch([100] * 8, opts)) == opts
-    assert received(recorder, lambda: plan_global_batch([100] * 8, PlanOptions(**BASE), **{name: VALUES[name]})) == opts
+    assert received(recorder, lambda: plan_global_batch([100] * 8, PlanOptions(**base), **{name: VALUES[name]})) == opts
 
 
 @pytest.mark.parametrize("name", sorted(VALUES))
 def test_local_mode(name, recorder):
     from megatron_dynbatch.core.planner.local import local_microbatch_counts, plan_local_batch
 
+    base = {**BASE, **needs(name, "python")}
     if name != "num_microbatches":
-        got = received(recorder, lambda: local_microbatch_counts([100] * 8, **{**BASE, name: VALUES[name]}))
+        got = received(recorder, lambda: local_microbatch_counts([100] * 8, **{**base, name: VALUES[name]}))
         assert getattr(got, name) == (expected(name) if name != "parallel" else
                                       dataclasses.replace(expected(name), dp=1))
     if name != "num_microbatches":
         got = received(recorder,
-                       lambda: plan_local_batch([100] * 8, num_microbatches=2, **{**BASE, name: VALUES[name]}))
+                       lambda: plan_local_batch([100] * 8, num_microbatches=2, **{**base, name: VALUES[name]}))
         if name != "parallel":
             assert getattr(got, name) == expected(name)
 
@@ -166,9 +185,10 @@ def test_iterator(name, recorder):
     from megatron_dynbatch.megatron.iterator import DynamicBatchIterator
 
     samples = [{"tokens": torch.arange(30 + i)} for i in range(8)]
-    got = received(recorder, lambda: DynamicBatchIterator(samples, **{**BASE, name: VALUES[name]}))
+    base = {**BASE, **needs(name, "python")}
+    got = received(recorder, lambda: DynamicBatchIterator(samples, **{**base, name: VALUES[name]}))
     assert getattr(got, name) == expected(name)
-    opts = PlanOptions(**{**BASE, name: VALUES[name]})
+    opts = PlanOptions(**{**base, name: VALUES[name]})
     assert received(recorder, lambda: DynamicBatchIterator(samples, options=opts)) == opts
 
 
@@ -178,7 +198,8 @@ def test_ray_driver(name, recorder):
     from megatron_dynbatch.integrations.ray import plan_rollout
 
     samples = [{"tokens": list(range(30 + i))} for i in range(8)]
-    got = received(recorder, lambda: plan_rollout(samples, put=False, **{**BASE, name: VALUES[name]}))
+    got = received(recorder, lambda: plan_rollout(samples, put=False,
+                                                  **{**BASE, **needs(name, "python"), name: VALUES[name]}))
     assert getattr(got, name) == expected(name)
 
 
@@ -208,6 +229,7 @@ LAUNCH_TOKENS = {  # a launch's flags for each value
     "fp8_alignment": ["--dynbatch-fp8-alignment", "mxfp8"],
     "samples_per_step": ["--dynbatch-samples-per-step", "4"],
     "dynamic_cp": ["--dynbatch-dynamic-cp", "--balance-by-flops"],  # a launch balancing tokens refuses it
+    "min_cp_size": ["--dynbatch-min-cp-size", "2"],
     "gpu_memory_gb": ["--dynbatch-gpu-memory-gb", "79.1"],
 }
 
@@ -222,12 +244,13 @@ def test_megatron_launch_flags_and_the_hook(name, recorder):
     from megatron_dynbatch.integrations.megatron_lm import DynamicForwardBackward
     from megatron_dynbatch.megatron.args import plan_options_from_args, validate_dynamic_batch_args
 
-    megatron = {}
+    megatron = dict(needs(name, "megatron"))
     if name == "model":
         megatron["model"] = VALUES["model"]
     if name == "parallel":
         megatron.update(tensor_model_parallel_size=2, world_size=4)
-    flags = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048"] + LAUNCH_TOKENS.get(name, [])
+    flags = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048"] + LAUNCH_TOKENS.get(name, []) + \
+        needs(name, "launch")
     args = validate_dynamic_batch_args(launch_args(flags, **megatron))
     opts = plan_options_from_args(args)
     if name == "samples_per_step":  # the hook runs one optimizer step per Megatron iteration: dropped there
@@ -256,10 +279,11 @@ def test_run_presets_and_their_megatron_flags(name):
         data["balance_by"] = "flops"
     else:
         data[name] = VALUES[name]
+    data.update(needs(name, "preset"))
     rc = RunConfig.from_dict(data)
     assert getattr(rc.plan_options(), name) == expected(name)
     argv = rc.to_megatron_args()
-    megatron = {"model": data["model"]}
+    megatron = {"model": data["model"], **needs(name, "megatron")}
     if name == "parallel":
         megatron.update(tensor_model_parallel_size=2, world_size=4)
     known = [a for a in argv if a.startswith("--use") or a.startswith("--max-tokens") or a.startswith("--dynbatch")
@@ -277,7 +301,7 @@ def test_plan_command(name, recorder, tmp_path):
     lengths.write_text("\n".join(str(50 + i) for i in range(16)))
     base = {"max_tokens_per_gpu": ["--max-tokens-per-gpu", "2048"], "model": ["--model", "qwen3-0.6b"],
             "parallel": ["--dp", "2"]}
-    tokens = [t for key, toks in {**base, name: CLI_TOKENS[name]}.items() for t in toks]
+    tokens = [t for key, toks in {**base, name: CLI_TOKENS[name]}.items() for t in toks] + needs(name, "cli")
     with pytest.raises(Recorded):
         main(["plan", "--lengths", str(lengths), *tokens])
     got = recorder.pop()

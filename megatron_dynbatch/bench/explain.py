@@ -23,6 +23,7 @@ import numpy as np
 
 from .baselines import BASELINES
 from .hybrid_cp import NAME as HYBRID_CP, PROVENANCE as HYBRID_PROVENANCE
+from .megatron_dynamic_cp import NAME as MEGATRON_DYNCP, PROVENANCE as MEGATRON_DYNCP_PROVENANCE
 from .runner import DYNBATCH_VARIANTS, PRIMARY, BenchResult, Row
 from .table import LEVEL, standing
 
@@ -232,6 +233,8 @@ def _algorithm_help(name: str) -> str:
         return BASELINES[name].provenance or BASELINES[name].description
     if name == HYBRID_CP:
         return HYBRID_PROVENANCE
+    if name == MEGATRON_DYNCP:
+        return MEGATRON_DYNCP_PROVENANCE
     return ""
 
 

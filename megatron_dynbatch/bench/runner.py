@@ -26,6 +26,7 @@ import numpy as np
 from .adversarial import SHAPES as ADVERSARIAL_SHAPES, adversarial_tasks, run_adversarial
 from .baselines import BASELINES, BaselineContext, run_baseline, structural_problems
 from .hybrid_cp import NAME as HYBRID_CP, plan_hybrid_cp
+from .megatron_dynamic_cp import NAME as MEGATRON_DYNCP, plan_megatron_dynamic_cp
 from .partitioning import BaselineInfeasible
 from .speed import SpeedResult
 from ..core.cost_model import CostModel
@@ -47,11 +48,14 @@ DYNBATCH_VARIANTS: Dict[str, Tuple[Dict[str, Any], bool]] = {
     "dynbatch-dyncp": ({"dynamic_cp": True}, False),
 }
 PRIMARY = "dynbatch"
-#: run only on dynamic-CP workloads (``Workload.dynamic_cp``): the dynamic-CP planner and upstream's scheduler
-DYNCP_ONLY = ("dynbatch-dyncp", HYBRID_CP)
+#: run only on dynamic-CP workloads (``Workload.dynamic_cp``): the dynamic-CP planner and upstream's schedulers
+DYNCP_ONLY = ("dynbatch-dyncp", HYBRID_CP, MEGATRON_DYNCP)
 #: the row the lower bound comes from on dynamic-CP workloads (the pool bound holds for every plan)
 DYNCP_PRIMARY = "dynbatch-dyncp"
-ALGORITHMS: Tuple[str, ...] = tuple(DYNBATCH_VARIANTS) + tuple(BASELINES) + (HYBRID_CP,)
+ALGORITHMS: Tuple[str, ...] = tuple(DYNBATCH_VARIANTS) + tuple(BASELINES) + (HYBRID_CP, MEGATRON_DYNCP)
+#: the bench's own check on dynamic-CP workloads: ``dynbatch-dyncp`` is never slower than these on any batch
+#: (beyond the decision margin in effect, :func:`dyncp_slower_than`)
+DYNCP_NEVER_SLOWER_THAN: Tuple[str, ...] = (MEGATRON_DYNCP,)
 
 #: Planning-speed targets (samples, dp) -> milliseconds.
 SPEED_CASES: Tuple[Tuple[int, int, float], ...] = ((4096, 64, 20.0), (65536, 1024, 1000.0))
@@ -208,6 +212,18 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
             if len(counts) > 1:
                 notes.append(f"ragged micro-batch counts {min(counts)}..{max(counts)} (upstream runs one per sample)")
             row = _row_from_plan(w, seed, name, "baseline", plan, plan.planning_time_s, notes)
+        elif name == MEGATRON_DYNCP:
+            t0 = time.perf_counter()
+            try:
+                plan = plan_megatron_dynamic_cp(lengths, w.parallel, w.max_tokens_per_gpu, model=w.model,
+                                                cost_model=cm)
+            except BaselineInfeasible as exc:
+                rows.append(Row(w.name, seed, name, "baseline", error=str(exc),
+                                planning_ms=1e3 * (time.perf_counter() - t0)))
+                continue
+            notes = ([f"pp={w.parallel.pp}: its micro-batches modelled under Megatron's 1F1B schedule (every stage "
+                      "the same groups)"] if w.parallel.pp > 1 else [])
+            row = _row_from_plan(w, seed, name, "baseline", plan, plan.planning_time_s, notes)
         elif name in DYNBATCH_VARIANTS:
             kwargs, needs_groups = DYNBATCH_VARIANTS[name]
             if needs_groups and (batch.group_ids is None or np.unique(batch.group_ids).size < w.parallel.dp):
@@ -255,8 +271,29 @@ def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]]
         rows.append(row)
         if keep_plans:
             plans[(w.name, seed, name)] = plan
+    if dyncp:
+        margin = decision_margin if decision_margin is not None else float(cm.uncertainty)
+        for row in rows:
+            if row.algorithm == DYNCP_PRIMARY and row.ok:
+                row.notes += dyncp_slower_than(rows, margin)
     _relate(rows, DYNCP_PRIMARY if dyncp else PRIMARY)
     return rows, plans
+
+
+def dyncp_slower_than(rows: Sequence[Row], margin: float, names: Sequence[str] = DYNCP_NEVER_SLOWER_THAN) -> List[str]:
+    """The bench's own check on one dynamic-CP batch: where ``dynbatch-dyncp`` is slower than one of ``names``
+    by more than ``margin`` (relative; the planner's decision margin: within it, the planner prefers the plan
+    with the narrower widest group over a faster one, ``dyncp/orchestrate.py::choose``, so 0 makes the check
+    strict). Each break is one note on the ``dynbatch-dyncp`` row, so ``bench`` exits with an error."""
+    mine = next((r for r in rows if r.algorithm == DYNCP_PRIMARY and r.ok), None)
+    if mine is None:
+        return []
+    out = []
+    for r in rows:
+        if r.algorithm in names and r.ok and mine.step_time_s > r.step_time_s * (1 + margin + 1e-9):
+            out.append(f"slower than {r.algorithm}: {mine.step_time_s:.4f} s vs {r.step_time_s:.4f} s "
+                       f"(beyond the decision margin {margin:g})")
+    return out
 
 
 def _relate(rows: List[Row], primary_name: str = PRIMARY) -> None:
@@ -427,5 +464,6 @@ def iter_algorithms(spec: Optional[str]) -> Optional[List[str]]:
     return [a.strip() for a in spec.split(",") if a.strip()]
 
 
-__all__ = ["ALGORITHMS", "BenchResult", "DYNBATCH_VARIANTS", "Row", "SpeedResult", "run_bench",
-                          "run_speed", "run_speed_dyncp", "run_workload", "iter_algorithms"]
+__all__ = ["ALGORITHMS", "BenchResult", "DYNBATCH_VARIANTS", "DYNCP_NEVER_SLOWER_THAN", "Row", "SpeedResult",
+           "dyncp_slower_than", "run_bench",
+           "run_speed", "run_speed_dyncp", "run_workload", "iter_algorithms"]

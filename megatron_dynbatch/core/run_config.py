@@ -88,6 +88,9 @@ class RunConfig:
             ``docs/dynamic_cp.md``). Refused where the run cannot use it: a pool of one GPU, ``pp=2`` with
             ``vpp > 1``, ``group_size`` (GRPO groups on one DP rank), ``balance_by: tokens`` (dynamic CP balances
             the cost model's seconds) and Megatron's own ``--hybrid-context-parallel`` in ``megatron_args``.
+        min_cp_size: with ``dynamic_cp``: every CP group the planner forms has at least this many GPUs (a power
+            of two, at most ``cp``; ``None`` = 1); passed as ``--dynbatch-min-cp-size`` (Megatron-LM dev's
+            ``--min-dynamic-context-parallel-size``; ``docs/dynamic_cp.md``).
         cost_model: the cost model the planner uses: a profile name (``fitted``, the default; ``analytic``) or
             a cost-model JSON file (``docs/cost_model.md``); passed as ``--dynbatch-cost-model``.
         decision_margin: the planner leaves its default choice (fewest micro-batches; fixed CP under
@@ -135,6 +138,7 @@ class RunConfig:
     expert_tensor_parallel_size: Optional[int] = None
     moe_token_dispatcher_type: Optional[str] = None
     dynamic_cp: bool = False
+    min_cp_size: Optional[int] = None
     cost_model: Optional[str] = None
     decision_margin: Optional[float] = None
     online_calibration: bool = False
@@ -475,6 +479,8 @@ class RunConfig:
             out += ["--dynbatch-group-reduce", self.group_reduce]
         if self.dynamic_cp:
             out.append("--dynbatch-dynamic-cp")
+        if self.min_cp_size is not None:
+            out += ["--dynbatch-min-cp-size", str(self.min_cp_size)]
         if self.cost_model is not None:
             out += ["--dynbatch-cost-model", self.cost_model]
         if self.decision_margin is not None:

@@ -39,6 +39,9 @@ flag                                        meaning
                                             checked against both budgets at start-up
 ``--dynbatch-dynamic-cp``                   dynamic context parallelism: the dp x cp GPUs form one pool and
                                             each micro-batch gets its own CP group (``docs/dynamic_cp.md``)
+``--dynbatch-min-cp-size N``                with ``--dynbatch-dynamic-cp``: every CP group has at least N GPUs
+                                            (a power of two <= ``--context-parallel-size``; Megatron-LM dev's
+                                            ``--min-dynamic-context-parallel-size``)
 ==========================================  ===========================================================
 
 Start-up check: with ``--use-dynamic-batch-size``, the longest sample the run can produce
@@ -143,6 +146,10 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="Dynamic context parallelism: plan the data-parallel x context-parallel GPUs as one pool and "
                         "give every micro-batch its own CP group (long sequences on more GPUs, short ones on one). "
                         "Needs --use-dynamic-batch-size; see docs/dynamic_cp.md.")
+    g.add_argument("--dynbatch-min-cp-size", type=int, default=None, metavar="N",
+                   help="With --dynbatch-dynamic-cp: every CP group the planner forms has at least N GPUs, so no "
+                        "sequence runs on fewer (a power of two, at most --context-parallel-size; Megatron-LM's "
+                        "--min-dynamic-context-parallel-size). Default: 1.")
     return parser
 
 

@@ -146,6 +146,11 @@ class PlanOptions:
     rollouts_per_step: Optional[int] = _option(None)
     #: one dp x cp pool with a CP group chosen per micro-batch (``docs/dynamic_cp.md``)
     dynamic_cp: bool = _option(False, megatron="--dynbatch-dynamic-cp", cli="--dynamic-cp")
+    #: dynamic CP only: every CP group the planner forms has at least this many GPUs (a power of two, at most
+    #: ``cp``), so no sequence runs on fewer GPUs than this -- e.g. to keep every sample's activations spread
+    #: over at least that many GPUs' memory, or to keep short sequences off single GPUs; ``None``: 1 (Megatron-LM
+    #: dev's ``--min-dynamic-context-parallel-size``, ``docs/dynamic_cp.md``)
+    min_cp_size: Optional[int] = _option(None, megatron="--dynbatch-min-cp-size", cli="--min-cp-size")
     #: the GPU's memory in GiB, for ``max_tokens_per_gpu="auto"`` (a Megatron launch reads it from the device)
     gpu_memory_gb: Optional[float] = _option(None, megatron="--dynbatch-gpu-memory-gb", cli="--gpu-memory-gb")
     #: what ``"auto"`` assumes about memory: optimizer layout, recompute, dtypes, headroom, ...
@@ -220,6 +225,8 @@ class PlanOptions:
                                       "pass samples_per_step, or rollout_ids with rollouts_per_step")
         if self.dynamic_cp:
             self._check_dynamic_cp(par)
+        if self.min_cp_size is not None:
+            self._check_min_cp_size(par)
 
     def _check_budget(self, par: ParallelConfig) -> Alignment:
         """The budget as an int that holds at least one aligned sequence; returns the padding rules."""
@@ -279,6 +286,30 @@ class PlanOptions:
         if isinstance(self.num_microbatches, tuple):
             raise DynBatchConfigError("num_microbatches", list(self.num_microbatches), "dynamic CP forces one "
                                       "count for every optimizer step", "pass one integer, or dynamic_cp=False")
+
+    def _check_min_cp_size(self, par: ParallelConfig) -> None:
+        """``min_cp_size``: an int, a power of two, at most ``cp`` (the fixed-CP plan -- the planner's
+        never-slower-than-fixed-CP candidate -- runs on groups of ``cp`` GPUs), and only with dynamic CP."""
+        value = as_int(self.min_cp_size, "min_cp_size", minimum=1,
+                       fix="pass a power of two such as 2 or 4 (GPUs), or None for no minimum")
+        object.__setattr__(self, "min_cp_size", value)
+        if not self.dynamic_cp:
+            raise DynBatchConfigError("min_cp_size", value, "only applies to dynamic CP (with a fixed layout every "
+                                      "micro-batch already runs on the layout's cp GPUs)",
+                                      "add dynamic_cp=True, or drop min_cp_size")
+        if value & (value - 1):
+            raise DynBatchConfigError("min_cp_size", value, "must be a power of two (dynamic CP's groups are "
+                                      "power-of-two blocks of the pool)", f"use {1 << (value.bit_length() - 1)} or "
+                                      f"{1 << value.bit_length()}")
+        if value > par.cp:
+            raise DynBatchConfigError("min_cp_size", value, f"is above the layout's cp={par.cp}: the planner keeps "
+                                      "the fixed-CP plan (groups of cp GPUs) as a candidate, so the minimum can be "
+                                      "at most cp", f"use at most {par.cp}, or raise cp (--context-parallel-size)")
+
+    @property
+    def min_group_size(self) -> int:
+        """The smallest CP group dynamic CP may form: ``min_cp_size``, else 1."""
+        return 1 if self.min_cp_size is None else int(self.min_cp_size)
 
     # ------------------------------------------------------------------------------------------ building
     @classmethod

@@ -15,7 +15,8 @@ simulation and keeps the fastest, the earliest on a tie -- so the order below is
   widened along the tree sizes while its solo time exceeds ``x`` times the mean per-GPU load and the wider
   group is faster (:data:`THRESHOLDS`, ``mem``: memory only; with ``pp > 1`` also :data:`PIPELINE_THRESHOLDS`,
   since there one long micro-batch stalls every stage), at least the floor size (1, or ``cp``: the fixed
-  layout below, the wide samples above it). Samples wider than the floor are placed top-down
+  layout below, the wide samples above it; with ``min_cp_size`` the floors are it and ``cp``, so no group is
+  smaller). Samples wider than the floor are placed top-down
   (:func:`place_wide`) and each node packs its own into the fewest micro-batches; the floor-size samples are
   dealt over the floor units (:func:`~.deal.deal_singles`) and packed per unit into exactly the slots its
   ancestors left. The slot count is the first feasible one from the budget's lower bound; with ``pp > 1``
@@ -95,19 +96,35 @@ def tree_candidates(step: StepData) -> List[Schedule]:
     mean_load = float((step.s_min * step.tau_at(step.s_min)).sum()) / step.tree.size
     todo = []
     seen = set()
-    floors = (1, par.cp) if par.cp > 1 else (1,)
+    low = step.min_size  # min_cp_size: the smallest floor, where its groups tile the pool
+    floors = tuple(dict.fromkeys(f for f in (low, par.cp) if floor_units(step, f) is not None))
     for floor in floors:
         for x in THRESHOLDS + (PIPELINE_THRESHOLDS if par.pp > 1 else ()):
             cls = np.maximum(widen(step, None if x is None else x * mean_load), floor)
             key = (floor, cls.tobytes())
-            if key in seen or (floor > 1 and not (cls > floor).any()):  # (the fixed-CP plan covers that)
+            if key in seen or (floor == par.cp > 1 and not (cls > floor).any()):  # (the fixed-CP plan covers that)
                 continue
             seen.add(key)
-            todo.append((("tree-" if floor == 1 else f"cp{floor}-tree-") + ("mem" if x is None else f"{x:g}"), cls,
-                         floor))
+            prefix = "tree-" if floor == 1 else f"cp{floor}-tree-"
+            todo.append((prefix + ("mem" if x is None else f"{x:g}"), cls, floor))
     # extra slot counts (pp > 1) within a budget of samples dealt: large batches score fewer
     extra = min(EXTRA_COUNTS, EXTRA_COUNT_SAMPLES // max(1, step.n * len(todo))) if par.pp > 1 else 0
     return [sched for name, cls, floor in todo for sched in _tree_schedules(step, name, cls, extra, floor)]
+
+
+def floor_units(step: StepData, floor: int) -> Optional[np.ndarray]:
+    """The floor units of a tree candidate: the tree's groups of ``floor`` GPUs in pool order (single GPUs for
+    1, the DP ranks' own groups for ``cp``), or None where they do not tile the pool (e.g. ``cp=6``: its DP
+    ranks split into 4 + 2 GPUs, so groups of 4 leave GPUs over)."""
+    tree = step.tree
+    if floor == 1:
+        return tree.leaves
+    if floor == step.par.cp:
+        return np.asarray([tree.dp_rank_node(r).index for r in range(step.par.dp)])
+    nodes = np.flatnonzero(tree.sizes_of == floor)
+    if nodes.size * floor != tree.size:
+        return None
+    return nodes[np.argsort(tree.starts[nodes], kind="stable")]
 
 
 def widen(step: StepData, threshold: Optional[float]) -> np.ndarray:
@@ -174,7 +191,7 @@ def _tree_schedules(step: StepData, name: str, cls: np.ndarray, extra_counts: in
     ``floor``: the smallest groups, which the remaining samples are dealt over -- single GPUs (1), or the DP
     ranks' own CP groups (``cp``)."""
     tree, par = step.tree, step.par
-    units = tree.leaves if floor == 1 else np.asarray([tree.dp_rank_node(r).index for r in range(par.dp)])
+    units = floor_units(step, floor)
     starts = tree.starts[units]
     node_bins: Dict[int, Bins] = {}
     for v, samples in place_wide(step, cls, floor).items():
@@ -262,5 +279,5 @@ def all_root(step: StepData) -> List[Schedule]:
 #: the candidate generators, in scoring order (on a tie the earlier wins)
 FAMILY: Tuple[Generator, ...] = (fixed_cp, tree_candidates, all_root)
 
-__all__ = ["candidates", "fixed_cp", "tree_candidates", "all_root", "widen", "place_wide", "FAMILY", "FIXED_CP",
-           "THRESHOLDS", "PIPELINE_THRESHOLDS", "EXTRA_COUNTS", "EXTRA_COUNT_SAMPLES", "Generator"]
+__all__ = ["candidates", "fixed_cp", "tree_candidates", "all_root", "floor_units", "widen", "place_wide", "FAMILY",
+           "FIXED_CP", "THRESHOLDS", "PIPELINE_THRESHOLDS", "EXTRA_COUNTS", "EXTRA_COUNT_SAMPLES", "Generator"]

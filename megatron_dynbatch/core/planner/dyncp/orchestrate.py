@@ -43,8 +43,9 @@ Strategy (deterministic, no communication)
 Invariants (``tests/test_dyncp.py``, ``DynamicCPPlan.validate``; run on megatron-core in
 ``tests/test_megatron_dyncp.py``)
 ------------------------------------------------------------------------------------------------------------
-* every sample in exactly one (slot, group); no group empty; every GPU runs ``M`` slots (the same ``M`` per
-  optimizer step on all GPUs) and ``M`` obeys Megatron's interleaved-schedule rule (and equals a forced count);
+* every sample in exactly one (slot, group); no group empty; no group smaller than ``min_cp_size``; every GPU
+  runs ``M`` slots (the same ``M`` per optimizer step on all GPUs) and ``M`` obeys Megatron's
+  interleaved-schedule rule (and equals a forced count);
 * no GPU holds more than ``max_tokens_per_gpu`` tokens after ``2 * g`` alignment and tail padding -- except
   a sample over the budget even on the whole pool, placed alone there under ``oversize="alone"``;
 * the modelled step time is never above the fixed-CP plan's -- the plain planner's plan of the same layout, scored
@@ -115,7 +116,8 @@ def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: PlanOpti
     step_of, n_steps = step_of_sample(int(lens.size), samples_per_step)
     for step_samples in indices_by_step(step_of, n_steps):
         st = StepData(lens[step_samples], tree, cm, par, budget, tile, over[step_samples],
-                      forced=num_microbatches, rounds=rounds, margin=margin, fixed=fixed_how)
+                      forced=num_microbatches, rounds=rounds, margin=margin, fixed=fixed_how,
+                      min_size=options.min_group_size)
         best, fixed = _plan_step(st)
         picked.append((best, fixed, step_samples))
         t, c = _lower_bound(st)
@@ -201,7 +203,8 @@ def _lower_bound(step: StepData) -> Tuple[float, int]:
     pool = step.tree.size
     best_gpu_s = np.full(step.n, np.inf)
     best_t = np.full(step.n, np.inf)
-    for s, sz in step.sizes.items():
+    for s in step.allowed_sizes:  # (groups below min_cp_size are not formed)
+        sz = step.sizes[s]
         ok = sz.fits | step.oversize
         best_gpu_s = np.where(ok, np.minimum(best_gpu_s, s * sz.tau), best_gpu_s)
         best_t = np.where(ok, np.minimum(best_t, sz.tau), best_t)
@@ -209,7 +212,7 @@ def _lower_bound(step: StepData) -> Tuple[float, int]:
     tokens = int(np.minimum(one.aligned, one.cap).sum())
     m_lo = max(1, -(-tokens // (pool * max(1, one.cap))))
     bound = step.cm.lower_bound(float(best_gpu_s.sum()), float(best_t.max()), pool, m_lo, max(m_lo, step.n),
-                                group_size=min(step.sizes))  # a slot may run on the smallest group: its floor
+                                group_size=step.allowed_sizes[0])  # a slot may run on the smallest group
     return bound, m_lo
 
 

@@ -5,7 +5,8 @@ For each group size ``s`` of the pool tree and each sample: its slot length (a m
 max_tokens_per_gpu``, i.e. slot length <= the group's effective cap) and its solo time ``tau(i, s)``
 (:meth:`CostModel.group_work`: linear and attention work over ``s`` GPUs with the CP-member terms, the exposed K/V
 exchange -- at the inter-node numbers when groups of size ``s`` cross nodes (:meth:`~.pool.PoolTree.spans_by_size`);
-no overhead, no floor). ``s_min(i)`` is the smallest size from which on the sample fits every larger size too.
+no overhead, no floor). ``s_min(i)`` is the smallest size from which on the sample fits every larger size too,
+and at least ``min_size`` (``PlanOptions.min_cp_size``: no candidate forms a group below it).
 The step also carries the search limits every candidate obeys -- a forced slot count, the refinement rounds --
 the decision margin the orchestration applies, and how the fixed-CP candidate plans (:class:`FixedLayout`:
 exactly as plain ``plan_global_batch`` on the same layout would).
@@ -72,8 +73,10 @@ class StepData:
 
     def __init__(self, lens: np.ndarray, tree: PoolTree, cm: CostModel, par: ParallelConfig, budget: int,
                  tile: int, oversize: np.ndarray, forced: Optional[int] = None, rounds: int = 0,
-                 margin: float = 0.0, fixed: Optional[FixedLayout] = None) -> None:
+                 margin: float = 0.0, fixed: Optional[FixedLayout] = None, min_size: int = 1) -> None:
         self.lens, self.tree, self.cm, self.par, self.budget = lens, tree, cm, par, budget
+        #: the smallest group a candidate may form (``min_cp_size``; a power of two <= cp, so a tree size)
+        self.min_size = int(min_size)
         self.forced, self.rounds, self.margin = forced, rounds, margin
         self.fixed = fixed if fixed is not None else FixedLayout(rounds=4 * par.dp)
         self.sq = lens.astype(np.float64) ** 2
@@ -93,7 +96,12 @@ class StepData:
         for s in reversed(tree.sizes):
             ok &= self.sizes[s].fits
             s_min = np.where(ok, s, s_min)
-        self.s_min = s_min
+        self.s_min = np.maximum(s_min, min(s for s in tree.sizes if s >= self.min_size))
+
+    @property
+    def allowed_sizes(self) -> List[int]:
+        """The tree's group sizes a candidate may use (at least ``min_size``), ascending."""
+        return [s for s in self.tree.sizes if s >= self.min_size]
 
     def bin_times(self, size: int, bins: Bins) -> np.ndarray:
         """Seconds of each micro-batch of ``bins`` on a group of ``size`` (one vectorised call)."""
