@@ -103,6 +103,8 @@ class RunConfig:
         memory: memory-model settings the Megatron flags in ``megatron_args`` do not imply
             (:class:`~megatron_dynbatch.core.memory.MemorySettings` fields, e.g. ``{headroom: 0.15}``; passed as
             ``--dynbatch-memory``); :meth:`memory_settings` is what an ``auto`` budget assumes.
+        memory_probe: the first-step memory probe (``megatron/probe.py``): ``None`` = on where a CUDA device is
+            present, ``false`` = off (``--no-dynbatch-memory-probe``), ``true`` = on (``--dynbatch-memory-probe``).
         max_seq_len: the longest sample the run can produce (prompt + response); checked against both budgets
             at construction, so a budget too small for it fails before step 1 (``OversizeSampleError``, or a
             warning under ``oversize: alone``), and passed to Megatron as ``--dynbatch-max-seq-length``.
@@ -133,6 +135,7 @@ class RunConfig:
     online_calibration: bool = False
     calibration_interval: Optional[int] = None
     max_seq_len: Optional[int] = None
+    memory_probe: Optional[bool] = None
     megatron_args: Tuple[str, ...] = ()
     description: str = ""
     _spec: Optional[ModelSpec] = field(default=None, init=False, repr=False, compare=False)
@@ -466,6 +469,8 @@ class RunConfig:
             out += ["--dynbatch-gpus-per-node", str(p.gpus_per_node)]
         if self.max_seq_len is not None:
             out += ["--dynbatch-max-seq-length", str(self.max_seq_len)]
+        if self.memory_probe is not None:
+            out.append("--dynbatch-memory-probe" if self.memory_probe else "--no-dynbatch-memory-probe")
         return out + list(self.megatron_args)
 
     # ----------------------------------------------------------------------------------- serialisation

@@ -33,6 +33,9 @@ flag                                        meaning
 ``--dynbatch-memory-guard``                 read every training step's peak memory (max over ranks) and lower the
                                             budget before a step predicted to cross the headroom; raise it back
                                             only as far as measured steps support (``docs/tuning.md``)
+``--[no-]dynbatch-memory-probe``            before the first step, run one synthetic micro-batch at the budget,
+                                            read its peak (max over ranks) and lower the budget if it crosses the
+                                            headroom; default on where a CUDA device is present (``docs/tuning.md``)
 ``--dynbatch-gpus-per-node N``              GPUs per node (default ``$LOCAL_WORLD_SIZE``, else 8): which CP
                                             groups cross nodes
 ``--dynbatch-max-seq-length N``             the longest sample the run can produce (default ``--seq-length``);
@@ -135,6 +138,10 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
                         "--max-tokens-per-gpu before a step whose predicted peak would cross the headroom; raise it "
                         "back (never above --max-tokens-per-gpu) only as far as measured steps support. Every rank "
                         "plans with the same budget; every change is logged. Never changes the loss.")
+    g.add_argument("--dynbatch-memory-probe", action=argparse.BooleanOptionalAction, default=None,
+                   help="Before the first step, run one synthetic micro-batch at the budget through the step, read "
+                        "its peak memory (max over ranks) and lower the budget if it crosses the headroom; no trace "
+                        "is left (gradients zeroed, RNG restored). Default: on where a CUDA device is present.")
     g.add_argument("--dynbatch-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node (default: $LOCAL_WORLD_SIZE as torchrun sets it, else 8); with Megatron's rank "
                         "order it tells which CP groups cross nodes.")
@@ -276,6 +283,9 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
     _check_online_calibration(args, use)
     if getattr(args, "dynbatch_memory_guard", False) and not use:
         raise DynBatchConfigError("--dynbatch-memory-guard", True, "only applies to dynamic batching",
+                                  "add --use-dynamic-batch-size (and --max-tokens-per-gpu), or drop the flag")
+    if getattr(args, "dynbatch_memory_probe", None) and not use:
+        raise DynBatchConfigError("--dynbatch-memory-probe", True, "only applies to dynamic batching",
                                   "add --use-dynamic-batch-size (and --max-tokens-per-gpu), or drop the flag")
     gpus_per_node_from_args(args)
     resolved = fp8_alignment_from_args(args)
@@ -440,6 +450,7 @@ def plan_options_from_args(args: Any, *, forward_only: bool = False, world_size:
         "parallel": lambda: parallel_from_args(args, world_size=world_size),
         "balance_by": lambda: balance_by_from_args(args),
         "fp8_alignment": lambda: fp8_alignment_from_args(args),
+        "memory_probe": lambda: getattr(args, "dynbatch_memory_probe", None),  # False (--no-...) is a value
         "samples_per_step": lambda: None if forward_only else getattr(args, "dynbatch_samples_per_step", None),
     }
     values = {}
