@@ -266,7 +266,8 @@ class RunConfig:
                 budget = self.budget(forward_only=name.startswith("log_probs"))
                 check_max_seq_len_fits(self.max_seq_len, max_tokens_per_gpu=budget, parallel=par,
                                        fp8_alignment=self.fp8_alignment, oversize=self.oversize,
-                                       length_field="max_seq_len", budget_field=name, dynamic_cp=self.dynamic_cp)
+                                       length_field="max_seq_len", budget_field=name, dynamic_cp=self.dynamic_cp,
+                                       options=self.plan_options(forward_only=name.startswith("log_probs")))
 
     def _check_choices(self) -> None:
         for name, allowed in (("loss_mode", LOSS_MODES), ("group_reduce", GROUP_REDUCE)):

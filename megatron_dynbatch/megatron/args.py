@@ -305,7 +305,7 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
         auto = AUTO in (args.max_tokens_per_gpu, args.log_probs_max_tokens_per_gpu)
         opts = plan_options_from_args(args, forward_only=forward_only, world_size=world_size, cost_model=None,
                                       balance_by=None, **({} if auto else {"model": None}))
-        budgets["log_probs_max_tokens_per_gpu" if forward_only else "max_tokens_per_gpu"] = opts.max_tokens_per_gpu
+        budgets["log_probs_max_tokens_per_gpu" if forward_only else "max_tokens_per_gpu"] = opts
     _check_max_seq_length(args, par, resolved, budgets)
 
     if getattr(args, "dynbatch_dynamic_cp", False):
@@ -346,8 +346,10 @@ def _check_online_calibration(args: Any, use: bool) -> None:
                                   "optimizer steps >= 1", "pass e.g. --dynbatch-calibration-interval 50")
 
 
-def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, int], budgets: Dict[str, int]) -> None:
-    """The start-up check of the module docstring (nothing to check when neither length is set)."""
+def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, int],
+                          budgets: Dict[str, PlanOptions]) -> None:
+    """The start-up check of the module docstring (nothing to check when neither length is set); ``budgets``: each
+    pass's options (an ``auto`` budget's miss says what limits it, never "raise it")."""
     from ..core.startup import check_max_seq_len_fits
 
     explicit = getattr(args, "dynbatch_max_seq_length", None)
@@ -357,10 +359,10 @@ def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, 
     field = "--dynbatch-max-seq-length" if explicit is not None else "--seq-length"
     for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
                        ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu")):
-        check_max_seq_len_fits(int(length), max_tokens_per_gpu=budgets[name], parallel=par,
+        check_max_seq_len_fits(int(length), max_tokens_per_gpu=budgets[name].max_tokens_per_gpu, parallel=par,
                                fp8_alignment=fp8, oversize=getattr(args, "dynbatch_oversize", None) or "error",
                                length_field=field, budget_field=flag,
-                               dynamic_cp=bool(getattr(args, "dynbatch_dynamic_cp", False)))
+                               dynamic_cp=bool(getattr(args, "dynbatch_dynamic_cp", False)), options=budgets[name])
 
 
 def _budget(text: str) -> Union[int, str]:
