@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,6 +231,8 @@ def test_both_ranks_lower_the_budget_alike_from_one_synthetic_microbatch(ranks):
     assert a["lines"][0].startswith("dynbatch memory probe | training pass | 1 micro-batch of 96 tokens per GPU | "
                                     "measured peak ")
     assert f"budget 96 -> {a['budget']} tokens per GPU (lowered" in a["lines"][0]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tuning.md").read_text(encoding="utf-8")
+    assert a["lines"][0] in doc.splitlines()  # docs/tuning.md quotes this run's line exactly
 
 
 @pytest.mark.multiprocess
@@ -381,3 +384,27 @@ def test_the_launch_flag_reaches_the_options_and_the_hook():
         hook = DynamicForwardBackward(object(), on, run_step=run_step, writers=lambda: (None, None))
         with pytest.raises(DynBatchConfigError, match="CUDA"):
             hook(data_iterator=iter([[{"tokens": list(range(20))}] * 2]), model=None, num_microbatches=1)
+
+
+def test_troubleshooting_quotes_the_probes_messages():
+    from megatron_dynbatch import PlanOptions
+    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.probe import FirstStepProbe
+
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md").read_text().split())
+    got = []
+    for call in (lambda: _launch(["--dynbatch-memory-probe"]),
+                 lambda: PlanOptions(max_tokens_per_gpu=4096, memory_probe="sometimes"),
+                 lambda: FirstStepProbe(1e9, reader=FakeMemoryReader(lambda p: 0.0)).run(
+                     PlanOptions(max_tokens_per_gpu=64), lambda smp, plan: None)):
+        with pytest.raises(DynBatchConfigError) as exc:
+            call()
+        got.append(str(exc.value))
+    probe = FirstStepProbe(2 ** 30, reader=FakeMemoryReader(lambda p: 1e12, capacity=2 ** 30), log=None, stage=0,
+                           merge=lambda v: v, settings=SETTINGS)
+    with pytest.raises(DynBatchConfigError) as exc:
+        probe.run(PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt"), lambda smp, plan: None)
+    oom = str(exc.value)
+    got += [oom.split(" (training pass;")[0], oom.split("): ", 1)[1]]
+    for message in got:
+        assert " ".join(message.split()) in doc, message
