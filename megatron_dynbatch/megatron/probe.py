@@ -280,6 +280,10 @@ class FirstStepProbe:
 
         return float(card_bytes_of(self.device))
 
+    def _multiple(self, budget: int) -> int:
+        """The lowered budget's granularity: ``multiple``, or a sixteenth of a budget under four of them."""
+        return self.multiple if budget >= 4 * self.multiple else max(1, budget // 16)
+
     def run(self, options: Any, run: Callable[[List[Dict[str, Any]], Any], Any], *, model: Any = None,
             forward_only: bool = False) -> ProbeResult:
         """Probe the pass of ``options`` (``forward_only``: the log-prob pass) once: plan the synthetic samples,
@@ -304,7 +308,7 @@ class FirstStepProbe:
         floor = None if self.floor is None else min(int(self.floor), budget)
         guard = MemoryGuard(budget, self._card(options), model=options.model, parallel=par,
                             settings=self.settings if self.settings is not None else options.memory,
-                            profile=self.profile, floor=floor, multiple=min(self.multiple, budget), prior_steps=0,
+                            profile=self.profile, floor=floor, multiple=self._multiple(budget), prior_steps=0,
                             min_fill=0.0, skip_steps=0, log=None, pass_=pass_)
         predicted = guard.predict_plan(plan)
         stage = rank_stage(0) if self.stage is None else int(self.stage)
@@ -403,13 +407,11 @@ def memory_probe_from_args(args: Any, options: Any, *, device: Any = None, **kwa
     :class:`FirstStepProbe`."""
     if not probe_enabled(getattr(options, "memory_probe", None)):
         return None
-    from ..core.memory.megatron_flags import settings_from_megatron
     from .args import memory_settings_from_args
     from .memory_guard import floor_for
 
     length = getattr(args, "dynbatch_max_seq_length", None) or getattr(args, "seq_length", None)
     kwargs.setdefault("floor", floor_for(options, length))
-    kwargs.setdefault("settings", options.memory if options.memory is not None else (
-        memory_settings_from_args(args) if getattr(args, "dynbatch_memory", None) else settings_from_megatron(args)))
+    kwargs.setdefault("settings", options.memory if options.memory is not None else memory_settings_from_args(args))
     kwargs.setdefault("profile", getattr(args, "dynbatch_cost_model", None))
     return FirstStepProbe(device=device, **kwargs)
