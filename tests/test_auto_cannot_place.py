@@ -77,6 +77,10 @@ def test_the_plan_header_says_auto_limited_by(tmp_path, capsys):
     n = PlanOptions(**AUTO).max_tokens_per_gpu
     out = capsys.readouterr().out
     assert f"budget: max_tokens_per_gpu={n} (auto, limited by " in out
+    assert main(["plan", "--lengths", str(lengths), "--max-tokens-per-gpu", "auto", "--model", "qwen3-8b", "--dp",
+                 "4", "--cp", "2", "--gpu-memory-gb", "79.1", "--dynamic-cp"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU (auto, limited by " in out.splitlines()[1]
 
 
 def test_run_config_max_seq_len_against_auto():
