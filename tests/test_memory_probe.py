@@ -408,3 +408,56 @@ def test_troubleshooting_quotes_the_probes_messages():
     got += [oom.split(" (training pass;")[0], oom.split("): ", 1)[1]]
     for message in got:
         assert " ".join(message.split()) in doc, message
+
+
+def _pp_worker(rank: int, world_size: int) -> dict:
+    """pp=2 (one DP rank): the probe runs pp micro-batches (what the first stage holds at once in 1F1B), each stage
+    reads its own peak, the MAX all-reduce gives every stage's to both ranks."""
+    from megatron_dynbatch.demo import quiet_megatron_warnings
+
+    quiet_megatron_warnings()
+    from megatron_dynbatch.core.memory.guard import MemoryGuard
+    from megatron_dynbatch.core.model_spec import ModelSpec
+    from megatron_dynbatch.core.planner.options import PlanOptions
+    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.probe import FirstStepProbe
+    from megatron_dynbatch.megatron.schedule import dynamic_forward_backward
+    from megatron_dynbatch.testing import megatron_cpu
+
+    megatron_cpu.init_cpu_distributed(rank, world_size, pp=2)
+    try:
+        config = megatron_cpu.tiny_gpt_config()
+        torch.manual_seed(1234)
+        model = megatron_cpu.wrap_ddp(config, megatron_cpu.build_tiny_gpt(config, vocab_size=VOCAB, thd=True))
+        spec = ModelSpec.from_megatron(config, vocab_size=VOCAB)
+        parallel = {"pp": 2}
+        per_token = MemoryGuard(START, 1e12, model=spec, parallel=parallel, settings=SETTINGS).terms[0].per_token
+        seen: list = []
+
+        def peak_of(p):
+            seen.append(p.tokens)
+            return (1 + rank) * per_token * p.tokens
+
+        params0 = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        lines: list = []
+        probe = FirstStepProbe(1e12, reader=FakeMemoryReader(peak_of, base=1 << 20), settings=SETTINGS, multiple=16,
+                               log=lines.append)
+        options = PlanOptions(model=spec, parallel=parallel, max_tokens_per_gpu=START, memory=SETTINGS)
+        got = probe.protect(options, lambda smp, plan: dynamic_forward_backward(
+            model, smp, plan, reduce_loss=False, memory_probe=False), model=model)
+        return {"lines": lines, "budget": got.max_tokens_per_gpu, "seen": seen,
+                "params_same": all(torch.equal(p, params0[n]) for n, p in model.module.named_parameters()),
+                "grads_zero": all(float(p.main_grad.abs().max()) == 0.0 for p in model.module.parameters())}
+    finally:
+        megatron_cpu.destroy()
+
+
+@pytest.mark.multiprocess
+def test_under_pipeline_parallelism_the_probe_fills_the_first_stage():
+    a, b = run_ranks(_pp_worker, 2, timeout=300)
+    assert a["lines"] == b["lines"] and len(a["lines"]) == 1
+    assert a["lines"][0].startswith("dynbatch memory probe | training pass | 2 micro-batches of 96 tokens per GPU")
+    assert "on stage 1" in a["lines"][0] and a["lines"][0].endswith("| budget 96 kept")  # stage 1 read the most
+    assert a["seen"] == [96] and b["seen"] == [96]  # each stage's tokens in flight: the full budget
+    for r in (a, b):
+        assert r["params_same"] and r["grads_zero"] and r["budget"] == START
