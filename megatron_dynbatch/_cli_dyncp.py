@@ -131,11 +131,12 @@ def pool_summary(plan: Any, args: argparse.Namespace, n: int) -> str:
     sizes = plan.group_sizes()
     used = ", ".join(f"{g} GPU{'s' if g > 1 else ''}: {k}" for g, k in sizes.items())
     model = getattr(args.model, "name", None) or args.model or "(none: tokens-only cost model)"
+    auto = f" ({plan.budget_words()})" if getattr(plan, "budget_choice", None) is not None else ""
     lines = [
         f"plan: {n} samples, dynamic CP over a pool of dp x cp = {p.dp} x {p.cp} = {plan.pool_size} GPUs per pipeline "
         f"stage (tp={p.tp} pp={p.pp} ep={p.ep} vpp={p.vpp}), model {model}, balanced by the cost model's seconds",
-        f"budget: max_tokens_per_gpu={plan.cap:,} per GPU; a CP group of g GPUs holds at most g x {plan.cap:,} tokens "
-        f"(each sequence padded to a multiple of 2g)",
+        f"budget: max_tokens_per_gpu={plan.cap:,} per GPU{auto}; a CP group of g GPUs holds at most g x {plan.cap:,} "
+        f"tokens (each sequence padded to a multiple of 2g)",
         count_line(plan, "slots per GPU", note="a slot: one micro-batch, on a CP group of its own size"),
         f"winning candidate: {plan.candidate} -- {describe_candidates(plan.candidate, plan.pool_size, p.cp)}",
         f"CP groups used (micro-batches per group size): {used}",

@@ -14,7 +14,7 @@ def plan_summary(plan: Any, args: argparse.Namespace, balance_by: str, n: int, g
     lines = [
         f"plan: {n} samples over dp={p.dp} (tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} vpp={p.vpp}), "
         f"model {getattr(args.model, 'name', None) or args.model or '(none)'}, balanced by {balance_by}",
-        f"budget: max_tokens_per_gpu={args.max_tokens_per_gpu} -> at most {plan.cap:,} tokens per micro-batch "
+        f"budget: max_tokens_per_gpu={_budget_words(plan, args)} -> at most {plan.cap:,} tokens per micro-batch "
         f"(sequences padded to x{a.seq_multiple}, micro-batches to x{a.total_multiple})",
         *([groups] if groups else []),
         count_line(plan, "micro-batches per rank", grouped=bool(groups)),
@@ -24,6 +24,13 @@ def plan_summary(plan: Any, args: argparse.Namespace, balance_by: str, n: int, g
     if plan.oversize_samples:
         lines.append(f"samples over budget, each alone: {plan.oversize_samples}")
     return "\n".join(lines)
+
+
+def _budget_words(plan: Any, args: argparse.Namespace) -> str:
+    """The budget as typed, or for ``auto`` the number it chose and what limits it."""
+    if getattr(plan, "budget_choice", None) is None:
+        return str(args.max_tokens_per_gpu)
+    return f"{plan.budget_choice.tokens_per_gpu} ({plan.budget_words()})"
 
 
 def group_line(group_ids: Optional[Sequence[Any]], source: str) -> Optional[str]:

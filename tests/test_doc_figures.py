@@ -1080,6 +1080,29 @@ def _budget_oom(out: Any) -> Sequence[str]:
 
 DYNCP_COMMAND = "megatron-dynbatch bench --workloads " + ",".join(dyncp_names()) + " --seeds 5"
 
+AUTO_OVERSIZE_COMMAND = ("plan_global_batch([1000] * 15 + [8000], max_tokens_per_gpu='auto', model='qwen3-8b', "
+                         "parallel={'dp': 8}, gpu_memory_gb=79.1)")
+
+
+def auto_oversize() -> str:
+    """The error of a sample longer than an ``auto`` budget (docs/troubleshooting.md)."""
+    from megatron_dynbatch import plan_global_batch
+    from megatron_dynbatch.core.errors import OversizeSampleError
+
+    try:
+        plan_global_batch([1000] * 15 + [8000], max_tokens_per_gpu="auto", model="qwen3-8b", parallel={"dp": 8},
+                          gpu_memory_gb=79.1)
+    except OversizeSampleError as exc:
+        return f"OversizeSampleError: {exc}"
+    raise ClaimBroken("the 8000-token sample now fits auto's budget: pick a longer one in AUTO_OVERSIZE_COMMAND")
+
+
+def _wrapped(text: str) -> str:
+    import textwrap
+
+    return "```\n" + textwrap.fill(text, 116, break_long_words=False, break_on_hyphens=False) + "\n```"
+
+
 SOURCES: Dict[str, Source] = {s.name: s for s in [
     Source("bench", "megatron-dynbatch bench", lambda: _bench(__import__(
         "megatron_dynbatch.bench.workloads", fromlist=["x"]).default_workloads(), 1)),
@@ -1105,6 +1128,7 @@ SOURCES: Dict[str, Source] = {s.name: s for s in [
     Source("flops", "megatron-dynbatch flops --model NAME (every preset)", preset_flops),
     Source("preset", "python benchmarks/dyncp_preset.py --seeds 5 (and --cp-bandwidth 25e9)", preset, slow=True),
     Source("budgets", "megatron-dynbatch bench --budgets", budgets_output),
+    Source("auto-oversize", AUTO_OVERSIZE_COMMAND, auto_oversize),
 ]}
 
 FIGURES: List[Figure] = [
@@ -1470,6 +1494,7 @@ BLOCKS: List[Block] = [
     Block("docs/dynamic_cp.md", "forced-counts", "counts", forced_counts_table),
     Block("docs/dynamic_cp.md", "preset", "preset", preset_table),
     Block("docs/benchmarks.md", "budgets", "budgets", lambda out: "```text\n" + out[1].rstrip("\n") + "\n```"),
+    Block("docs/troubleshooting.md", "auto-oversize", "auto-oversize", _wrapped),
 ]
 
 

@@ -44,7 +44,12 @@ def test_cpu_tiny_run_writes_the_results_file(script, tmp_path, capsys):
     assert largest >= res["auto_budget"] and fail > largest and fail - largest <= max(16, 0.02 * largest)
     c = res["checks"]
     assert c["auto_fits"] and c["auto_at_least_85pct_of_largest"] and c["within_5pct"]
-    assert "auto budget" in capsys.readouterr().out
+    pr = res["probe"]  # the first-step probe at the auto budget, against the whole step's peak there
+    assert pr["tokens"] == res["auto_budget"] and not pr["oom"] and pr["decision"] == "kept"
+    assert pr["step_peak_bytes"] == recs[0]["measured_peak_bytes"] and pr["probe_over_step"] == pytest.approx(1.0)
+    assert c["probe_within_5pct_of_step"] and pr["line"].startswith("dynbatch memory probe | training pass")
+    out = capsys.readouterr().out
+    assert "auto budget" in out and "first-step probe at" in out
 
 
 def test_search_brackets_the_largest_fit_by_attempts():

@@ -48,6 +48,7 @@ VALUES = {
     "gpu_memory_gb": 79.1,
     "memory": {"recompute": "full"},
     "forward_only": True,
+    "memory_probe": True,
 }
 
 #: the plan command's tokens for each value (fields whose metadata names a ``plan`` flag)
@@ -98,6 +99,7 @@ NOT_LAUNCH_OPTIONS = {
 FROM_MEGATRONS_FLAGS = ("model", "parallel", "memory")
 #: options the plan command does not set, and why
 NOT_CLI_OPTIONS = {name: why for name, why in NOT_LAUNCH_OPTIONS.items() if name != "num_microbatches"}
+NOT_CLI_OPTIONS["memory_probe"] = "the plan command runs no step to probe"
 
 
 def expected(name):
@@ -231,6 +233,7 @@ LAUNCH_TOKENS = {  # a launch's flags for each value
     "dynamic_cp": ["--dynbatch-dynamic-cp", "--balance-by-flops"],  # a launch balancing tokens refuses it
     "min_cp_size": ["--dynbatch-min-cp-size", "2"],
     "gpu_memory_gb": ["--dynbatch-gpu-memory-gb", "79.1"],
+    "memory_probe": ["--dynbatch-memory-probe"],
 }
 
 
@@ -261,7 +264,8 @@ def test_megatron_launch_flags_and_the_hook(name, recorder):
         recorder.append(options)
         raise Recorded()
 
-    hook = DynamicForwardBackward(object(), args, run_step=run_step)
+    hook = DynamicForwardBackward(object(), args, run_step=run_step,  # forced on without a GPU: a clear error
+                                  memory_probe=False if name == "memory_probe" else None)  # (test_memory_probe.py)
     with pytest.raises(Recorded):
         hook(data_iterator=iter([[{"tokens": [1, 2, 3]}] * 4]), model=None, num_microbatches=1)
     assert getattr(recorder.pop(), name) == expected(name)

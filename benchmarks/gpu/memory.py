@@ -18,9 +18,15 @@
    forward, backward, optimizer step) is recorded with the predicted peak (reserve excluded: the allocator does
    not see it).
 
+5. The first-step memory probe (:mod:`megatron_dynbatch.megatron.probe`) at the auto budget, before the search:
+   one synthetic micro-batch, forward + backward, on the same model; its measured peak is set against the whole
+   step's at the same budget (``probe``: measured, predicted, kept or lowered, ``probe_over_step``) -- the probe
+   must see what the real step will use (no optimizer step in it: the step's own temporaries come after).
+
 Writes JSON: device, model, auto budget, largest fitting budget, ``records`` of ``{tokens, fits,
 measured_peak_bytes, predicted_peak_bytes, analytic_peak_bytes, rel_error}`` for every size tried, and the checks
-(the auto budget fits and is >= 85% of the largest that fits; predicted within 5% of measured at every size).
+(the auto budget fits and is >= 85% of the largest that fits; predicted within 5% of measured at every size;
+the probe's peak within 5% of the whole step's).
 
 ``--device cpu --tiny`` runs the same pipeline on the CPU with ``tiny-gpt`` through the reader seam: a
 deterministic fake reader (:class:`megatron_dynbatch.megatron.memory_reader.FakeMemoryReader`) reports the real resident
@@ -145,6 +151,27 @@ def _fake_truth(m: Any, settings: Any) -> Dict[str, float]:
             "head": a.head_bytes * FAKE_EXCESS}
 
 
+def _probe(wm: Any, tokens: int, reader: Any, card_bytes: float, settings: Any, profile: Any,
+           opts: Dict[str, Any]) -> Dict[str, Any]:
+    """The first-step memory probe at the auto budget (module docstring, step 4): its measured and predicted
+    peak and its decision; ``oom`` when the probe itself ran out of memory."""
+    from megatron_dynbatch.core.errors import DynBatchConfigError as ConfigError
+
+    try:
+        r = wm.probe(tokens, reader=reader, card_bytes=card_bytes, settings=settings, profile=profile,
+                     multiple=opts["multiple"])
+    except ConfigError as exc:  # the probe's out-of-memory error
+        wm.recover()
+        _say(opts, f"probe at {tokens} tokens: {exc}")
+        return {"tokens": tokens, "oom": True, "measured_peak_bytes": None, "predicted_peak_bytes": None,
+                "decision": "out of memory", "budget_after": None, "line": str(exc)}
+    wm.recover()
+    _say(opts, r.line())
+    return {"tokens": r.tokens, "oom": False, "measured_peak_bytes": r.measured_peak_bytes,
+            "predicted_peak_bytes": r.predicted_peak_bytes, "decision": r.reason, "budget_after": r.new_budget,
+            "line": r.line()}
+
+
 def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """The whole pipeline (module docstring); returns the results (also written to ``--output``)."""
     opts = parse_options(argv)
@@ -181,6 +208,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     profile = _profile(opts, slices_reader)
     auto = choose_budget(m, None, card_gb, settings=settings, profile=profile, multiple=opts["multiple"])
     _say(opts, f"auto budget {auto.tokens_per_gpu} tokens on {card_gb:.4g} GiB ({profile.source} profile)")
+    probe = _probe(wm, auto.tokens_per_gpu, reader, card_gb * GiB, settings, profile, opts)
     records: List[Dict[str, Any]] = []
 
     def attempt(tokens: int) -> bool:
@@ -211,6 +239,10 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     auto_fits = bool(records and records[0]["fits"])
     largest = found.largest_fit
     ratio = auto.tokens_per_gpu / largest if largest else None
+    step_peak = records[0]["measured_peak_bytes"] if records and records[0]["tokens"] == probe["tokens"] else None
+    probe["step_peak_bytes"] = step_peak
+    probe["probe_over_step"] = (probe["measured_peak_bytes"] / step_peak
+                                if step_peak and probe["measured_peak_bytes"] is not None else None)
     env = {"device": device_name(torch.device(dev)), "torch": torch.__version__}
     try:
         import megatron.core
@@ -224,11 +256,13 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "settings": settings.to_dict(), "profile": {"source": profile.source, "fitted_on": profile.fitted_on},
         "auto_budget": auto.tokens_per_gpu, "auto_predicted_peak_gb": auto.breakdown.peak_gb,
         "largest_fitting_budget": largest, "smallest_failing_budget": found.smallest_fail,
-        "auto_over_largest": ratio, "records": records,
+        "auto_over_largest": ratio, "records": records, "probe": probe,
         "checks": {"auto_fits": auto_fits, "auto_at_least_85pct_of_largest": ratio is not None and
                    ratio >= AUTO_OF_LARGEST, "max_abs_rel_error": worst,
                    "within_5pct": worst is not None and worst <= MAX_REL_ERROR,
-                   "search_bracketed": found.smallest_fail is not None},
+                   "search_bracketed": found.smallest_fail is not None,
+                   "probe_within_5pct_of_step": probe["probe_over_step"] is not None and
+                   abs(probe["probe_over_step"] - 1.0) <= MAX_REL_ERROR},
         "wall_s": time.perf_counter() - t0,
     }
 
@@ -245,10 +279,20 @@ def format_summary(res: Dict[str, Any]) -> str:
         meas = f"{r['measured_peak_bytes'] / 2 ** 20:13.1f}" if r["fits"] else f"{'OOM':>13}"
         err = f"{r['rel_error']:+7.1%}" if r["fits"] else f"{'':>7}"
         lines.append(f"{r['tokens']:>9} {meas} {r['predicted_peak_bytes'] / 2 ** 20:14.1f} {err}")
+    pr = res["probe"]
+    if pr["measured_peak_bytes"] is not None:
+        step = (f"{pr['step_peak_bytes'] / 2 ** 20:.1f} MiB" if pr["step_peak_bytes"] else "-")
+        lines.append(f"first-step probe at {pr['tokens']} tokens: peak {pr['measured_peak_bytes'] / 2 ** 20:.1f} MiB "
+                     f"(whole step {step}; probe / step "
+                     + (f"{pr['probe_over_step']:.3f}" if pr["probe_over_step"] else "-")
+                     + f"), budget {pr['decision']}")
+    else:
+        lines.append(f"first-step probe at {pr['tokens']} tokens: {pr['decision']}")
     lines.append(f"checks: auto fits {c['auto_fits']}; auto >= {AUTO_OF_LARGEST:.0%} of largest "
                  f"{c['auto_at_least_85pct_of_largest']}; max |error| "
                  + (f"{c['max_abs_rel_error']:.1%}" if c["max_abs_rel_error"] is not None else "-")
-                 + f" (within {MAX_REL_ERROR:.0%}: {c['within_5pct']})")
+                 + f" (within {MAX_REL_ERROR:.0%}: {c['within_5pct']}); probe within {MAX_REL_ERROR:.0%} of the "
+                 f"step: {c['probe_within_5pct_of_step']}")
     return "\n".join(lines)
 
 

@@ -112,6 +112,8 @@ class RunConfig:
         memory: memory-model settings the Megatron flags in ``megatron_args`` do not imply
             (:class:`~megatron_dynbatch.core.memory.MemorySettings` fields, e.g. ``{headroom: 0.15}``; passed as
             ``--dynbatch-memory``); :meth:`memory_settings` is what an ``auto`` budget assumes.
+        memory_probe: the first-step memory probe (``megatron/probe.py``): ``None`` = on where a CUDA device is
+            present, ``false`` = off (``--no-dynbatch-memory-probe``), ``true`` = on (``--dynbatch-memory-probe``).
         max_seq_len: the longest sample the run can produce (prompt + response); checked against both budgets
             at construction, so a budget too small for it fails before step 1 (``OversizeSampleError``, or a
             warning under ``oversize: alone``), and passed to Megatron as ``--dynbatch-max-seq-length``.
@@ -144,6 +146,7 @@ class RunConfig:
     online_calibration: bool = False
     calibration_interval: Optional[int] = None
     max_seq_len: Optional[int] = None
+    memory_probe: Optional[bool] = None
     megatron_args: Tuple[str, ...] = ()
     description: str = ""
     _spec: Optional[ModelSpec] = field(default=None, init=False, repr=False, compare=False)
@@ -288,7 +291,8 @@ class RunConfig:
                 budget = self.budget(forward_only=name.startswith("log_probs"))
                 check_max_seq_len_fits(self.max_seq_len, max_tokens_per_gpu=budget, parallel=par,
                                        fp8_alignment=self.fp8_alignment, oversize=self.oversize,
-                                       length_field="max_seq_len", budget_field=name, dynamic_cp=self.dynamic_cp)
+                                       length_field="max_seq_len", budget_field=name, dynamic_cp=self.dynamic_cp,
+                                       options=self.plan_options(forward_only=name.startswith("log_probs")))
 
     def _check_choices(self) -> None:
         for name, allowed in (("loss_mode", LOSS_MODES), ("group_reduce", GROUP_REDUCE)):
@@ -493,6 +497,8 @@ class RunConfig:
             out += ["--dynbatch-gpus-per-node", str(p.gpus_per_node)]
         if self.max_seq_len is not None:
             out += ["--dynbatch-max-seq-length", str(self.max_seq_len)]
+        if self.memory_probe is not None:
+            out.append("--dynbatch-memory-probe" if self.memory_probe else "--no-dynbatch-memory-probe")
         return out + list(self.megatron_args)
 
     # ----------------------------------------------------------------------------------- serialisation

@@ -8,7 +8,8 @@ weights, as Megatron-LM runs them; no distributed optimizer: one GPU) and builds
 falls back to torch's AdamW without Transformer Engine or apex). :meth:`WholeModel.step` runs one optimizer step
 of a global batch of ``tokens`` tokens packed into ONE micro-batch (sequences of ``seq_len``, the last shorter)
 through :func:`~megatron_dynbatch.megatron.schedule.dynamic_forward_backward` -- the THD path a training run takes
--- then ``optimizer.step()``.
+-- then ``optimizer.step()``. :meth:`WholeModel.probe` runs the first-step memory probe
+(:mod:`megatron_dynbatch.megatron.probe`) on the same model: what the probe reads against the whole step's peak.
 
 :meth:`WholeModel.settings` are the :class:`~megatron_dynbatch.core.memory.MemorySettings` that describe this
 run (one GPU: the optimizer state is not sharded; the optimizer step's temporaries are torch AdamW's when that is
@@ -25,6 +26,7 @@ import torch
 
 from ..core.memory import MemorySettings
 from ..core.model_spec import ModelSpec
+from ..core.planner.options import PlanOptions
 from ..megatron.device import device_memory_gb
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -143,10 +145,25 @@ class WholeModel:
         self.optimizer.zero_grad()
         res = dynamic_forward_backward(self.ddp, batch, {"model": self.spec, "parallel": {"dp": 1},
                                                          "max_tokens_per_gpu": int(tokens)},
-                                       device=self.device)
+                                       device=self.device, memory_probe=False)  # the step alone is measured
         self.optimizer.step()
         plan = res.iterator.plan
         return {"microbatches": int(plan.num_microbatches), "max_microbatch_tokens": int(plan.max_microbatch_tokens)}
+
+    def probe(self, tokens: int, *, reader: Any, card_bytes: float, settings: Any = None, profile: Any = None,
+              multiple: int = 256) -> Any:
+        """The first-step memory probe (:class:`~megatron_dynbatch.megatron.probe.FirstStepProbe`) at a budget of
+        ``tokens``: one synthetic micro-batch, forward + backward, read by ``reader``; its
+        :class:`~megatron_dynbatch.megatron.probe.ProbeResult` (measured vs predicted, kept or lowered)."""
+        from ..megatron.probe import FirstStepProbe
+        from ..megatron.schedule import dynamic_forward_backward
+
+        probe = FirstStepProbe(card_bytes, reader=reader, merge=lambda v: v, log=None, settings=settings,
+                               profile=profile, multiple=multiple, stage=0, device=self.device)
+        options = PlanOptions(model=self.spec, parallel={"dp": 1}, max_tokens_per_gpu=int(tokens), memory=settings)
+        self.ddp.zero_grad_buffer()
+        return probe.run(options, lambda smp, plan: dynamic_forward_backward(
+            self.ddp, smp, plan, device=self.device, reduce_loss=False, memory_probe=False), model=self.ddp)
 
     def recover(self) -> None:
         """After an out-of-memory error: drop gradients and cached blocks so the next attempt starts clean."""

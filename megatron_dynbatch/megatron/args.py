@@ -33,6 +33,9 @@ flag                                        meaning
 ``--dynbatch-memory-guard``                 read every training step's peak memory (max over ranks) and lower the
                                             budget before a step predicted to cross the headroom; raise it back
                                             only as far as measured steps support (``docs/tuning.md``)
+``--[no-]dynbatch-memory-probe``            before the first step, run one synthetic micro-batch at the budget,
+                                            read its peak (max over ranks) and lower the budget if it crosses the
+                                            headroom; default on where a CUDA device is present (``docs/tuning.md``)
 ``--dynbatch-gpus-per-node N``              GPUs per node (default ``$LOCAL_WORLD_SIZE``, else 8): which CP
                                             groups cross nodes
 ``--dynbatch-max-seq-length N``             the longest sample the run can produce (default ``--seq-length``);
@@ -139,6 +142,10 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
                         "--max-tokens-per-gpu before a step whose predicted peak would cross the headroom; raise it "
                         "back (never above --max-tokens-per-gpu) only as far as measured steps support. Every rank "
                         "plans with the same budget; every change is logged. Never changes the loss.")
+    g.add_argument("--dynbatch-memory-probe", action=argparse.BooleanOptionalAction, default=None,
+                   help="Before the first step, run one synthetic micro-batch at the budget through the step, read "
+                        "its peak memory (max over ranks) and lower the budget if it crosses the headroom; no trace "
+                        "is left (gradients zeroed, RNG restored). Default: on where a CUDA device is present.")
     g.add_argument("--dynbatch-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node (default: $LOCAL_WORLD_SIZE as torchrun sets it, else 8); with Megatron's rank "
                         "order it tells which CP groups cross nodes.")
@@ -285,6 +292,9 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
     if getattr(args, "dynbatch_memory_guard", False) and not use:
         raise DynBatchConfigError("--dynbatch-memory-guard", True, "only applies to dynamic batching",
                                   "add --use-dynamic-batch-size (and --max-tokens-per-gpu), or drop the flag")
+    if getattr(args, "dynbatch_memory_probe", None) and not use:
+        raise DynBatchConfigError("--dynbatch-memory-probe", True, "only applies to dynamic batching",
+                                  "add --use-dynamic-batch-size (and --max-tokens-per-gpu), or drop the flag")
     gpus_per_node_from_args(args)
     resolved = fp8_alignment_from_args(args)
     args.dynbatch_fp8_alignment = "none" if resolved is None else resolved  # stays resolved on re-reading
@@ -303,7 +313,7 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
         auto = AUTO in (args.max_tokens_per_gpu, args.log_probs_max_tokens_per_gpu)
         opts = plan_options_from_args(args, forward_only=forward_only, world_size=world_size, cost_model=None,
                                       balance_by=None, **({} if auto else {"model": None}))
-        budgets["log_probs_max_tokens_per_gpu" if forward_only else "max_tokens_per_gpu"] = opts.max_tokens_per_gpu
+        budgets["log_probs_max_tokens_per_gpu" if forward_only else "max_tokens_per_gpu"] = opts
     _check_max_seq_length(args, par, resolved, budgets)
 
     if getattr(args, "dynbatch_dynamic_cp", False):
@@ -344,8 +354,10 @@ def _check_online_calibration(args: Any, use: bool) -> None:
                                   "optimizer steps >= 1", "pass e.g. --dynbatch-calibration-interval 50")
 
 
-def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, int], budgets: Dict[str, int]) -> None:
-    """The start-up check of the module docstring (nothing to check when neither length is set)."""
+def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, int],
+                          budgets: Dict[str, PlanOptions]) -> None:
+    """The start-up check of the module docstring (nothing to check when neither length is set); ``budgets``: each
+    pass's options (an ``auto`` budget's miss says what limits it, never "raise it")."""
     from ..core.startup import check_max_seq_len_fits
 
     explicit = getattr(args, "dynbatch_max_seq_length", None)
@@ -355,10 +367,10 @@ def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, 
     field = "--dynbatch-max-seq-length" if explicit is not None else "--seq-length"
     for flag, name in (("--max-tokens-per-gpu", "max_tokens_per_gpu"),
                        ("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu")):
-        check_max_seq_len_fits(int(length), max_tokens_per_gpu=budgets[name], parallel=par,
+        check_max_seq_len_fits(int(length), max_tokens_per_gpu=budgets[name].max_tokens_per_gpu, parallel=par,
                                fp8_alignment=fp8, oversize=getattr(args, "dynbatch_oversize", None) or "error",
                                length_field=field, budget_field=flag,
-                               dynamic_cp=bool(getattr(args, "dynbatch_dynamic_cp", False)))
+                               dynamic_cp=bool(getattr(args, "dynbatch_dynamic_cp", False)), options=budgets[name])
 
 
 def _budget(text: str) -> Union[int, str]:
@@ -451,6 +463,7 @@ def plan_options_from_args(args: Any, *, forward_only: bool = False, world_size:
         "parallel": lambda: parallel_from_args(args, world_size=world_size),
         "balance_by": lambda: balance_by_from_args(args),
         "fp8_alignment": lambda: fp8_alignment_from_args(args),
+        "memory_probe": lambda: getattr(args, "dynbatch_memory_probe", None),  # False (--no-...) is a value
         "samples_per_step": lambda: None if forward_only else getattr(args, "dynbatch_samples_per_step", None),
     }
     values = {}

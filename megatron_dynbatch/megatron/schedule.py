@@ -215,6 +215,7 @@ def dynamic_forward_backward(
     forward_backward_func: Optional[Callable[..., Any]] = None,
     calibrator: Any = None,
     memory_guard: Any = None,
+    memory_probe: Any = None,
     **fb_kwargs: Any,
 ) -> DynamicStepResult:
     """Run one optimizer step (or a forward-only pass) over a global batch with dynamic micro-batches.
@@ -250,6 +251,11 @@ def dynamic_forward_backward(
             read (CUDA allocator peak, reset per step), merged over the ranks (one all-reduce: call this on every
             rank) and the guard chooses the next step's budget. With a ready ``Plan`` / iterator the step is only
             measured (plan later steps with ``memory_guard.options(options)``). Never changes the loss.
+        memory_probe: the first step protected (:mod:`megatron_dynbatch.megatron.probe`): a
+            :class:`~megatron_dynbatch.megatron.probe.FirstStepProbe`, ``False`` (off) or ``None`` (the options'
+            ``memory_probe``: on where a CUDA device is present). On a pass's first call planned here from
+            ``plan_or_options``, one synthetic micro-batch at the budget runs through this call's own step first
+            (every rank), and the budget is lowered if its measured peak crosses the headroom; no trace is left.
         **fb_kwargs: passed on to ``forward_backward_func`` (e.g. ``first_val_step``).
     """
     import torch
@@ -277,6 +283,15 @@ def dynamic_forward_backward(
             options = options.replace(cost_model=calibrator.cost_model)
         if memory_guard is not None and not forward_only:
             options = memory_guard.options(options)
+        if memory_probe is not False:  # the first step protected (megatron/probe.py): the lower budget of the two
+            from .probe import protect_first_step
+
+            options = protect_first_step(memory_probe, options, model=model, forward_only=forward_only, device=device,
+                                         run=lambda smp, plan: dynamic_forward_backward(
+                model, smp, plan, config=config, loss_mode=loss_mode, group_reduce=group_reduce,
+                forward_step_func=forward_step_func, per_token_loss=per_token_loss, collect=collect,
+                forward_only=forward_only, tuple_size=tuple_size, reduce_loss=False, pad_token_id=pad_token_id,
+                device=device, forward_backward_func=forward_backward_func, memory_probe=False, **fb_kwargs))
         it = DynamicBatchIterator(samples, None, loss_mode=loss_mode, group_reduce=group_reduce,
                                   pad_token_id=pad_token_id, device=device, options=options)
     else:

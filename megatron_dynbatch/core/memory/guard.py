@@ -71,7 +71,7 @@ from ..errors import DynBatchConfigError
 from ..model_spec import ModelLike, ModelSpec
 from ..parallel import ParallelConfig
 from .budget import DEFAULT_MULTIPLE, MAX_GPU_MEMORY_GB
-from .peak import StageTerms, _units, stage_terms
+from .peak import StageTerms, _units, check_pass, stage_terms
 from .profile import MAX_BYTES
 from .settings import GiB, MemorySettings
 
@@ -225,14 +225,16 @@ class MemoryGuard:
     (``None``: analytic; a :class:`~.profile.MemoryProfile` or a cost-model file with a ``memory`` section): the
     memory model, the prior. ``floor`` (default ``multiple``): the budget never goes under it -- pass what the
     longest sample needs; ``ceiling`` (default ``start_budget``): never over it. ``log``: where change lines go
-    (``None``: nowhere)."""
+    (``None``: nowhere). ``pass_``: the memory model of a training step (``"train"``, the guard's) or of a
+    forward-only log-prob pass (``"log_prob"``: what the first-step probe of :mod:`megatron_dynbatch.megatron.
+    probe` refits for that pass)."""
 
     def __init__(self, start_budget: Any, card_bytes: Any, *, model: ModelLike, parallel: Any = None,
                  settings: Any = None, profile: Any = None, floor: Any = None, ceiling: Any = None,
                  multiple: Any = DEFAULT_MULTIPLE, window: Any = DEFAULT_WINDOW,
                  prior_steps: Any = DEFAULT_PRIOR_STEPS, max_raise: Any = DEFAULT_MAX_RAISE,
                  min_fill: Any = DEFAULT_MIN_FILL, skip_steps: Any = 1,
-                 log: Optional[Callable[[str], None]] = None) -> None:
+                 log: Optional[Callable[[str], None]] = None, pass_: str = "train") -> None:
         self.start_budget = as_int(start_budget, "max_tokens_per_gpu", minimum=1,
                                    fix="start the guard from the budget the options hold (an integer >= 1)")
         self.card_bytes = as_float(card_bytes, "card_bytes", minimum=1.0, maximum=MAX_CARD_BYTES,
@@ -257,7 +259,8 @@ class MemoryGuard:
             ceiling, "ceiling", minimum=self.start_budget,
             fix=f"pass the largest budget the guard may raise to (at least the start budget {self.start_budget})")
         self.log = log
-        terms, prof = stage_terms(self.model, self.parallel, pass_="train", settings=self.settings, profile=profile)
+        self.pass_ = check_pass(pass_)
+        terms, prof = stage_terms(self.model, self.parallel, pass_=self.pass_, settings=self.settings, profile=profile)
         self.terms: List[StageTerms] = terms
         self.profile_source = prof.source
         reserve = self.settings.reserve_gb * GiB

@@ -101,7 +101,9 @@ def plan_global_batch(
                  if v is not None]
         if given:
             raise dynamic_cp_knob_error(given)
-        return plan_dynamic_cp(lengths, opts, group_ids=group_ids)
+        plan = plan_dynamic_cp(lengths, opts, group_ids=group_ids)
+        plan.budget_choice = opts.budget_choice
+        return plan
     t_start = time.perf_counter()
     prep = prepare(lengths, opts, group_ids=group_ids, microbatch_group_ids=microbatch_group_ids,
                    rollout_ids=rollout_ids)
@@ -123,6 +125,7 @@ def plan_global_batch(
         lb_time += cm.lower_bound(float(work.sum()), float(work.max()), par.dp, lb_m, step.items.size // par.dp)
     plan = _assemble(prep, micro_batches, per_step, lb_count, lb_time)
     plan.planning_time_s = time.perf_counter() - t_start
+    plan.budget_choice = opts.budget_choice  # "auto": what chose the budget, and what limits it
     return plan
 
 

@@ -189,9 +189,10 @@ def sample_flops(coeffs: Any, aligned: np.ndarray, sq: np.ndarray) -> np.ndarray
 
 
 def oversize_mask(lens: np.ndarray, aligned: np.ndarray, cap_eff: int, align: Alignment, par: ParallelConfig,
-                  max_tokens_per_gpu: int, oversize: str, label=None) -> np.ndarray:
+                  max_tokens_per_gpu: int, oversize: str, label=None, auto_fit=None) -> np.ndarray:
     """Items whose aligned slot exceeds the budget; raises (``"error"``) or warns (``"alone"``). ``label(i)``
-    names item ``i`` in the message (default ``"sample i"``)."""
+    names item ``i`` in the message (default ``"sample i"``); ``auto_fit(slot, name) -> (problem, fix)``: for an
+    automatic budget, what limits it and the ways out (``core/memory/auto_fit.py``) instead of "raise it"."""
     over = aligned > cap_eff
     if over.any():
         first = int(np.flatnonzero(over)[0])
@@ -203,6 +204,10 @@ def oversize_mask(lens: np.ndarray, aligned: np.ndarray, cap_eff: int, align: Al
         where = (f"{name} has {int(lens[first])} tokens{padded} but a micro-batch may hold {cap_eff} "
                  f"(max_tokens_per_gpu={max_tokens_per_gpu} x cp={par.cp}{rounding}); {int(over.sum())} "
                  f"{'sample(s)' if label is None else 'micro-batch group(s)'} are over")
+        if oversize == "error" and auto_fit is not None:
+            problem, fix = auto_fit(int(aligned[over].max()), name)
+            raise OversizeSampleError("max_tokens_per_gpu", "auto", f"{where}: {problem}", f"{fix}; or truncate "
+                                      "the sample")
         if oversize == "error":
             need = align.budget_for(int(aligned[over].max()), par.cp)
             raise OversizeSampleError(

@@ -158,6 +158,10 @@ class PlanOptions:
     #: reads it from Megatron's own flags)
     memory: Optional[MemorySettings] = _option(None, megatron="(Megatron's optimizer / recompute flags)",
                                                cli="(--recompute, --optimizer, --headroom, ...)")
+    #: the first step protected: before a pass's first real step, one synthetic micro-batch at its budget is run
+    #: and measured, and the budget lowered if its peak crosses the headroom (``megatron/probe.py``, off: False);
+    #: ``None``: on where a CUDA device is present. The planner itself ignores it.
+    memory_probe: Optional[bool] = _option(None, megatron="--dynbatch-memory-probe")
     #: a forward-only pass (log-probs, reference model): no optimizer step; ``"auto"`` sizes it without the
     #: activations kept for backward (:meth:`for_forward_only`)
     forward_only: bool = _option(False)
@@ -206,6 +210,8 @@ class PlanOptions:
                                       f"use one of {OVERSIZE_POLICIES}")
         set_("dynamic_cp", as_bool(self.dynamic_cp, "dynamic_cp"))
         set_("forward_only", as_bool(self.forward_only, "forward_only"))
+        if self.memory_probe is not None:
+            set_("memory_probe", as_bool(self.memory_probe, "memory_probe"))
         set_("equal_samples_per_rank", as_bool(self.equal_samples_per_rank, "equal_samples_per_rank"))
         set_("num_microbatches", _check_counts(self.num_microbatches))
         set_("balance_by_default", self.balance_by is None)

@@ -48,6 +48,9 @@ class Plan:
     #: each optimizer step's slowest rank's predicted time (every rank waits for it at the step's gradient
     #: all-reduce); empty: one step, the slowest ``rank_time``
     step_time: List[float] = field(default_factory=list)
+    #: ``max_tokens_per_gpu="auto"``: the memory model's :class:`~megatron_dynbatch.core.memory.BudgetChoice` (what
+    #: limits the budget; :meth:`summary` says it in words); ``None`` for a budget given as a number
+    budget_choice: Any = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -125,7 +128,16 @@ class Plan:
             "step_time_vs_lower_bound": self.step_time_vs_lower_bound,
             "oversize_samples": list(self.oversize_samples),
             "planning_time_s": self.planning_time_s,
+            **({"budget": self.budget_words()} if self.budget_choice is not None else {}),
         }
+
+    def budget_words(self) -> str:
+        """``"auto, limited by ... on stage s (card, headroom, pass)"`` for an automatic budget, else ``"given"``."""
+        if self.budget_choice is None:
+            return "given"
+        from ..memory.auto_fit import limit_words
+
+        return limit_words(self.budget_choice)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> Dict[str, Any]:

@@ -86,6 +86,22 @@ class Prepared:
         return sorted(self.items.samples_of(np.flatnonzero(self.item_oversize).tolist()))
 
 
+def _auto_fit(options: Any):
+    """For an automatic budget: ``(slot, name) -> (problem, fix)`` of a sample it cannot place (else ``None``)."""
+    if options.budget_choice is None or options.model is None:
+        return None
+    from ..memory.auto_fit import auto_cannot_place
+    from ..startup import auto_profile
+
+    def explain(slot: int, name: str):
+        return auto_cannot_place(options.budget_choice, slot, model=options.model, parallel=options.parallel,
+                                 profile=auto_profile(options), fp8_alignment=options.fp8_alignment,
+                                 sequence_pad_multiple=options.sequence_pad_multiple,
+                                 microbatch_pad_multiple=options.microbatch_pad_multiple, what=name)
+
+    return explain
+
+
 def prepare(lengths, options: PlanOptions, *, group_ids=None, microbatch_group_ids=None,
             rollout_ids=None) -> Prepared:
     """Check the batch against the (already validated) options and derive the planner's inputs."""
@@ -108,7 +124,7 @@ def prepare(lengths, options: PlanOptions, *, group_ids=None, microbatch_group_i
             first = int(items.members[k][0])
             return f"micro-batch group {mb_ids[first]!r} ({items.members[k].size} samples from sample {first})"
     over = oversize_mask(items.reduce(lens), item_aligned, cap_eff, align, par, budget, options.oversize,
-                         label=label)
+                         label=label, auto_fit=_auto_fit(options))
     flops = sample_flops(coeffs, aligned, sq)
     if mode is BalanceBy.FLOPS:
         weight = flops

@@ -33,6 +33,12 @@ rank (:func:`~megatron_dynbatch.megatron.memory_guard.memory_guard_from_args`): 
 with the budget the guard chooses, on every rank alike; each change is one line (``dynbatch memory guard | step N
 | budget A -> B tokens per GPU ...``) on global rank 0.
 
+The first step is protected (on where a CUDA device is present; ``--no-dynbatch-memory-probe`` turns it off):
+before the first training step, :class:`~megatron_dynbatch.megatron.probe.FirstStepProbe` runs ``pp`` synthetic
+micro-batches of the full budget through the same schedule and forward step, reads the peak (MAX over ranks) and
+lowers the budget if it crosses the headroom -- one ``dynbatch memory probe | training pass | ...`` line; it leaves
+no trace (gradients zeroed, RNG states restored, nothing taken from the data iterator, no optimizer step).
+
 What the user sees per step: on the iterations Megatron writes its TensorBoard / W&B scalars
 (``--tensorboard-log-interval``), the step's figures (:func:`megatron_dynbatch.core.metrics.step_metrics`:
 ``dynbatch/microbatches``, ``dynbatch/imbalance``, ``dynbatch/padding_tokens``, ``dynbatch/max_tokens_per_gpu``,
@@ -131,7 +137,8 @@ class DynamicForwardBackward:
 
     def __init__(self, inner: Callable[..., Any], args: Any, *, run_step: Optional[Callable[..., Any]] = None,
                  plan_options: Optional[Callable[[Any], Any]] = None, device: Any = None,
-                 memory_guard: Any = None, writers: Optional[Callable[[], Tuple[Any, Any]]] = None) -> None:
+                 memory_guard: Any = None, writers: Optional[Callable[[], Tuple[Any, Any]]] = None,
+                 memory_probe: Any = None) -> None:
         self.inner = inner
         self.args = args
         self.run_step = run_step
@@ -142,6 +149,8 @@ class DynamicForwardBackward:
         self.last_model: Any = None
         self.calibrator: Any = None  # online calibration (--dynbatch-online-calibration), made on the first step
         self.memory_guard = memory_guard  # --dynbatch-memory-guard: made on the first step unless given
+        self.memory_probe = memory_probe  # the first-step probe (--[no-]dynbatch-memory-probe): made on the first
+        # step unless given (False: off)
         self.writers = writers  # () -> (TensorBoard writer, W&B writer); default: Megatron-LM's own
         self.last_metrics: Dict[str, float] = {}
 
@@ -174,6 +183,7 @@ class DynamicForwardBackward:
             passthrough["calibrator"] = self._calibrator(opts)
         if self.memory_guard is not None or getattr(self.args, "dynbatch_memory_guard", False):
             passthrough["memory_guard"] = self._memory_guard(opts)
+        passthrough["memory_probe"] = self._memory_probe(opts)
         result = run_step(model, samples, opts, forward_backward_func=self.inner,
                           loss_mode=getattr(self.args, "dynbatch_loss_mode", "token_mean") or "token_mean",
                           group_reduce=getattr(self.args, "dynbatch_group_reduce", "token") or "token",
@@ -213,6 +223,16 @@ class DynamicForwardBackward:
 
             self.memory_guard = memory_guard_from_args(self.args, options, device=self.device)
         return self.memory_guard
+
+    def _memory_probe(self, options: Any) -> Any:
+        """The rank's :class:`~megatron_dynbatch.megatron.probe.FirstStepProbe` (made from the launch's flags on
+        the first step, :func:`~megatron_dynbatch.megatron.probe.memory_probe_from_args`), or ``False`` when off
+        (``--no-dynbatch-memory-probe``, or no CUDA device)."""
+        if self.memory_probe is None:
+            from ...megatron.probe import memory_probe_from_args
+
+            self.memory_probe = memory_probe_from_args(self.args, options, device=self.device) or False
+        return self.memory_probe
 
     def _write_metrics(self, metrics: Mapping[str, float]) -> None:
         """``metrics`` to Megatron-LM's TensorBoard (``add_scalar``) and W&B (``log``) writers, on the iterations
