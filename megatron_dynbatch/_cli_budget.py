@@ -173,7 +173,7 @@ def _check_cost_model_file(path: Any, spec: Any) -> None:
     strictly by the memory model itself)."""
     if not isinstance(path, str) or not path.endswith(".json"):
         return
-    from .core.cost_model import check_fitted_for
+    from .core.cost_files import check_fitted_for
 
     try:
         with open(path, encoding="utf-8") as fh:

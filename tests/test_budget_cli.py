@@ -161,7 +161,7 @@ def test_a_card_in_gb_warns_and_in_bytes_is_refused(capsys):
 
 
 def test_a_cost_model_fitted_for_another_model_warns_as_plan_does(capsys, tmp_path):
-    from megatron_dynbatch.core.cost_model import fitted_for
+    from megatron_dynbatch.core.cost_files import fitted_for
 
     path = tmp_path / "cm.json"
     record = fitted_for("llama-3.1-8b", device="H100", device_type="cuda", dtype="bf16", tp=1)

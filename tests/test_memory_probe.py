@@ -28,7 +28,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_dynbatch.core.errors import DynBatchConfigError  # noqa: E402
 from megatron_dynbatch.core.memory import MemorySettings  # noqa: E402
-from megatron_dynbatch.testing.multiproc import run_ranks  # noqa: E402
+from megatron_dynbatch.megatron.ranks import run_ranks  # noqa: E402
 
 VOCAB = 128
 START = 96
@@ -76,10 +76,10 @@ def _worker(rank: int, world_size: int) -> dict:
 
     from megatron_dynbatch.core.model_spec import ModelSpec
     from megatron_dynbatch.core.planner.options import PlanOptions
-    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader
     from megatron_dynbatch.megatron.probe import FirstStepProbe
     from megatron_dynbatch.megatron.schedule import default_forward_step, dynamic_forward_backward
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size)
     megatron_cpu.install_cpu_optimizer_shims()
@@ -286,7 +286,7 @@ def test_synthetic_samples_fill_one_microbatch_and_touch_no_global_generator():
 
 def test_a_probe_that_runs_out_of_memory_says_so_before_the_first_step():
     from megatron_dynbatch import PlanOptions
-    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader
     from megatron_dynbatch.megatron.probe import FirstStepProbe
 
     opts = PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt")
@@ -299,7 +299,7 @@ def test_a_probe_that_runs_out_of_memory_says_so_before_the_first_step():
 
 def test_kept_unmeasured_and_floor():
     from megatron_dynbatch import PlanOptions
-    from megatron_dynbatch.measure.memory import FakeMemoryReader, MemoryReading
+    from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader, MemoryReading
     from megatron_dynbatch.megatron.probe import FirstStepProbe
 
     opts = PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt")
@@ -352,7 +352,7 @@ def _launch(flags, **extra):
 
 def test_the_launch_flag_reaches_the_options_and_the_hook():
     from megatron_dynbatch.integrations.megatron_lm import DynamicForwardBackward
-    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader
     from megatron_dynbatch.megatron.args import plan_options_from_args
     from megatron_dynbatch.megatron.probe import FirstStepProbe, memory_probe_from_args
 
@@ -388,7 +388,7 @@ def test_the_launch_flag_reaches_the_options_and_the_hook():
 
 def test_troubleshooting_quotes_the_probes_messages():
     from megatron_dynbatch import PlanOptions
-    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader
     from megatron_dynbatch.megatron.probe import FirstStepProbe
 
     doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md").read_text().split())
@@ -419,10 +419,10 @@ def _pp_worker(rank: int, world_size: int) -> dict:
     from megatron_dynbatch.core.memory.guard import MemoryGuard
     from megatron_dynbatch.core.model_spec import ModelSpec
     from megatron_dynbatch.core.planner.options import PlanOptions
-    from megatron_dynbatch.measure.memory import FakeMemoryReader
+    from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader
     from megatron_dynbatch.megatron.probe import FirstStepProbe
     from megatron_dynbatch.megatron.schedule import dynamic_forward_backward
-    from megatron_dynbatch.testing import megatron_cpu
+    from megatron_dynbatch.megatron import cpu as megatron_cpu
 
     megatron_cpu.init_cpu_distributed(rank, world_size, pp=2)
     try:

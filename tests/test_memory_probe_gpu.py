@@ -39,7 +39,7 @@ def test_on_by_default_on_cuda_and_no_trace(whole, capsys):
     assert res.loss is not None
     assert all(torch.equal(p, params[n]) for n, p in whole.ddp.module.named_parameters())  # no optimizer step
     cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state_all()
-    from megatron_dynbatch.measure.memory import CudaPeakReader
+    from megatron_dynbatch.megatron.memory_reader import CudaPeakReader
 
     whole.ddp.zero_grad_buffer()
     whole.probe(2048, reader=CudaPeakReader("cuda"), card_bytes=80 * 2 ** 30, settings=whole.settings())
@@ -50,7 +50,7 @@ def test_on_by_default_on_cuda_and_no_trace(whole, capsys):
 
 
 def test_a_card_too_small_for_the_budget_is_lowered(whole):
-    from megatron_dynbatch.measure.memory import CudaPeakReader
+    from megatron_dynbatch.megatron.memory_reader import CudaPeakReader
 
     resident = torch.cuda.memory_allocated()
     card = (resident + 1.5 * 2 ** 30) / 0.9  # 1.5 GiB over the resident state, 10% headroom, no reserve

@@ -244,7 +244,7 @@ class FirstStepProbe:
                  device: Any = None, seed: int = 0,
                  make_sample: Optional[Callable[[int, Any], Dict[str, Any]]] = None) -> None:
         if reader is None:
-            from ..measure.memory import CudaPeakReader
+            from .memory_reader import CudaPeakReader
 
             reader = CudaPeakReader(device)
         if not callable(getattr(reader, "measure", None)):
