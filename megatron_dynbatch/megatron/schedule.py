@@ -1,6 +1,9 @@
 """``dynamic_forward_backward``: Megatron's ``get_forward_backward_func()`` driven by a dynamic-batching plan.
 
-A thin wrapper. For one optimizer step it
+A thin wrapper. Its arguments are the model, the batch, the plan or its options and three typed objects
+(:mod:`.step_config`: :class:`StepConfig`, :class:`MegatronSchedule`, :class:`StepHooks`); the keywords of before
+are sorted into those once, and the plan's source converted once (:func:`batch_iterator`), at the boundary --
+:func:`run_dynamic_step` below it takes only typed objects. For one optimizer step it
 
 1. builds (or takes) a :class:`~megatron_dynbatch.megatron.iterator.DynamicBatchIterator` over the global batch;
 2. sets ``config.variable_seq_lengths = True`` when ``pp > 1`` (micro-batches differ in length, so the p2p

@@ -51,6 +51,10 @@ class DynamicCPPlan(PlanKind, kind="dynamic_cp"):
 
     dynamic_cp: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:
+        if not self.max_tokens_per_gpu:  # a plan of this kind counts per GPU: its cap is that budget
+            self.max_tokens_per_gpu = int(self.cap)
+
     # ------------------------------------------------------------------ PlanKind members
     @property
     def pool_size(self) -> int:
