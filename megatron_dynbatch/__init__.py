@@ -27,7 +27,7 @@ from .core.flops import FlopsCoefficients, calculate_fwd_flops, flops_coefficien
 from .core.memory import BudgetChoice, MemorySettings, choose_budget, estimate_max_tokens_per_gpu, peak_memory
 from .core.model_spec import ModelSpec
 from .core.parallel import ParallelConfig
-from .core.planner import (BalanceBy, DynamicCPPlan, Plan, PlanOptions, build_dynamic_cp_plan,
+from .core.planner import (BalanceBy, DynamicCPPlan, Plan, PlanKind, PlanOptions, build_dynamic_cp_plan,
                            local_microbatch_counts, plan_global_batch, plan_local_batch, score_assignment)
 from .core.run_config import RunConfig
 from .core.startup import check_max_seq_len_fits
@@ -66,6 +66,7 @@ __all__ = [
     "OversizeSampleWarning",
     "ParallelConfig",
     "Plan",
+    "PlanKind",
     "PlanOptions",
     "RunConfig",
     "UnknownOptionError",

@@ -8,7 +8,7 @@ run for real (no padding-only or slicing-only stand-ins):
 * CP=2: each CP rank runs its zig-zag half of every packed micro-batch through
   :class:`~megatron_dynbatch.megatron.attention.ThdDotProductAttention`, which all-gathers K/V over the CP group; DDP
   averages the gradients over DP x CP; forward-only log-probs are all-gathered over CP
-  (``schedule._gather_cp``) and split back into samples.
+  (``gather.gather_cp_output``) and split back into samples.
 
 Both give the gradients of an UNPACKED single-process reference (each sample alone, sbhd, plain autograd, same
 loss definition) built from the gathered full weights after the step, to 1e-5 in fp32, for token_mean (per
@@ -286,7 +286,7 @@ def test_cp2_step_matches_unpacked_reference(cp_results):
 
 @pytest.mark.multiprocess
 def test_cp2_forward_only_log_probs_gathered_across_cp(cp_results):
-    """``schedule._gather_cp``: each CP rank's half of the per-token log-probs is all-gathered and reassembled
+    """``gather.gather_cp_output``: each CP rank's half of the per-token log-probs is all-gathered and reassembled
     before the split into samples; both CP ranks hold every sample's full log-probs in sample order."""
     assert cp_results[0]["logprob_mbs"] >= 2
     _check_log_probs(cp_results)

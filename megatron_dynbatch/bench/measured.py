@@ -37,7 +37,7 @@ from ..core.alignment import Alignment
 from ..core.cost_model import CostModel
 from ..core.parallel import ParallelConfig
 from ..core.planner.timing import step_times_of
-from ..core.planner import DynamicCPPlan
+from ..core.planner import PlanKind
 from ..core.planner.dyncp.pool_sim import simulate_pool
 from .baselines import BASELINES
 from .hybrid_cp import NAME as HYBRID_CP, hybrid_cp_rounds
@@ -149,13 +149,13 @@ class RoundsSchedule:
 Schedule = Any  # RankSchedule | PoolSchedule | RoundsSchedule
 
 
-def schedule_of(name: str, plan: Any, lengths: Sequence[int], workload: Workload) -> Schedule:
+def schedule_of(name: str, plan: PlanKind, lengths: Sequence[int], workload: Workload) -> Schedule:
     """The :class:`Schedule` of algorithm ``name``'s ``plan`` of ``lengths`` on ``workload``'s layout."""
     lens = [int(x) for x in lengths]
     par = workload.parallel
     if name == HYBRID_CP:
         return RoundsSchedule(hybrid_cp_rounds(lens, par, workload.max_tokens_per_gpu), lens)
-    if isinstance(plan, DynamicCPPlan):
+    if plan.dynamic_cp:
         ep = max(1, par.ep)  # the cost model's ep_group: expert-parallel ranks run in lockstep
         return PoolSchedule([list(map(tuple, g)) for g in plan.groups],
                             [[[lens[i] for i in mb] for mb in rank] for rank in plan.micro_batches],

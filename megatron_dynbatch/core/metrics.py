@@ -37,6 +37,7 @@ from .checks import as_float, as_int
 from .errors import DynBatchConfigError
 from .memory.profile import MAX_BYTES
 from .memory.settings import GiB
+from .planner.plan_kind import PlanKind
 
 __all__ = ["step_metrics", "plan_budget", "METRIC_NAMES", "PREFIX"]
 
@@ -49,22 +50,13 @@ METRIC_NAMES = ("microbatches", "microbatches_lower_bound", "imbalance", "real_t
 MAX_SECONDS = 1e7
 
 
-def _per_gpu_divisor(plan: Any) -> int:
-    """A dynamic-CP plan's ``microbatch_tokens`` are already per GPU; a fixed layout's are over ``cp`` GPUs."""
-    return 1 if getattr(plan, "groups", None) else int(plan.parallel.cp)
-
-
-def plan_budget(plan: Any) -> int:
+def plan_budget(plan: PlanKind) -> int:
     """The per-GPU budget a plan was made with (``max_tokens_per_gpu``)."""
-    own = getattr(plan, "max_tokens_per_gpu", None)
-    if own:
-        return int(own)
-    return int(plan.cap) // _per_gpu_divisor(plan)
+    return int(plan.max_tokens_per_gpu)
 
 
 def _check_plan(plan: Any) -> None:
-    needed = ("micro_batches", "microbatch_tokens", "microbatches_per_step", "parallel", "cap", "rank_time")
-    if any(not hasattr(plan, k) for k in needed):
+    if not isinstance(plan, PlanKind):
         raise DynBatchConfigError("plan", type(plan).__name__, "is not a plan", "pass the Plan the step ran")
 
 
@@ -76,7 +68,7 @@ def _predicted_time(plan: Any, step: Optional[int]) -> float:
     return float(plan.predicted_step_time)
 
 
-def step_metrics(plan: Any, *, step: Optional[int] = None, budget: Any = None, measured_step_s: Any = None,
+def step_metrics(plan: PlanKind, *, step: Optional[int] = None, budget: Any = None, measured_step_s: Any = None,
                  measured_peak_bytes: Any = None, predicted_peak_bytes: Any = None,
                  prefix: str = PREFIX) -> Dict[str, float]:
     """The plan's figures as ``{prefix + name: float}`` (module docstring). ``step``: an optimizer step of the plan
@@ -93,7 +85,7 @@ def step_metrics(plan: Any, *, step: Optional[int] = None, budget: Any = None, m
         count = per_step[step]
     cap = plan_budget(plan) if budget is None else as_int(budget, "budget", minimum=1,
                                                            fix="pass the max_tokens_per_gpu the plan was made with")
-    largest = plan.max_microbatch_tokens / _per_gpu_divisor(plan)
+    largest = plan.max_microbatch_tokens / plan.gpus_per_entry
     real, pad = float(plan.real_tokens), float(plan.padding_tokens)
     out: Dict[str, float] = {
         "microbatches": float(count),

@@ -47,7 +47,7 @@ def records_of(iterator: Any, step: Optional[int], seconds: Sequence[float]) -> 
     out = []
     for j, s in zip(js, seconds, strict=True):
         idx = plan.micro_batches[row][j]
-        g = plan.groups[row][j][1] if iterator.dynamic_cp else iterator.cp_size
+        g = plan.group_size(row, j)
         out.append([int(g), [int(lens[i]) for i in idx], float(s)])
     return out
 

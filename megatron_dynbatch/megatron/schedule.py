@@ -1,6 +1,9 @@
 """``dynamic_forward_backward``: Megatron's ``get_forward_backward_func()`` driven by a dynamic-batching plan.
 
-A thin wrapper. For one optimizer step it
+A thin wrapper. Its arguments are the model, the batch, the plan or its options and three typed objects
+(:mod:`.step_config`: :class:`StepConfig`, :class:`MegatronSchedule`, :class:`StepHooks`); the keywords of before
+are sorted into those once, and the plan's source converted once (:func:`batch_iterator`), at the boundary --
+:func:`run_dynamic_step` below it takes only typed objects. For one optimizer step it
 
 1. builds (or takes) a :class:`~megatron_dynbatch.megatron.iterator.DynamicBatchIterator` over the global batch;
 2. sets ``config.variable_seq_lengths = True`` when ``pp > 1`` (micro-batches differ in length, so the p2p
@@ -22,19 +25,27 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..core.errors import DynBatchConfigError
-from .iterator import DynamicBatchIterator, split_per_sample
-from .loss import RESULT_KEY, MicroBatchResult
-from ..core.planner import Plan
 from ..core.planner.api import options_of
 from ..core.planner.options import PlanOptions
+from ..core.planner.plan_kind import PlanKind
+from .gather import per_microbatch_outputs
+from .iterator import DynamicBatchIterator
+from .loss import RESULT_KEY, MicroBatchResult
+from .step_config import MegatronSchedule, StepConfig, StepHooks, split_keywords
 
 __all__ = [
     "DynamicStepResult",
+    "MegatronSchedule",
+    "StepConfig",
+    "StepHooks",
     "dynamic_forward_backward",
+    "run_dynamic_step",
+    "batch_iterator",
+    "check_model_for_plan",
     "forward_log_probs",
     "default_forward_step",
     "log_probs_from_logits",
@@ -178,7 +189,7 @@ def _options_for_model(plan_or_options: Union[PlanOptions, Mapping[str, Any]], c
     return options_of(None, kw)
 
 
-def check_sequence_parallel_alignment(plan: Plan, config: Any) -> None:
+def check_sequence_parallel_alignment(plan: PlanKind, config: Any) -> None:
     """Under sequence parallelism Megatron scatters every micro-batch's (CP-local) tokens over TP, so their
     count must divide by ``tp``: refuse a plan whose alignment does not guarantee ``tp * cp`` | tokens."""
     sp, tp = _config_sp_tp(config)
@@ -194,224 +205,232 @@ def check_sequence_parallel_alignment(plan: Plan, config: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------- main
+#: what ``dynamic_forward_backward`` plans from: a plan, the planner's options, or those as a dict of
+#: ``plan_global_batch`` keywords -- converted once, at that boundary (:func:`batch_iterator`)
+PlanSource = Union[PlanKind, PlanOptions, Mapping[str, Any], None]
+
+
 def dynamic_forward_backward(
     model: Any,
     samples: Union[Sequence[Mapping[str, Any]], DynamicBatchIterator],
-    plan_or_options: Union[Plan, PlanOptions, Mapping[str, Any], None] = None,
-    *,
-    config: Any = None,
-    loss_mode: str = "token_mean",
-    group_reduce: str = "token",
-    forward_step_func: Optional[Callable[[Any, Any], tuple]] = None,
-    per_token_loss: Optional[Callable[[Any, Any], Any]] = None,
-    collect: Optional[Callable[[Any, Any], Any]] = None,
-    forward_only: bool = False,
-    step: Optional[int] = None,
-    tuple_size: int = 3,
-    reduce_loss: bool = True,
-    gather_outputs: bool = False,
-    pad_token_id: int = 0,
-    device: Any = None,
-    forward_backward_func: Optional[Callable[..., Any]] = None,
-    calibrator: Any = None,
-    memory_guard: Any = None,
-    memory_probe: Any = None,
-    **fb_kwargs: Any,
+    plan_or_options: PlanSource = None,
+    step_config: Optional[StepConfig] = None,
+    schedule: Optional[MegatronSchedule] = None,
+    hooks: Optional[StepHooks] = None,
+    **keywords: Any,
 ) -> DynamicStepResult:
     """Run one optimizer step (or a forward-only pass) over a global batch with dynamic micro-batches.
 
     Args:
         model: the model, or the list of model chunks (VPP), usually wrapped in Megatron's DDP.
         samples: the global batch (identical on every rank), or a ready :class:`DynamicBatchIterator`.
-        plan_or_options: a :class:`Plan`, the planner's
+        plan_or_options: a plan (:class:`Plan` / :class:`DynamicCPPlan`), the planner's
             :class:`~megatron_dynbatch.core.planner.options.PlanOptions`, or the options as a dict of
             :func:`plan_global_batch` keywords (``model`` spec, ``parallel``, ``max_tokens_per_gpu``, ...). For a
             forward-only log-prob pass give its own budget (``options.for_forward_only(log_probs_budget)``).
             Ignored when ``samples`` is an iterator.
-        config: the model's ``TransformerConfig`` (default: read from the model).
-        loss_mode, group_reduce: loss normalisation (:mod:`megatron_dynbatch.megatron.loss`).
-        forward_step_func: a Megatron forward step of your own (``(data_iterator, model) -> (output, loss_fn)``;
-            the iterator yields :class:`~megatron_dynbatch.megatron.packing.PackedMicroBatch`; build ``loss_fn`` with
-            ``result.iterator.loss_func`` -- pass a ready iterator as ``samples`` to have it beforehand).
-            Default: :func:`default_forward_step`. Under a dynamic-CP plan run the model call inside
-            ``megatron_dynbatch.megatron.dynamic_cp.microbatch_cp_group(model, packed)`` (THD RoPE positions).
-        per_token_loss, collect: see :func:`megatron_dynbatch.megatron.loss.make_loss_func`. ``collect`` defaults to
-            per-token log-probs when ``forward_only``.
-        forward_only: no backward (log-prob / reference passes). Runs every step of the plan in one call.
-        step: optimizer step of the plan to run (required when the plan has several; default 0).
-        reduce_loss: all-reduce the loss over the DP x CP group of the last pipeline stage (exact ``L``).
-        gather_outputs: gather per-sample outputs of all DP ranks into global sample order.
-        pad_token_id, device: packing options (``device`` default: the current CUDA device, else the CPU).
-        calibrator: an :class:`~megatron_dynbatch.megatron.online_calibration.OnlineCalibrator` (online
-            calibration): a training step's micro-batches are timed, every ``interval`` steps the cost model is
-            refitted (one all-reduce: call this on every rank), and plans made here from ``plan_or_options`` use
-            the refitted model (pass ``calibrator.cost_model`` yourself when you plan). Never changes the loss.
-        memory_guard: a :class:`~megatron_dynbatch.megatron.memory_guard.StepMemoryGuard` (online memory guard): a
-            training step planned here from ``plan_or_options`` uses the guard's budget; the step's peak memory is
-            read (CUDA allocator peak, reset per step), merged over the ranks (one all-reduce: call this on every
-            rank) and the guard chooses the next step's budget. With a ready ``Plan`` / iterator the step is only
-            measured (plan later steps with ``memory_guard.options(options)``). Never changes the loss.
-        memory_probe: the first step protected (:mod:`megatron_dynbatch.megatron.probe`): a
-            :class:`~megatron_dynbatch.megatron.probe.FirstStepProbe`, ``False`` (off) or ``None`` (the options'
-            ``memory_probe``: on where a CUDA device is present). On a pass's first call planned here from
-            ``plan_or_options``, one synthetic micro-batch at the budget runs through this call's own step first
-            (every rank), and the budget is lowered if its measured peak crosses the headroom; no trace is left.
-        **fb_kwargs: passed on to ``forward_backward_func`` (e.g. ``first_val_step``).
+        step_config: what to run (:class:`~megatron_dynbatch.megatron.step_config.StepConfig`: ``loss_mode``,
+            ``group_reduce``, ``forward_only``, ``step``, ``reduce_loss``, ``gather_outputs``, ``per_token_loss``,
+            ``collect``, ``forward_step_func``, ``tuple_size``, ``pad_token_id``, ``device``).
+        schedule: Megatron's side (:class:`~megatron_dynbatch.megatron.step_config.MegatronSchedule`: ``config``,
+            ``forward_backward_func``, ``extra`` keywords for it).
+        hooks: observers (:class:`~megatron_dynbatch.megatron.step_config.StepHooks`: ``calibrator``,
+            ``memory_guard``).
+        **keywords: any field of those three by name, as before (``loss_mode="sample_mean"``, ``step=1``,
+            ``memory_guard=guard``, ...); any other name is passed on to ``forward_backward_func`` (e.g.
+            ``first_val_step``).
+
+    The fields, in words:
+
+    * ``forward_step_func``: a Megatron forward step of your own (``(data_iterator, model) -> (output,
+      loss_fn)``; the iterator yields :class:`~megatron_dynbatch.megatron.packing.PackedMicroBatch`; build
+      ``loss_fn`` with ``result.iterator.loss_func`` -- pass a ready iterator as ``samples`` to have it
+      beforehand). Default: :func:`default_forward_step`. Under a dynamic-CP plan run the model call inside
+      ``megatron_dynbatch.megatron.dynamic_cp.microbatch_cp_group(model, packed)`` (THD RoPE positions).
+    * ``per_token_loss``, ``collect``: see :func:`megatron_dynbatch.megatron.loss.make_loss_func`. ``collect``
+      defaults to per-token log-probs when ``forward_only``.
+    * ``forward_only``: no backward (log-prob / reference passes). Runs every step of the plan in one call.
+    * ``step``: optimizer step of the plan to run (required when the plan has several; default 0).
+    * ``reduce_loss``: all-reduce the loss over the DP x CP group of the last pipeline stage (exact ``L``).
+    * ``gather_outputs``: gather per-sample outputs of all DP ranks into global sample order.
+    * ``pad_token_id``, ``device``: packing options (``device`` default: the current CUDA device, else the CPU).
+    * ``calibrator``: an :class:`~megatron_dynbatch.megatron.online_calibration.OnlineCalibrator` (online
+      calibration): a training step's micro-batches are timed, every ``interval`` steps the cost model is
+      refitted (one all-reduce: call this on every rank), and plans made here from ``plan_or_options`` use the
+      refitted model (pass ``calibrator.cost_model`` yourself when you plan). Never changes the loss.
+    * ``memory_guard``: a :class:`~megatron_dynbatch.megatron.memory_guard.StepMemoryGuard` (online memory guard):
+      a training step planned here from ``plan_or_options`` uses the guard's budget; the step's peak memory is
+      read (CUDA allocator peak, reset per step), merged over the ranks (one all-reduce: call this on every rank)
+      and the guard chooses the next step's budget. With a ready plan / iterator the step is only measured (plan
+      later steps with ``memory_guard.options(options)``). Never changes the loss.
     """
-    import torch
+    cfg, sched, obs = split_keywords(keywords, step_config, schedule, hooks)
+    if sched.config is None:
+        from megatron.core.utils import get_model_config
 
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.utils import get_model_config
+        sched = replace(sched, config=get_model_config(model[0] if isinstance(model, list) else model))
+    if cfg.device is None:  # pack where the model runs (the GPU when there is one)
+        cfg = replace(cfg, device=_comm_device())
+    it, options = batch_iterator(samples, plan_or_options, cfg, obs, sched.config, model=model,
+                                 probe_run=lambda smp, plan: run_dynamic_step(
+                                     model, batch_iterator(smp, plan, cfg, obs, sched.config)[0],
+                                     replace(cfg, reduce_loss=False), sched, replace(obs, memory_probe=False)))
+    return run_dynamic_step(model, it, cfg, sched, obs, options)
 
-    chunks = model if isinstance(model, list) else [model]
-    if config is None:
-        config = get_model_config(chunks[0])
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
 
-    if device is None:  # pack where the model runs (the GPU when there is one)
-        device = _comm_device()
-    options: Optional[PlanOptions] = None  # the planner's options when this call plans (for the calibration log)
+def batch_iterator(samples: Union[Sequence[Mapping[str, Any]], DynamicBatchIterator], source: PlanSource,
+                   cfg: StepConfig, hooks: StepHooks, config: Any, *, model: Any = None,
+                   probe_run: Optional[Callable[[Any, Any], Any]] = None) -> Tuple[DynamicBatchIterator,
+                                                                                   Optional[PlanOptions]]:
+    """The boundary: the iterator of the step and, when it plans here, the one ``PlanOptions`` it planned with
+    (the model's sequence parallelism filled in, the calibrator's cost model, the memory guard's budget and the
+    first-step probe's verdict applied; ``probe_run(samples, plan)`` runs the probe's synthetic micro-batches
+    through this call's own step, :mod:`.probe`)."""
     if isinstance(samples, DynamicBatchIterator):
-        it = samples
-    elif isinstance(plan_or_options, Plan):
-        it = DynamicBatchIterator(samples, plan_or_options, loss_mode=loss_mode, group_reduce=group_reduce,
-                                  pad_token_id=pad_token_id, device=device)
-    elif isinstance(plan_or_options, (PlanOptions, Mapping)):
-        options = _options_for_model(plan_or_options, config)
-        if calibrator is not None and calibrator.cost_model is not None:
-            options = options.replace(cost_model=calibrator.cost_model)
-        if memory_guard is not None and not forward_only:
-            options = memory_guard.options(options)
-        if memory_probe is not False:  # the first step protected (megatron/probe.py): the lower budget of the two
-            from .probe import protect_first_step
-
-            options = protect_first_step(memory_probe, options, model=model, forward_only=forward_only, device=device,
-                                         run=lambda smp, plan: dynamic_forward_backward(
-                model, smp, plan, config=config, loss_mode=loss_mode, group_reduce=group_reduce,
-                forward_step_func=forward_step_func, per_token_loss=per_token_loss, collect=collect,
-                forward_only=forward_only, tuple_size=tuple_size, reduce_loss=False, pad_token_id=pad_token_id,
-                device=device, forward_backward_func=forward_backward_func, memory_probe=False, **fb_kwargs))
-        it = DynamicBatchIterator(samples, None, loss_mode=loss_mode, group_reduce=group_reduce,
-                                  pad_token_id=pad_token_id, device=device, options=options)
-    else:
-        raise DynBatchConfigError("plan_or_options", type(plan_or_options).__name__,
+        return samples, None
+    packing = dict(loss_mode=cfg.loss_mode, group_reduce=cfg.group_reduce, pad_token_id=cfg.pad_token_id,
+                   device=cfg.device)
+    if isinstance(source, PlanKind):
+        return DynamicBatchIterator(samples, source, **packing), None
+    if not isinstance(source, (PlanOptions, Mapping)):
+        raise DynBatchConfigError("plan_or_options", type(source).__name__,
                                   "needs a Plan, a PlanOptions or a dict of plan_global_batch options",
                                   "pass e.g. {'model': spec, 'parallel': par, 'max_tokens_per_gpu': 8192}")
+    options = _options_for_model(source, config)
+    if hooks.calibrator is not None and hooks.calibrator.cost_model is not None:
+        options = options.replace(cost_model=hooks.calibrator.cost_model)
+    if hooks.memory_guard is not None and not cfg.forward_only:
+        options = hooks.memory_guard.options(options)
+    if hooks.memory_probe is not False and probe_run is not None:  # the first step protected: the lower budget
+        from .probe import protect_first_step
 
+        options = protect_first_step(hooks.memory_probe, options, model=model, forward_only=cfg.forward_only,
+                                     device=cfg.device, run=probe_run)
+    return DynamicBatchIterator(samples, None, options=options, **packing), options
+
+
+def run_dynamic_step(model: Any, it: DynamicBatchIterator, cfg: StepConfig, sched: MegatronSchedule,
+                     hooks: StepHooks, options: Optional[PlanOptions] = None) -> DynamicStepResult:
+    """One step of ``it``'s plan through Megatron's schedule (below the boundary: every argument typed;
+    ``options``: what the plan was made with here, for the calibration log). ``sched.config`` must be set."""
+    from megatron.core import parallel_state
+
+    chunks = model if isinstance(model, list) else [model]
+    check_model_for_plan(sched.config, it, parallel_state.get_pipeline_model_parallel_world_size())
+    run_step = _step_to_run(it, cfg)
+    num_mb = it.num_microbatches if run_step is None else len(it.step_range(run_step))
+    collect = cfg.collect if cfg.collect is not None or not cfg.forward_only else log_probs_collector
+    forward_step_func = cfg.forward_step_func or default_forward_step(
+        it, calculate_per_token_loss=bool(getattr(sched.config, "calculate_per_token_loss", False)),
+        per_token_loss=cfg.per_token_loss, collect=collect, forward_only=cfg.forward_only,
+        tuple_size=cfg.tuple_size, num_microbatches=num_mb)
+    if sched.forward_backward_func is not None:
+        fb = sched.forward_backward_func
+    else:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        fb = get_forward_backward_func()
+    data_iterator = it.data_iterator(run_step, num_model_chunks=len(chunks))
+    training = not cfg.forward_only
+    calibrator = hooks.calibrator if training else None
+    guard = hooks.memory_guard if training else None
+    timing = calibrator.step(model, it, run_step) if calibrator is not None else nullcontext()
+    predicted = guard.predict_plan(it.plan, run_step) if guard is not None else None
+
+    def run_schedule() -> Any:
+        return fb(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                  num_microbatches=num_mb, seq_length=it.max_seq_length(run_step), micro_batch_size=1,
+                  forward_only=cfg.forward_only, **sched.extra)
+
+    t0 = time.perf_counter()
+    with timing:
+        store = guard.run(run_schedule, model, it, run_step) if guard is not None else run_schedule()
+    seconds = guard.last_seconds if guard is not None else (time.perf_counter() - t0 if _synchronous() else None)
+
+    results: List[MicroBatchResult] = [d[RESULT_KEY] for d in (store or [])
+                                       if isinstance(d, Mapping) and isinstance(d.get(RESULT_KEY), MicroBatchResult)]
+    local, loss, per_sample = _step_outputs(results, it, run_step, cfg)
+    if cfg.gather_outputs and per_sample is not None:
+        sample_indices = it.step_samples(run_step) if run_step is not None else list(range(len(it.samples)))
+    else:
+        sample_indices = it.sample_indices(run_step)
+    if calibrator is not None:
+        calibrator.end_step(it.plan, it.lengths, options)
+    if guard is not None:
+        guard.end_step(it.plan, run_step)
+    return DynamicStepResult(loss=loss, local_loss_sum=local, per_sample=per_sample, sample_indices=sample_indices,
+                             num_microbatches=num_mb, iterator=it, forward_data_store=store or [], step=run_step,
+                             seconds=seconds, peak_bytes=guard.peak_bytes if guard is not None else None,
+                             predicted_peak_bytes=predicted)
+
+
+def check_model_for_plan(config: Any, it: DynamicBatchIterator, pp_size: int) -> None:
+    """Make ``config`` ready for the plan's variable lengths (:func:`prepare_config`) and refuse what cannot run
+    it: a plan without the sequence-parallel padding the model needs, a dynamic-CP plan on a model that reads its
+    fixed CP group (MTP) or runs megatron-core's own hybrid-CP schedule."""
     prepare_config(config, pp_size, uniform_length=it.uniform_length)
     check_sequence_parallel_alignment(it.plan, config)
-    if it.dynamic_cp:
-        from .dynamic_cp import check_dynamic_cp_model
+    if not it.plan.dynamic_cp:
+        return
+    from .dynamic_cp import check_dynamic_cp_model
 
-        check_dynamic_cp_model(config)
-    if it.dynamic_cp and getattr(config, "hybrid_context_parallel", False):
+    check_dynamic_cp_model(config)
+    if getattr(config, "hybrid_context_parallel", False):
         raise DynBatchConfigError("config.hybrid_context_parallel", True, "megatron-core would run its own hybrid-CP "
                                   "schedule instead of the dynamic-CP plan", "build the model with "
                                   "hybrid_context_parallel=False (drop --hybrid-context-parallel)")
 
-    if forward_only:
-        run_step = None if step is None else step
-    else:
-        if step is None:
-            if it.num_steps > 1:
-                raise DynBatchConfigError("step", None, f"the plan has {it.num_steps} optimizer steps",
-                                          "call once per step with step=0, 1, ... and run the optimizer in between")
-            step = 0
-        run_step = step
-    if run_step is None:
-        num_mb = it.num_microbatches
-    else:
-        num_mb = len(it.step_range(run_step))
-    if collect is None and forward_only:
-        collect = log_probs_collector
 
-    if forward_step_func is None:
-        forward_step_func = default_forward_step(
-            it, calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
-            per_token_loss=per_token_loss, collect=collect, forward_only=forward_only, tuple_size=tuple_size,
-            num_microbatches=num_mb)
-    fb = forward_backward_func or get_forward_backward_func()
-    data_iterator = it.data_iterator(run_step, num_model_chunks=len(chunks))
-    timing = calibrator.step(model, it, run_step) if calibrator is not None and not forward_only else nullcontext()
-    guarded = memory_guard is not None and not forward_only
-    predicted = memory_guard.predict_plan(it.plan, run_step) if guarded else None
+def _step_to_run(it: DynamicBatchIterator, cfg: StepConfig) -> Optional[int]:
+    """The plan's optimizer step this call runs (``None``: every step, a forward-only pass)."""
+    if cfg.forward_only or cfg.step is not None:
+        return cfg.step
+    if it.num_steps > 1:
+        raise DynBatchConfigError("step", None, f"the plan has {it.num_steps} optimizer steps",
+                                  "call once per step with step=0, 1, ... and run the optimizer in between")
+    return 0
 
-    def schedule() -> Any:
-        return fb(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=num_mb,
-            seq_length=it.max_seq_length(run_step),
-            micro_batch_size=1,
-            forward_only=forward_only,
-            **fb_kwargs,
-        )
 
-    t0 = time.perf_counter()
-    with timing:
-        store = memory_guard.run(schedule, model, it, run_step) if guarded else schedule()
-    seconds = memory_guard.last_seconds if guarded else (time.perf_counter() - t0 if _synchronous() else None)
+def _step_outputs(results: List[MicroBatchResult], it: DynamicBatchIterator, run_step: Optional[int],
+                  cfg: StepConfig) -> Tuple[Optional[float], Optional[float], Optional[List[Any]]]:
+    """``(local loss sum, loss, per-sample outputs)`` of the step on the last pipeline stage (``None`` elsewhere):
+    the loss all-reduced over the DP x CP group when asked, the outputs in sample order (:mod:`.gather`)."""
+    import torch
+    from megatron.core import parallel_state
 
-    results: List[MicroBatchResult] = [d[RESULT_KEY] for d in (store or [])
-                                       if isinstance(d, Mapping) and isinstance(d.get(RESULT_KEY), MicroBatchResult)]
-    last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    loss = local = None
+    if not (parallel_state.is_pipeline_last_stage(ignore_virtual=True) and results):
+        return None, None, None
+    local = float(sum(float(r.loss_sum) for r in results if r.loss_sum is not None))
+    loss = local
+    if cfg.reduce_loss and not cfg.forward_only:
+        t = torch.tensor([local], dtype=torch.float64, device=_comm_device())
+        torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        loss = float(t.item())
     per_sample = None
-    if last_stage and results:
-        local = float(sum(float(r.loss_sum) for r in results if r.loss_sum is not None))
-        loss = local
-        cp = it.cp_size
-        if reduce_loss and not forward_only:
-            t = torch.tensor([local], dtype=torch.float64, device=_comm_device())
-            torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            loss = float(t.item())
-        if any(r.outputs is not None for r in results):
-            mbs = it.microbatches(run_step)
-            if len(results) != len(mbs):
-                raise RuntimeError(f"expected {len(mbs)} micro-batch results on the last stage, got {len(results)}")
-            # match results to micro-batches by their samples (each sample is in exactly one micro-batch)
-            position = {tuple(mb.sample_indices): k for k, mb in enumerate(mbs)}
-            slots: List[Any] = [None] * len(mbs)
-            for r in results:
-                slots[position[tuple(r.sample_indices)]] = r
-            per_mb = []
-            for r, mb in zip(slots, mbs, strict=True):
-                full = r.outputs
-                if mb.dynamic_cp:  # this micro-batch's own group
-                    full = _gather_cp(full, mb, mb.cp_size, mb.cp_group) if mb.cp_size > 1 else full
-                elif cp > 1:
-                    full = _gather_cp(full, mb, cp)
-                per_mb.append(split_per_sample(full, mb))
-            per_sample = it.restore_order(per_mb, run_step)
-            if gather_outputs:
-                per_sample = it.gather_across_dp(per_sample, run_step)
-    if gather_outputs and per_sample is not None:
-        sample_indices = it.step_samples(run_step) if run_step is not None else list(range(len(it.samples)))
-    else:
-        sample_indices = it.sample_indices(run_step)
-    if calibrator is not None and not forward_only:
-        calibrator.end_step(it.plan, it.lengths, options)
-    if guarded:
-        memory_guard.end_step(it.plan, run_step)
-    return DynamicStepResult(loss=loss, local_loss_sum=local, per_sample=per_sample, sample_indices=sample_indices,
-                             num_microbatches=num_mb, iterator=it, forward_data_store=store or [], step=run_step,
-                             seconds=seconds, peak_bytes=memory_guard.peak_bytes if guarded else None,
-                             predicted_peak_bytes=predicted)
+    if any(r.outputs is not None for r in results):
+        per_sample = it.restore_order(per_microbatch_outputs(results, it.microbatches(run_step), it.cp_size),
+                                      run_step)
+        if cfg.gather_outputs:
+            per_sample = it.gather_across_dp(per_sample, run_step)
+    return local, loss, per_sample
 
 
 def forward_log_probs(
     model: Any,
     samples: Union[Sequence[Mapping[str, Any]], DynamicBatchIterator],
-    plan_or_options: Union[Plan, PlanOptions, Mapping[str, Any], None] = None,
-    **kwargs: Any,
+    plan_or_options: PlanSource = None,
+    step_config: Optional[StepConfig] = None,
+    schedule: Optional[MegatronSchedule] = None,
+    hooks: Optional[StepHooks] = None,
+    **keywords: Any,
 ) -> DynamicStepResult:
     """Forward-only pass returning per-sample per-token log-probs in ORIGINAL order (``result.per_sample[k]``
     belongs to sample ``result.sample_indices[k]``; ``L_i`` entries aligned with its labels). Plan it with its
-    own budget, e.g. ``plan_options_from_args(args, forward_only=True)``."""
-    kwargs.setdefault("collect", log_probs_collector)
-    return dynamic_forward_backward(model, samples, plan_or_options, forward_only=True, **kwargs)
+    own budget, e.g. ``plan_options_from_args(args, forward_only=True)``. Arguments: as for
+    :func:`dynamic_forward_backward` (``forward_only`` is set; ``collect`` defaults to per-token log-probs)."""
+    cfg, sched, obs = split_keywords(keywords, step_config, schedule, hooks)
+    cfg = replace(cfg, forward_only=True, collect=cfg.collect if cfg.collect is not None else log_probs_collector)
+    return dynamic_forward_backward(model, samples, plan_or_options, cfg, sched, obs)
 
 
 # ------------------------------------------------------------------------------------------ internal
@@ -426,19 +445,3 @@ def _comm_device() -> Any:
     import torch
 
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _gather_cp(local: Any, packed: Any, cp: int, group: Any = None) -> Any:
-    """All-gather a CP-local per-token tensor ``[1, T/cp, ...]`` over the CP group (default: Megatron's) and
-    reassemble it."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from .context_parallel import gather_cp_outputs
-
-    if group is None:
-        group = parallel_state.get_context_parallel_group()
-    parts = [torch.empty_like(local) for _ in range(cp)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return gather_cp_outputs(parts, packed.cu_seqlens_padded, cp)

@@ -60,9 +60,7 @@ def rescore(plan: Any, lengths: Sequence[int], *, model: Any, cost_model: Any, m
     ``cost_model``."""
     from ..planner import score_assignment
     from ..planner.dyncp import build_dynamic_cp_plan
-    from ..planner.dyncp.plan import DynamicCPPlan
-
-    if isinstance(plan, DynamicCPPlan):
+    if plan.dynamic_cp:
         slots = [plan.slot_groups(j) for j in range(plan.num_microbatches)]
         return float(build_dynamic_cp_plan(lengths, slots, parallel=plan.parallel,
                                            max_tokens_per_gpu=max_tokens_per_gpu, model=model, cost_model=cost_model,

@@ -302,7 +302,7 @@ def _shape_of(base: Any) -> CostProfile:
 def _change(plan: Any, lengths: Any, new: CostModel, model: Any, options: Any) -> Any:
     from .compare import step_time_change
 
-    budget = int(getattr(plan, "max_tokens_per_gpu", 0) or plan.cap // plan.parallel.cp)
+    budget = int(plan.max_tokens_per_gpu)
     try:
         return step_time_change(np.asarray(lengths), old_plan=plan, new=new, options=options, model=model,
                                 max_tokens_per_gpu=budget)

@@ -131,29 +131,25 @@ def merge_readings(vectors: Sequence[Any]) -> np.ndarray:
     return np.max(np.stack(arrs), axis=0)
 
 
-def _is_pool_plan(plan: Any) -> bool:
-    """A dynamic-CP plan: its rows are pool GPUs and ``microbatch_tokens`` are already per GPU."""
-    return bool(getattr(plan, "groups", None))
-
-
 def stage_tokens(plan: Any, num_layers: int, step: Optional[int] = None) -> List[int]:
     """Tokens per GPU in flight on each pipeline stage during (optimizer step ``step`` of) ``plan``: the largest
     mean, over the ranks and over every window of consecutive micro-batches, of the micro-batches stage ``s``
     holds at once (1F1B: ``pp - s`` of them; interleaved: the model's chunk count over ``vpp``) -- the ``T`` a
     measured peak is read against. Never more than the step's largest micro-batch per GPU."""
-    par = getattr(plan, "parallel", None)
-    rows = getattr(plan, "microbatch_tokens", None)
-    if not isinstance(par, ParallelConfig) or rows is None:
+    from ..planner.plan_kind import PlanKind
+
+    if not isinstance(plan, PlanKind):
         raise DynBatchConfigError("plan", type(plan).__name__, "is not a plan", "pass the Plan the step ran")
+    par, rows = plan.parallel, plan.microbatch_tokens
     layers = as_int(num_layers, "num_layers", minimum=1, fix="pass the model's decoder layers")
-    per_step = list(getattr(plan, "microbatches_per_step", None) or [len(rows[0]) if rows else 0])
+    per_step = list(plan.microbatches_per_step or [len(rows[0]) if rows else 0])
     if step is None:
         start, stop = 0, sum(per_step)
     else:
         step = as_int(step, "step", minimum=0, maximum=max(0, len(per_step) - 1), fix="pass a step of the plan")
         start = sum(per_step[:step])
         stop = start + per_step[step]
-    div = 1 if _is_pool_plan(plan) else par.cp
+    div = plan.gpus_per_entry  # a dynamic-CP plan's tokens are per GPU already
     out = []
     for s in range(par.pp):
         window = max(1, int(math.ceil(_units(par, layers, s) * par.pp / layers - 1e-9)))

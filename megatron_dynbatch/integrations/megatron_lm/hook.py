@@ -303,14 +303,10 @@ def plan_log_line(plan: Any) -> str:
     dynamic-CP plan, how many micro-batches ran on CP groups of each size and the modelled speed-up over the
     fixed layout's plan, e.g. ``micro-batches per GPU: 3 | cp groups (size: count): 1: 6, 2: 1, 4: 1 |
     modelled speed-up vs fixed cp: 1.008``."""
-    parts = [f"micro-batches per GPU: {plan.num_microbatches}"]
-    group_sizes = getattr(plan, "group_sizes", None)
-    if callable(group_sizes):
-        sizes = group_sizes()
-        parts.append("cp groups (size: count): " + ", ".join(f"{g}: {n}" for g, n in sorted(sizes.items())))
+    parts = [f"micro-batches per GPU: {plan.num_microbatches}",
+             "cp groups (size: count): " + ", ".join(f"{g}: {n}" for g, n in sorted(plan.group_sizes().items()))]
+    if plan.dynamic_cp:  # only a dynamic-CP plan has a fixed layout's plan to compare with
         speedup = float(plan.speedup_vs_fixed_cp)
         parts.append("modelled speed-up vs fixed cp: " + (f"{speedup:.3f}" if np.isfinite(speedup) else
                                                           "n/a (the fixed layout cannot hold this batch)"))
-    else:
-        parts.append(f"cp groups (size: count): {plan.parallel.cp}: {plan.num_microbatches * plan.parallel.dp}")
     return " | ".join(parts)

@@ -14,7 +14,7 @@ import numpy as np
 from ...core.checks import hashable_group_id
 from ...core.errors import DynBatchConfigError, trainer_terms
 from ...core.parallel import ParallelConfig
-from ...core.planner import Plan, plan_global_batch, score_assignment
+from ...core.planner import Plan, PlanKind, plan_global_batch, score_assignment
 from ...core.planner.api import options_of
 from ...core.planner.options import PlanOptions
 from ...core.planner.inputs import check_group_ids
@@ -191,19 +191,17 @@ def plan_rollout(
                        planning_time_s=time.perf_counter() - t0)
 
 
-def _refuse_dynamic_cp(plan: Plan) -> None:
+def _refuse_dynamic_cp(plan: PlanKind) -> None:
     """The Ray driver ships one shard per DP rank; a dynamic-CP plan places samples on pool GPUs (a sample on
     a group spanning several DP ranks belongs to none of them), so it is refused with a clear message."""
-    from ...core.planner.dyncp.plan import DynamicCPPlan
-
-    if isinstance(plan, DynamicCPPlan):
+    if plan.dynamic_cp:
         raise DynBatchConfigError("dynamic_cp", True, "the Ray driver ships one shard per data-parallel rank, and a "
                                   "dynamic-CP plan spreads samples over CP groups that span several DP ranks",
                                   "plan with dynamic_cp=False here, or run dynamic CP through DynamicBatchIterator / "
                                   "dynamic_forward_backward on every rank (docs/dynamic_cp.md)")
 
 
-def plan_log_probs(train_plan: Plan, lengths: Sequence[int], options: Optional[PlanOptions] = None,
+def plan_log_probs(train_plan: PlanKind, lengths: Sequence[int], options: Optional[PlanOptions] = None,
                    **option_kwargs: Any) -> Plan:
     """A forward-only plan (log-probs, reference model) with its own budget that keeps ``train_plan``'s
     assignment of samples to DP ranks, so one shard serves both passes and the log-probs computed on a rank are
@@ -216,7 +214,7 @@ def plan_log_probs(train_plan: Plan, lengths: Sequence[int], options: Optional[P
     the fewest samples a rank holds, moved to a count the interleaved schedule accepts. If some rank cannot be
     packed into that count, the training plan's own micro-batches are used (they fit whenever
     ``max_tokens_per_gpu`` is at least the training budget); otherwise a ``DynBatchConfigError`` names the fix."""
-    if not isinstance(train_plan, Plan):
+    if not isinstance(train_plan, PlanKind):
         raise DynBatchConfigError("train_plan", type(train_plan).__name__, "must be a megatron_dynbatch.Plan",
                                   "pass the plan made by plan_global_batch for the same batch")
     _refuse_dynamic_cp(train_plan)

@@ -201,7 +201,7 @@ def score_with_cp_comm(plan: Plan, *, model: Any = None, cost_model: Optional[Co
     from its sequences; without either it is recovered from the micro-batch's time (exact unless the micro-batch
     sits on the cost model's floor, where it overstates the attention and so understates the exposed
     exchange)."""
-    if isinstance(plan, DynamicCPPlan):
+    if plan.dynamic_cp:
         return plan
     par = plan.parallel
     cm = cp_comm_cost_model(resolve_cost_model(cost_model, model, par), model, par)

@@ -1,7 +1,8 @@
-"""``DynamicCPPlan``: a :class:`~..plan.Plan` whose "ranks" are the GPUs of the dynamic-CP pool.
+"""``DynamicCPPlan``: a plan (:class:`~..plan_kind.PlanKind`) whose rows are the GPUs of the dynamic-CP pool.
 
-Every statistic of :class:`~..plan.Plan` keeps its meaning with one substitution -- a rank is a pool GPU
-(``dp_rank * cp + cp_rank`` of one pipeline stage), not a DP replica:
+A sibling of :class:`~..plan.Plan`, not a subclass: every shared statistic keeps its meaning with one
+substitution -- a row is a pool GPU (``dp_rank * cp + cp_rank`` of one pipeline stage; ``pool_size`` of them),
+not a DP replica; ``dp`` stays the data-parallel ranks (``parallel.dp``):
 
 * ``micro_batches[i][j]``: the samples GPU ``i`` works on in slot ``j`` (execution order). A sample on a group
   of ``g`` GPUs is listed on each of them -- each holds its zig-zag share;
@@ -18,11 +19,11 @@ nodes, members agree, no group is empty, and every sample sits in exactly one (s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from ...alignment import Alignment
-from ..plan import Plan
+from ..plan_kind import PlanKind
 from .pool import group_alignment, pool_tree
 
 #: a CP group of the pool: ``(first GPU, size)``
@@ -34,11 +35,12 @@ SlotList = List[Slot]
 
 
 @dataclass
-class DynamicCPPlan(Plan, kind="dynamic_cp"):
+class DynamicCPPlan(PlanKind, kind="dynamic_cp"):
     """A dynamic context-parallel plan (module docstring); build it with ``plan_global_batch(...,
     dynamic_cp=True)``."""
 
     groups: List[List[Group]] = field(default_factory=list)
+    #: the per-GPU budget (``cap``: a dynamic-CP plan counts tokens per GPU)
     max_tokens_per_gpu: int = 0
     fp8_tile: int = 1
     #: the modelled step time of the fixed-CP plan of the same layout (NaN if it could not be planned)
@@ -47,14 +49,43 @@ class DynamicCPPlan(Plan, kind="dynamic_cp"):
     #: "cp<cp>-tree-<threshold>" or "all-root" (see candidates.py)
     candidate: str = ""
 
-    # ------------------------------------------------------------------ pool views
+    dynamic_cp: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not self.max_tokens_per_gpu:  # a plan of this kind counts per GPU: its cap is that budget
+            self.max_tokens_per_gpu = int(self.cap)
+
+    # ------------------------------------------------------------------ PlanKind members
     @property
     def pool_size(self) -> int:
+        """GPUs of the pool (``dp * cp``): the rows of ``micro_batches``."""
         return len(self.micro_batches)
+
+    @property
+    def dp(self) -> int:
+        return int(self.parallel.dp)
+
+    @property
+    def num_rows(self) -> int:
+        return self.pool_size
 
     @property
     def num_samples(self) -> int:
         return len({i for rank in self.micro_batches for mb in rank for i in mb})
+
+    @property
+    def gpus_per_entry(self) -> int:
+        return 1
+
+    def row_of(self, dp_rank: int, cp_rank: int) -> int:
+        return int(dp_rank) * int(self.parallel.cp) + int(cp_rank)
+
+    def cp_group(self, row: int, j: int) -> Group:
+        start, size = self.groups[row][j]
+        return int(start), int(size)
+
+    def microbatch_alignment(self, row: int, j: int) -> Alignment:
+        return self.alignment_for(self.group_size(row, j))
 
     def alignment_for(self, group_size: int) -> Alignment:
         """Padding rules of a micro-batch on a group of ``group_size`` GPUs (``2 * group_size`` per sequence)."""
@@ -113,8 +144,7 @@ class DynamicCPPlan(Plan, kind="dynamic_cp"):
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "DynamicCPPlan":
-        base = Plan.from_dict({k: v for k, v in d.items() if k != "kind"})
-        kw = {f.name: getattr(base, f.name) for f in fields(Plan)}
+        kw = PlanKind.shared_fields_of(d)
         fixed = d.get("fixed_cp_step_time")
         return cls(**kw, groups=[[(int(g[0]), int(g[1])) for g in rank] for rank in d["groups"]],
                    max_tokens_per_gpu=int(d["max_tokens_per_gpu"]), fp8_tile=int(d.get("fp8_tile", 1)),
