@@ -193,7 +193,9 @@ class OptionFlag:
         kw: Dict[str, Any] = {"help": self.help}
         if self.kind == "switch":
             if self.door == "cli":  # --no-... too: overrides a run preset's value
-                return {**kw, "action": argparse.BooleanOptionalAction, "default": None}
+                off = "--no-" + self.flag[2:]
+                return {**kw, "help": f"{self.help} ({off}: off, also over a --run preset's value)",
+                        "action": argparse.BooleanOptionalAction, "default": None}
             return {**kw, "action": "store_true", "default": bool(self.default)}
         kw["default"] = self.default if self.door == "megatron" else None
         if self.kind == "choice":

@@ -48,7 +48,8 @@ the fields -- name, type (from the annotation, or ``kind``), choices, metavar an
 field's ``#:`` docstring -- for the Megatron launch (:func:`megatron_dynbatch.megatron.args.add_dynamic_batch_args`)
 and the ``plan`` command alike, as Megatron-Core's ``ArgumentGroupFactory`` builds argparse from a config
 dataclass (NVIDIA/Megatron-LM ``megatron/training/argument_utils.py``). A new field with a ``--`` spelling gets its
-flag, its help and its place in the docs' flag tables (``tests/test_option_flags.py``) with nothing else to write.
+flag and its help with nothing else to write; ``tests/test_option_flags.py`` fails until the docs' flag tables list
+it (``docs/architecture.md``, "Adding an option").
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ class PlanOptions:
     #: what balancing equalises: ``time`` (the cost model's seconds), ``flops`` (raw FLOPs) or ``tokens`` (padded
     #: tokens); default: ``time`` whenever the model is known, else ``tokens``; dynamic CP takes only ``time``
     balance_by: Optional[BalanceBy] = _option(None, megatron="--dynbatch-balance-by", cli="--balance-by")
-    #: the step-time model: a ``CostModel``, a profile name (``"fitted"``, the default with a model;
-    #: ``"analytic"``) or a cost-model JSON file (``docs/cost_model.md``)
+    #: the step-time model: a profile name (``"fitted"``, the default with a model; ``"analytic"``), a cost-model
+    #: JSON file (``docs/cost_model.md``) or, from Python, a ``CostModel``
     cost_model: Union[None, str, CostModel] = _option(None, megatron="--dynbatch-cost-model", cli="--cost-model",
                                                       kind="text", metavar="NAME|FILE")
     #: leave the default choice (fewest micro-batches; fixed CP under ``dynamic_cp``) only for a modelled gain
