@@ -6,7 +6,9 @@ with the list of every choice. :class:`SuggestingArgumentParser` keeps those mes
 ``-- did you mean --max-tokens-per-gpu?`` for every unknown ``--flag`` of the command line that is close to a flag
 of the (sub)command being parsed (a flag that names a layout dimension in other words, ``--tensor-parallel-size``,
 suggests the layout flag it means, ``--tp``: :func:`~megatron_dynbatch.core.parallel.layout_key_meaning`), and for
-an invalid choice close to a valid one. Instead of argparse's usage dump it prints that one line and where the
+an invalid choice close to a valid one. Choice flags take :func:`choice` as their type -- the one rule for
+choices: matched case-insensitively (``--recompute FULL``), a miss naming the close match (``ful`` -> ``full``),
+in this CLI and in a Megatron launch alike. Instead of argparse's usage dump it prints that one line and where the
 flags are listed (``megatron-dynbatch plan --help``). Used by the ``megatron-dynbatch`` CLI and the demo; exit
 status 2, on stderr, as before.
 """
@@ -20,8 +22,9 @@ from typing import Dict, List, NoReturn, Optional, Sequence
 
 from .core.checks import close_matches
 from .core.parallel import layout_key_meaning
+from .core.planner.option_flags import choice
 
-__all__ = ["SuggestingArgumentParser", "help_hint", "suggestions"]
+__all__ = ["SuggestingArgumentParser", "help_hint", "suggestions", "choice"]
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> Dict[str, argparse.ArgumentParser]:
@@ -44,6 +47,8 @@ def suggestions(parser: argparse.ArgumentParser, argv: Sequence[str], message: s
     """What the user probably meant, for ``message`` (an argparse error) about the command line ``argv``: a valid
     choice (``'bench'``) or flags (``--max-tokens-per-gpu for --max-token-per-gpu``)."""
     hints: List[str] = []
+    if "did you mean" in message:  # said already (a choice flag's own type: :func:`choice`)
+        return hints
     choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
     if choice:
         options = [o.strip().strip("'\"") for o in choice.group(2).split(",")]  # quoted before Python 3.12.8

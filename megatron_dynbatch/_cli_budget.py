@@ -34,7 +34,9 @@ def add_budget_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentPars
                                    "log-prob token budgets that fit the card minus the headroom, what limits them, "
                                    "and the settings to paste into Megatron-LM, slime, verl, ROLL or NeMo-RL "
                                    "(docs/tuning.md).")
-    b.add_argument("--model", default=None, help="model preset name or YAML/JSON/config.json path")
+    from .core.planner.option_flags import add_option_flags
+
+    add_option_flags(b, "cli", only=("model",))  # the planning option's own flag (its gpu_memory_gb is required text)
     b.add_argument("--run", default=None, metavar="PRESET", help="run preset: model, layout, Megatron flags")
     add_layout_args(b)
     b.add_argument("--gpu-memory-gb", default=None, metavar="N",
@@ -51,17 +53,22 @@ def add_budget_parser(sub: Any, add_layout_args: Callable[[argparse.ArgumentPars
 
 def add_memory_args(m: Any) -> None:
     """The memory-model settings as flags (``budget``, and ``plan --max-tokens-per-gpu auto``)."""
-    m.add_argument("--recompute", default=None, help="none, selective or full")
-    m.add_argument("--optimizer", default=None, help="distributed, replicated or cpu_offload")
-    m.add_argument("--param-dtype", default=None, help="bf16, fp16 or fp32")
-    m.add_argument("--grad-dtype", default=None, help="fp32 (Megatron's default for bf16) or bf16")
+    from ._argparse import choice  # any case; a miss goes on to MemorySettings, which names the close match
+    from .core.memory.settings import DTYPE_BYTES, LOG_PROB_STATIC, OPTIMIZERS, RECOMPUTE
+
+    m.add_argument("--recompute", default=None, type=choice(RECOMPUTE, strict=False), help="none, selective or full")
+    m.add_argument("--optimizer", default=None, type=choice(OPTIMIZERS, strict=False),
+                   help="distributed, replicated or cpu_offload")
+    m.add_argument("--param-dtype", default=None, type=choice(DTYPE_BYTES, strict=False), help="bf16, fp16 or fp32")
+    m.add_argument("--grad-dtype", default=None, type=choice(DTYPE_BYTES, strict=False),
+                   help="fp32 (Megatron's default for bf16) or bf16")
     m.add_argument("--headroom", default=None, metavar="X", help="fraction of the card left free (default 0.1)")
     m.add_argument("--reserve-gb", default=None, metavar="G", help="GiB for the CUDA context, NCCL (default 4)")
     m.add_argument("--logits-fp32-copies", default=None, metavar="N",
                    help="override every trainer's loss path: N fp32 logits copies beside the bf16 logits in training")
     m.add_argument("--log-prob-fp32-copies", default=None, metavar="N", help="the same for log-prob passes")
     m.add_argument("--moe-imbalance", default=None, metavar="X", help="busiest expert's tokens over the mean (1.0)")
-    m.add_argument("--log-prob-static", default=None,
+    m.add_argument("--log-prob-static", default=None, type=choice(LOG_PROB_STATIC, strict=False),
                    help="resident in a log-prob pass: training (the actor's whole state, default) or weights")
     m.add_argument("--optimizer-step-bytes-per-param", default=None, metavar="B",
                    help="the optimizer step's temporaries (0 for fused Adam; ~4 for torch's AdamW)")

@@ -11,7 +11,8 @@ scored the same way (as ``bench`` does for its ``dyncp-*`` workloads); ``--plot`
 
 Refused before any planning, naming ``--dynamic-cp``: what :func:`~megatron_dynbatch.core.run_config.dynamic_cp_problem`
 refuses for a run preset (a pool of one GPU, ``pp=2`` with ``vpp > 1``, GRPO groups from ``--group-ids`` or the
-preset's ``group_size``) and a balancing flag dynamic CP would ignore (it balances the cost model's seconds).
+preset's ``group_size``). A balancing mode dynamic CP would ignore (``--balance-by flops|tokens``, or a preset's)
+is refused by :class:`~megatron_dynbatch.core.planner.options.PlanOptions` itself, as from every other door.
 """
 
 from __future__ import annotations
@@ -23,23 +24,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ._cli_summary import count_line, first_of, step_time_line, table_end, token_lines
 from .core.errors import DynBatchConfigError
 
-def check_dynamic_cp_balancing(args: argparse.Namespace) -> None:
-    """Refuse a ``--balance-by`` dynamic CP would silently ignore (it balances the cost model's seconds)."""
-    if args.balance_by not in (None, "time"):
-        flag = f"--balance-by {args.balance_by}"
-        raise DynBatchConfigError("--dynamic-cp", True, f"dynamic CP always balances the cost model's seconds, so "
-                                  f"{flag} would be silently ignored", f"drop {flag} (or --dynamic-cp)")
-
 
 def check_dynamic_cp_flags(args: argparse.Namespace, opts: Any, group_ids: Optional[list], run: Any) -> None:
     """Refuse what ``plan --dynamic-cp`` cannot do (module docstring)."""
     from .core.run_config import dynamic_cp_problem
 
-    check_dynamic_cp_balancing(args)
-    if run is not None and args.balance_by is None and run.balance_by != "time":
-        raise DynBatchConfigError("--dynamic-cp", True, f"the run preset {run.name!r} balances {run.balance_by}, which "
-                                  "dynamic CP would silently ignore (it balances the cost model's seconds)",
-                                  "add --balance-by time, or drop --dynamic-cp")
     problem = dynamic_cp_problem(opts.parallel, grouped=group_ids is not None)
     if problem is not None:
         where = ""

@@ -25,55 +25,21 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
-from ._argparse import SuggestingArgumentParser
+from ._argparse import SuggestingArgumentParser, choice
 from ._cli_io import read_values as _read_values
 from ._cli_run import LAYOUT_FLAGS
 from ._cli_summary import group_line, plan_summary, rank_table
 from .core.errors import DynBatchConfigError
+from .core.planner.option_flags import add_option_flags, option_values
+from .core.planner.option_flags import positive_int as _positive_int
 
 PROG = "megatron-dynbatch"
 
 
 # ============================================================================================ helpers
-def _budget(text: str) -> Any:
-    """``--max-tokens-per-gpu``: a whole number >= 1, or ``auto``."""
-    return "auto" if str(text).strip().lower() == "auto" else _positive_int(text)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
-
-
-def _margin(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1) (0.03 = 3%), got {text!r}")
-    return value
-
-
 def _add_cost_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cost-model", default=None, metavar="NAME|FILE",
-                   help="cost model: a profile ('fitted', the default, fitted on H100 timings; 'analytic', the "
-                        "pre-measurement assumptions) or a cost-model JSON file (docs/cost_model.md)")
-    p.add_argument("--decision-margin", type=_margin, default=None, metavar="X",
-                   help="leave the default choice (fewest micro-batches; fixed CP under --dynamic-cp) only for a "
-                        "modelled gain above X (default: the cost model's uncertainty, 0.032 for 'fitted')")
-
-
-def _fp8(text: str) -> Any:
-    try:
-        return int(text)
-    except ValueError:
-        return text
+    """``--cost-model`` and ``--decision-margin``: the options' own flags (``core/planner/option_flags.py``)."""
+    add_option_flags(p, "cli", only=("cost_model", "decision_margin"))
 
 
 def _add_layout_args(p: argparse.ArgumentParser, *, dp: bool = True) -> None:
@@ -201,10 +167,6 @@ def _plan(args: argparse.Namespace) -> int:
         require_matplotlib(args.plot)
     lengths = _read_values(args.lengths, "--lengths", integers=True)
     group_ids = _read_values(args.group_ids, "--group-ids", integers=False) if args.group_ids else None
-    if args.dynamic_cp:  # a balancing flag dynamic CP would ignore: named before the options are built
-        from ._cli_dyncp import check_dynamic_cp_balancing
-
-        check_dynamic_cp_balancing(args)
     opts, run = _plan_options(args)
     par = opts.parallel
     if opts.model is not None:  # check the layout against the model (tp divides the heads, ep the experts)
@@ -281,13 +243,7 @@ def _plan_options(args: argparse.Namespace) -> Tuple[Any, Any]:
         layout["sequence_parallel"] = True
     from ._cli_budget import flag_settings
 
-    given = {"model": args.model, "parallel": layout, "max_tokens_per_gpu": args.max_tokens_per_gpu,
-             "balance_by": args.balance_by, "oversize": args.oversize, "fp8_alignment": args.fp8,
-             "samples_per_step": args.samples_per_step, "cost_model": args.cost_model,
-             "decision_margin": args.decision_margin, "dynamic_cp": bool(args.dynamic_cp),
-             "min_cp_size": args.min_cp_size,
-             "num_microbatches": args.num_microbatches, "gpu_memory_gb": args.gpu_memory_gb,
-             "memory": flag_settings(args) or None}
+    given = {**option_values(args, "cli"), "parallel": layout, "memory": flag_settings(args) or None}
     return PlanOptions(**{k: v for k, v in given.items() if v is not None}), None
 
 
@@ -499,36 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--override-run", action="store_true",
                    help="with --run: the flags given here replace the preset's values where they differ (without "
                         "it such a flag is an error naming both); the result is checked as a preset file would be")
-    p.add_argument("--model", default=None,
-                   help="model preset name (e.g. qwen3-8b) or a YAML/JSON/config.json path; needed to balance FLOPs")
-    _add_layout_args(p)
-    p.add_argument("--max-tokens-per-gpu", type=_budget, default=None, metavar="N|auto",
-                   help="per-GPU token budget; a micro-batch holds at most this times cp tokens (required "
-                        "unless --run gives it); auto: the largest the memory model says fits --gpu-memory-gb")
-    p.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G",
-                   help="the GPU's memory in GiB, for --max-tokens-per-gpu auto (79.1 for an H100 80GB)")
-    p.add_argument("--balance-by", choices=("time", "flops", "tokens"), default=None,
-                   help="what balancing equalises: time -- the cost model's seconds, each FLOP at its kernel's "
-                        "efficiency, as a Megatron launch's --balance-by-flops (default with --model); flops -- raw "
-                        "FLOPs; tokens -- padded tokens (default without --model)")
     p.add_argument("--group-ids", metavar="FILE", default=None,
                    help="one group id per sample (same formats); a group (GRPO prompt) stays on one DP rank")
-    p.add_argument("--samples-per-step", type=_positive_int, default=None,
-                   help="split the batch into optimizer steps of exactly this many consecutive samples")
-    p.add_argument("--oversize", choices=("error", "alone"), default=None,
-                   help="a sample over the budget: fail (default) or run it alone in its own micro-batch")
-    p.add_argument("--fp8", type=_fp8, default=None, metavar="RECIPE|N",
-                   help="FP8 token alignment: fp8, mxfp8, nvfp4, blockwise, or a token multiple")
-    p.add_argument("--num-microbatches", type=_positive_int, default=None,
-                   help="force this many micro-batches per rank (fails if the budget cannot hold it)")
-    p.add_argument("--dynamic-cp", action=argparse.BooleanOptionalAction, default=None,
-                   help="dynamic context parallelism: plan the dp x cp GPUs as one pool, each micro-batch on its own "
-                        "CP group, and print the fixed-CP plan of the same layout next to it (docs/dynamic_cp.md); "
-                        "--no-dynamic-cp overrides a --run preset's dynamic_cp: true")
-    p.add_argument("--min-cp-size", type=_positive_int, default=None, metavar="N",
-                   help="with --dynamic-cp: every CP group has at least N GPUs, so no sequence runs on fewer (a power "
-                        "of two, at most --cp; Megatron-LM's --min-dynamic-context-parallel-size)")
-    _add_cost_model_args(p)
+    _add_layout_args(p)
+    add_option_flags(p.add_argument_group("planning options (PlanOptions fields; the help is each field's "
+                                          "docstring)"), "cli")
     from ._cli_budget import add_memory_args
 
     add_memory_args(p.add_argument_group("memory settings for --max-tokens-per-gpu auto (default: a bf16 "
@@ -555,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("runs", help="run presets: list them, show one, or print the Megatron flags one implies",
                        description="Run presets (configs/runs/*.yaml): 'list' the names, 'show NAME' prints one as "
                                    "YAML, 'args NAME' prints the Megatron flags it implies (one shell-quoted line).")
-    r.add_argument("action", choices=("list", "show", "args"))
+    r.add_argument("action", type=choice(("list", "show", "args")), choices=("list", "show", "args"))
     r.add_argument("preset", nargs="?", default=None, help="run preset name or YAML path (for show / args)")
     r.set_defaults(func=_cmd_runs)
 

@@ -248,12 +248,12 @@ class _ExplicitDp(argparse.Action):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ._argparse import SuggestingArgumentParser
+    from ._argparse import SuggestingArgumentParser, choice
 
     about = __doc__.split("\n\n")[0].replace("``", "")  # the docstring's first paragraph, without RST markup
     p = SuggestingArgumentParser(prog=PROG, description=about)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
-    p.add_argument("--launcher", choices=("spawn", "torchrun"), default="spawn",
+    p.add_argument("--launcher", type=choice(("spawn", "torchrun")), choices=("spawn", "torchrun"), default="spawn",
                    help="spawn: start --dp local processes (default); torchrun: this process is one rank of a "
                         "torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from the env)")
     p.add_argument("--dp", type=int, default=2, action=_ExplicitDp,
@@ -262,8 +262,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=16, help="samples per global batch (default 16)")
     p.add_argument("--group-size", type=int, default=4, help="responses per prompt group (default 4)")
     p.add_argument("--max-tokens-per-gpu", type=int, default=160)
-    p.add_argument("--loss-mode", default="token_mean",
-                   choices=["token_mean", "sample_mean", "group_mean", "token_sum"])
+    modes = ("token_mean", "sample_mean", "group_mean", "token_sum")
+    p.add_argument("--loss-mode", default="token_mean", type=choice(modes), choices=modes)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--check", action="store_true",
                    help=f"compare the first step's gradients with the unpacked reference: PASS if they differ by "

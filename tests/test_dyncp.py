@@ -537,10 +537,12 @@ def test_dynamic_cp_launch_flag():
     on = ("--use-dynamic-batch-size", "--balance-by-flops", "--max-tokens-per-gpu", "4096", "--dynbatch-dynamic-cp")
     with pytest.raises(DynBatchConfigError, match="--dynbatch-dynamic-cp"):
         validate_dynamic_batch_args(parse("--dynbatch-dynamic-cp"))
-    # the launch flag refuses what RunConfig and `plan --dynamic-cp` refuse (one dynamic_cp_problem)
-    with pytest.raises(DynBatchConfigError, match="token balancing") as err:
-        validate_dynamic_batch_args(parse(*(f for f in on if f != "--balance-by-flops")))
-    assert "drop --dynbatch-dynamic-cp" in err.value.fix
+    # the launch flag refuses what RunConfig and `plan --dynamic-cp` refuse: an explicit balancing it would ignore
+    # (PlanOptions' rule); without a balancing flag a launch balances time (the one default rule), which it takes
+    assert validate_dynamic_batch_args(parse(*(f for f in on if f != "--balance-by-flops"))).dynbatch_dynamic_cp
+    with pytest.raises(DynBatchConfigError, match="silently ignored") as err:
+        validate_dynamic_batch_args(parse(*on[2:], "--use-dynamic-batch-size", "--dynbatch-balance-by", "tokens"))
+    assert err.value.field == "--dynbatch-balance-by" and "--dynbatch-dynamic-cp" in err.value.fix
     one = parse(*on)
     one.world_size, one.context_parallel_size = 1, 1
     with pytest.raises(DynBatchConfigError, match="one GPU"):

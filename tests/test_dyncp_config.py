@@ -64,7 +64,8 @@ def test_run_config_dynamic_cp_from_yaml_and_runs_args(tmp_path, monkeypatch, ca
     ({"parallel": {"dp": 1, "tp": 8}}, "dynamic_cp", "one GPU"),
     ({"parallel": {"dp": 2, "pp": 2, "vpp": 2}}, "dynamic_cp", "pp=2"),
     ({"group_size": 4}, "dynamic_cp", "group_size"),
-    ({"balance_by": "tokens"}, "dynamic_cp", "silently ignored"),
+    ({"balance_by": "tokens"}, "balance_by", "silently ignored"),  # the options' rule (PlanOptions), every door
+    ({"balance_by": "flops"}, "balance_by", "silently ignored"),
     ({"megatron_args": ["--hybrid-context-parallel"]}, "dynamic_cp", "--hybrid-context-parallel"),
     ({"megatron_args": ["--dynbatch-dynamic-cp"]}, "megatron_args", "set dynamic_cp: true"),
     ({"megatron_args": ["--dynbatch-dynamic-cp"], "dynamic_cp": False}, "megatron_args", "set dynamic_cp: true"),

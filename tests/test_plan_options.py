@@ -149,6 +149,13 @@ def test_every_option_has_a_test_value_and_a_documented_spelling():
     assert set(PlanOptions.spellings("megatron")) == names - set(NOT_LAUNCH_OPTIONS) - set(FROM_MEGATRONS_FLAGS)
     assert set(CLI_TOKENS) == {f.name for f in dataclasses.fields(PlanOptions) if f.init and f.metadata["cli"]}
     assert set(CLI_TOKENS) == names - set(NOT_CLI_OPTIONS)
+    # a preset's key is the field's own name: every option a launch sets by a flag is a RunConfig field too
+    assert set(PlanOptions.spellings("megatron")) <= {f.name for f in dataclasses.fields(RunConfig)}
+    # ... and every field states its spelling at each door: a flag, the door's own words "(...)", or a reason above
+    for door, exempt in (("megatron", NOT_LAUNCH_OPTIONS), ("cli", NOT_CLI_OPTIONS)):
+        for f in dataclasses.fields(PlanOptions):
+            if f.init and f.name not in exempt:
+                assert str(f.metadata.get(door) or "").startswith(("--", "(")), (door, f.name)
     lines = inspect.getsource(PlanOptions).splitlines()
     for name in names:  # every option is documented where it is defined: a "#:" comment right above the field
         at = next(i for i, line in enumerate(lines) if line.startswith(f"    {name}:"))
@@ -230,7 +237,7 @@ LAUNCH_TOKENS = {  # a launch's flags for each value
     "oversize": ["--dynbatch-oversize", "alone"],
     "fp8_alignment": ["--dynbatch-fp8-alignment", "mxfp8"],
     "samples_per_step": ["--dynbatch-samples-per-step", "4"],
-    "dynamic_cp": ["--dynbatch-dynamic-cp", "--balance-by-flops"],  # a launch balancing tokens refuses it
+    "dynamic_cp": ["--dynbatch-dynamic-cp"],  # a launch balances time by default: dynamic CP's only mode
     "min_cp_size": ["--dynbatch-min-cp-size", "2"],
     "gpu_memory_gb": ["--dynbatch-gpu-memory-gb", "79.1"],
     "memory_probe": ["--dynbatch-memory-probe"],

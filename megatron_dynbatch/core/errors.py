@@ -90,6 +90,16 @@ def _rename_text(text: str, words: Mapping[str, str]) -> str:
     return text
 
 
+def in_other_words(text: str, words: Mapping[str, str]) -> str:
+    """``text`` with every whole-word mention of our names renamed to ``words``' (as :func:`reword` renames an
+    error's problem and fix) -- but not inside a path (``docs/cost_model.md`` stays) nor the :data:`FIELD_ONLY`
+    words: e.g. a field's docstring in a door's flags, for that door's ``--help``."""
+    for ours, theirs in words.items():
+        if ours not in FIELD_ONLY:
+            text = re.sub(rf"(?<![\w/.-]){re.escape(ours)}(?![\w/-]|\.\w)", theirs, text)
+    return text
+
+
 def reword(err: DynBatchConfigError, words: Mapping[str, str], *, assertion: bool = False,
            values: Optional[Mapping[str, Any]] = None) -> DynBatchConfigError:
     """``err`` in another vocabulary (``words``: our name -> theirs): the field renamed (``lengths[3]`` ->

@@ -86,8 +86,9 @@ class RunConfig:
         dynamic_cp: plan the ``dp x cp`` GPUs of each pipeline stage as one pool and give every micro-batch its
             own CP group (``plan_global_batch(..., dynamic_cp=True)``, Megatron flag ``--dynbatch-dynamic-cp``;
             ``docs/dynamic_cp.md``). Refused where the run cannot use it: a pool of one GPU, ``pp=2`` with
-            ``vpp > 1``, ``group_size`` (GRPO groups on one DP rank), ``balance_by: tokens`` (dynamic CP balances
-            the cost model's seconds) and Megatron's own ``--hybrid-context-parallel`` in ``megatron_args``.
+            ``vpp > 1``, ``group_size`` (GRPO groups on one DP rank), ``balance_by`` other than ``time`` (dynamic
+            CP balances the cost model's seconds: the planner options' rule) and Megatron's own
+            ``--hybrid-context-parallel`` in ``megatron_args``.
         min_cp_size: with ``dynamic_cp``: every CP group the planner forms has at least this many GPUs (a power
             of two, at most ``cp``; ``None`` = 1); passed as ``--dynbatch-min-cp-size`` (Megatron-LM dev's
             ``--min-dynamic-context-parallel-size``; ``docs/dynamic_cp.md``).
@@ -390,7 +391,7 @@ class RunConfig:
                                       "(planner_kwargs would not know)", f"remove {flag} and set dynamic_cp: true")
         if not self.dynamic_cp:
             return
-        problem = dynamic_cp_problem(par, grouped=self.group_size is not None, balance_by=self.balance_by,
+        problem = dynamic_cp_problem(par, grouped=self.group_size is not None,
                                      hybrid_cp="--hybrid-context-parallel" in self.megatron_args)
         if problem is not None:
             raise DynBatchConfigError("dynamic_cp", True, problem[0], problem[1])
@@ -470,9 +471,9 @@ class RunConfig:
         if self.memory:
             out += ["--dynbatch-memory", ",".join(f"{k}={v}" for k, v in self.memory.items())]
         if self.balance_by == "time":
-            out.append("--balance-by-flops")  # the peers' name for balancing compute: BalanceBy.TIME
-        elif self.balance_by == "flops":
-            out += ["--dynbatch-balance-by", "flops"]
+            out.append("--balance-by-flops")  # the peers' name for balancing compute: BalanceBy.TIME (the default)
+        else:
+            out += ["--dynbatch-balance-by", self.balance_by]
         if self.oversize != "error":
             out += ["--dynbatch-oversize", self.oversize]
         if self.fp8_alignment is not None:
@@ -609,13 +610,13 @@ _OWN_FIELDS = frozenset(f.name for f in fields(RunConfig))
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def dynamic_cp_problem(par: ParallelConfig, *, grouped: bool = False, balance_by: str = "time",
-                       hybrid_cp: bool = False, off: str = "turn dynamic CP off") -> Optional[Tuple[str, str]]:
+def dynamic_cp_problem(par: ParallelConfig, *, grouped: bool = False, hybrid_cp: bool = False,
+                       off: str = "turn dynamic CP off") -> Optional[Tuple[str, str]]:
     """Why a run cannot use dynamic CP, as ``(problem, fix)``, or ``None`` when it can: a pool of one GPU,
-    ``pp=2`` with ``vpp > 1``, GRPO groups kept on one DP rank (``grouped``), token balancing, or Megatron's
-    own hybrid CP. ``off`` says how the caller's user turns it off. Shared by :class:`RunConfig`,
-    ``megatron-dynbatch plan --dynamic-cp`` and the ``--dynbatch-dynamic-cp`` launch flag, so all three refuse
-    the same runs."""
+    ``pp=2`` with ``vpp > 1``, GRPO groups kept on one DP rank (``grouped``), or Megatron's own hybrid CP.
+    ``off`` says how the caller's user turns it off. Shared by :class:`RunConfig`, ``megatron-dynbatch plan
+    --dynamic-cp`` and the ``--dynbatch-dynamic-cp`` launch flag, so all three refuse the same runs. (Balancing is
+    an option's rule: :class:`PlanOptions` refuses ``balance_by`` other than ``time`` under dynamic CP.)"""
     if par.dp * par.cp == 1:
         return ("the pool (dp x cp of a pipeline stage) is one GPU, so there is no CP group to choose",
                 f"use dp x cp > 1, or {off}")
@@ -626,9 +627,6 @@ def dynamic_cp_problem(par: ParallelConfig, *, grouped: bool = False, balance_by
     if grouped:
         return ("groups that stay on one DP rank (group_size / group ids) have no meaning when a sample's CP group "
                 "spans several DP ranks", f"drop the groups, or {off}")
-    if balance_by == "tokens":
-        return ("dynamic CP always balances the cost model's seconds, so token balancing would be silently ignored",
-                f"balance by time, or {off}")
     if hybrid_cp:
         return ("Megatron's own --hybrid-context-parallel reroutes samples with its scheduler; the two cannot both "
                 "plan the batch", f"remove --hybrid-context-parallel, or {off}")

@@ -64,11 +64,10 @@ def scheduler_plan_options(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, 
     the model ``config``; the FLOPs model from Megatron's ``args`` (preferred: they know the vocabulary). With
     ``args`` every other option comes from the launch flags as in a ``--use-dynamic-batch-size`` launch
     (:func:`~megatron_dynbatch.megatron.args.plan_options_from_args`: ``--dynbatch-cost-model``,
-    ``--dynbatch-oversize``, ...), except that balancing defaults to ``time`` when the model is known (tokens
-    otherwise: the logits term is linear in tokens anyway)."""
+    ``--dynbatch-oversize``, ...); balancing follows the options' one default rule (``time`` when the model is
+    known, tokens otherwise: the logits term is linear in tokens anyway) unless the launch says otherwise."""
     from ..core.model_spec import ModelSpec
     from ..core.parallel import ParallelConfig
-    from ..core.planner.options import BalanceBy
 
     if not isinstance(max_seqlen_per_dp_cp_rank, int) or isinstance(max_seqlen_per_dp_cp_rank, bool) \
             or max_seqlen_per_dp_cp_rank < 1:
@@ -89,14 +88,11 @@ def scheduler_plan_options(*, max_seqlen_per_dp_cp_rank: int, dp: int, cp: int, 
                              else args, int(max_seqlen_per_dp_cp_rank))
     model = ModelSpec.from_megatron(args) if args is not None and getattr(args, "padded_vocab_size", None) else None
     own = {"parallel": parallel, "max_tokens_per_gpu": int(max_seqlen_per_dp_cp_rank), "model": model,
-           "microbatch_pad_multiple": pad,
-           "balance_by": BalanceBy.TIME if model is not None else BalanceBy.TOKENS}
+           "microbatch_pad_multiple": pad}
     if args is None:
         return PlanOptions(**own)
     from ..megatron.args import plan_options_from_args
 
-    if getattr(args, "dynbatch_balance_by", None) is not None or getattr(args, "balance_by_flops", False):
-        own.pop("balance_by")  # the launch said how to balance
     return plan_options_from_args(args, **own)
 
 
@@ -188,9 +184,7 @@ def _make_scheduler_class(base: type) -> type:
                 max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank, dp=self.dp_size, cp=self.cp_size,
                 config=self._config, args=_megatron_args(),
                 microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage)
-            own = dict(self.plan_options)
-            if "model" in own and "balance_by" not in own and "balance_by_flops" not in own:
-                own["balance_by"] = "time"  # a model given here: balance its time, as with Megatron's args
+            own = dict(self.plan_options)  # a model given here and balancing left unset: its time (the default rule)
             options = options.replace(**own) if own else options
             groups, self.last_plan = plan_sample_id_groups(
                 sample_id_seqlens, options, max_seqlen_per_dp_cp_rank=options.max_tokens_per_gpu, dp=self.dp_size,

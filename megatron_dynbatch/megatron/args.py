@@ -1,23 +1,34 @@
 """Command-line arguments for Megatron-style training scripts.
 
-``add_dynamic_batch_args(parser)`` is a Megatron ``extra_args_provider``: it adds one argument group and returns
-the parser. ``validate_dynamic_batch_args(args)`` checks the combination against the parallel layout Megatron
-parsed (raising :class:`~megatron_dynbatch.core.errors.DynBatchConfigError` with the flag, its value and the fix)
-and fills in derived defaults. ``model_spec_from_args`` / ``parallel_from_args`` / ``plan_options_from_args``
+``add_dynamic_batch_args(parser)`` is THE Megatron ``extra_args_provider`` (one function, also exported as
+``megatron_dynbatch.add_dynamic_batch_args`` and
+``megatron_dynbatch.integrations.megatron_lm.add_dynamic_batch_args``): it adds the dynamic-batching and
+data-source argument groups and returns the parser. ``validate_dynamic_batch_args(args)`` checks the
+combination against the parallel layout Megatron parsed (raising
+:class:`~megatron_dynbatch.core.errors.DynBatchConfigError` with the flag, its value and the fix) and fills in
+derived defaults. ``model_spec_from_args`` / ``parallel_from_args`` / ``plan_options_from_args``
 turn Megatron's ``args`` into the planner's inputs: one
 :class:`~megatron_dynbatch.core.planner.options.PlanOptions`, whose fields name their launch flags (its
 ``metadata["megatron"]``), and whose errors are re-raised with those flags.
+
+The planner's options among these flags are generated from :class:`PlanOptions`' fields (their
+``metadata["megatron"]`` spelling, type, choices and ``#:`` docstring: :mod:`~megatron_dynbatch.core.planner.
+option_flags`); the run's own flags (loss, calibration, memory guard, data source) are written here. Choices are
+matched case-insensitively, and a miss names the close match. ``docs/integration.md`` lists them all (a test
+checks the table against the parser).
 
 ==========================================  ===========================================================
 flag                                        meaning
 ==========================================  ===========================================================
 ``--use-dynamic-batch-size``                plan FLOPs/token-balanced variable micro-batches (THD packing)
-``--max-tokens-per-gpu N``                  per-GPU token budget of one micro-batch (x cp per micro-batch)
-``--balance-by-flops``                      balance compute time (FLOPs at their kernels' efficiency; attention
-                                            is quadratic) instead of tokens: ``--dynbatch-balance-by time``
-``--dynbatch-balance-by {time,flops,tokens}``  what balancing equalises, spelled out (``flops``: raw FLOPs)
-``--log-probs-max-tokens-per-gpu N``        budget of forward-only (log-prob / reference) passes;
+``--max-tokens-per-gpu N|auto``             per-GPU token budget of one micro-batch (x cp per micro-batch)
+``--dynbatch-balance-by {time,flops,tokens}``  what balancing equalises; default ``time`` (a launch knows its
+                                            model); ``flops``: raw FLOPs
+``--balance-by-flops``                      legacy switch for ``--dynbatch-balance-by time``
+``--log-probs-max-tokens-per-gpu N|auto``   budget of forward-only (log-prob / reference) passes;
                                             default ``--max-tokens-per-gpu``
+``--dynbatch-gpu-memory-gb G``              the card for an ``auto`` budget (default: read from the device)
+``--dynbatch-memory KEY=VALUE,...``         memory settings Megatron's flags do not imply, for ``auto``
 ``--dynbatch-oversize {error,alone}``       a sample over the budget: fail, or run it alone
 ``--dynbatch-fp8-alignment X``              token multiple for FP8 GEMMs: none|fp8|mxfp8|nvfp4|blockwise|int;
                                             default: from ``--fp8-format``/``--fp8-recipe``/``--fp4-format``
@@ -45,6 +56,7 @@ flag                                        meaning
 ``--dynbatch-min-cp-size N``                with ``--dynbatch-dynamic-cp``: every CP group has at least N GPUs
                                             (a power of two <= ``--context-parallel-size``; Megatron-LM dev's
                                             ``--min-dynamic-context-parallel-size``)
+``--dynbatch-train-data`` ...               the Megatron-LM entry point's data source (:func:`add_data_source_args`)
 ==========================================  ===========================================================
 
 Start-up check: with ``--use-dynamic-batch-size``, the longest sample the run can produce
@@ -58,7 +70,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..core.alignment import fp8_multiple
 from ..core.checks import get_arg as _get
@@ -67,11 +79,14 @@ from ..core.cost_profiles import PROFILES, is_cost_model_choice
 from ..core.errors import DynBatchConfigError, trainer_terms
 from ..core.memory.budget import FIX_WORDS
 from ..core.parallel import DEFAULT_GPUS_PER_NODE, MAX_RANKS, ParallelConfig
+from ..core.planner.option_flags import add_option_flags, choice, tokens_or_auto
 from ..core.planner.options import AUTO, BalanceBy, PlanOptions
 from .loss import GROUP_REDUCE, LOSS_MODES
 
 __all__ = [
     "add_dynamic_batch_args",
+    "add_data_source_args",
+    "PARSER_EXTENSIONS",
     "validate_dynamic_batch_args",
     "model_spec_from_args",
     "parallel_from_args",
@@ -84,52 +99,44 @@ __all__ = [
 MEGATRON_WORDS = PlanOptions.spellings("megatron")
 
 
+#: more to do when the provider runs, registered by a loaded integration (the Megatron-LM one offers its packing
+#: scheduler on a parser that has ``--sequence-packing-scheduler``); each gets the parser
+PARSER_EXTENSIONS: List[Callable[[argparse.ArgumentParser], None]] = []
+
+
 def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``dynamic batching`` argument group to ``parser`` and return it (Megatron ``extra_args_provider``)."""
+    """The one Megatron ``extra_args_provider``: adds the ``dynamic batching`` argument group -- the planner's
+    options with a launch flag, generated from :class:`PlanOptions`' fields (:mod:`~megatron_dynbatch.core.planner.
+    option_flags`: name, type, choices, help from the field's docstring), and the run's own flags -- and the
+    data-source group of the Megatron-LM entry point (:func:`add_data_source_args`), then runs the
+    :data:`PARSER_EXTENSIONS` of the loaded integrations; returns the parser. The same function is
+    ``megatron_dynbatch.add_dynamic_batch_args`` and
+    ``megatron_dynbatch.integrations.megatron_lm.add_dynamic_batch_args`` (importing the latter registers its
+    packing scheduler with this provider)."""
     g = parser.add_argument_group(title="dynamic batching", description="megatron-dynbatch: FLOPs-balanced "
                                   "dynamic micro-batches packed in THD format")
     g.add_argument("--use-dynamic-batch-size", action="store_true", default=False,
                    help="Plan variable-size micro-batches under a per-GPU token budget (needs --max-tokens-per-gpu).")
-    g.add_argument("--max-tokens-per-gpu", type=_budget, default=None, metavar="N|auto",
-                   help="Per-GPU token budget of one micro-batch; a micro-batch holds up to this times the "
-                        "context-parallel size, padding included. 'auto': the largest the memory model says fits "
-                        "this GPU (docs/tuning.md).")
+    add_option_flags(g, "megatron")
     g.add_argument("--balance-by-flops", action="store_true", default=False,
-                   help="Balance ranks and micro-batches by compute time -- each sample's FLOPs (linear + quadratic "
-                        "attention) at their kernels' efficiency -- instead of tokens (= --dynbatch-balance-by time).")
-    g.add_argument("--dynbatch-balance-by", choices=[m.value for m in BalanceBy], default=None,
-                   help="What balancing equalises: time (the cost model's seconds, as --balance-by-flops), flops "
-                        "(raw FLOPs) or tokens. Default: time with --balance-by-flops, else tokens.")
-    g.add_argument("--log-probs-max-tokens-per-gpu", type=_budget, default=None, metavar="N|auto",
+                   help="Legacy switch for --dynbatch-balance-by time (balance compute time: each sample's FLOPs at "
+                        "their kernels' efficiency), which is already the default: a launch knows its model.")
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=tokens_or_auto, default=None, metavar="N|auto",
                    help="Token budget of forward-only passes (log-probs, reference model); default: "
                         "--max-tokens-per-gpu. 'auto': sized for the forward pass.")
-    g.add_argument("--dynbatch-gpu-memory-gb", type=float, default=None, metavar="G",
-                   help="The GPU's memory in GiB for an 'auto' budget (default: read from the device).")
     g.add_argument("--dynbatch-memory", type=str, default=None, metavar="KEY=VALUE,...",
                    help="Memory-model settings Megatron's own flags do not imply, for an 'auto' budget, e.g. "
                         "headroom=0.15,logits_fp32_copies=2 (fields of megatron_dynbatch.core.memory.MemorySettings).")
-    g.add_argument("--dynbatch-oversize", choices=("error", "alone"), default="error",
-                   help="A sample longer than the budget: raise (error) or run it in a micro-batch of its own (alone).")
-    g.add_argument("--dynbatch-fp8-alignment", type=str, default=None,
-                   help="Token multiple FP8 GEMMs need: none, fp8 (16), mxfp8 (32), nvfp4/blockwise (128) or an "
-                        "integer. Default: derived from --fp8-format / --fp8-recipe / --fp4-format.")
-    g.add_argument("--dynbatch-loss-mode", choices=LOSS_MODES, default="token_mean",
+    g.add_argument("--dynbatch-loss-mode", type=choice(LOSS_MODES), default="token_mean",
+                   metavar="{" + ",".join(LOSS_MODES) + "}",
                    help="Loss normalisation over the global batch, independent of packing.")
-    g.add_argument("--dynbatch-group-reduce", choices=GROUP_REDUCE, default="token",
+    g.add_argument("--dynbatch-group-reduce", type=choice(GROUP_REDUCE), default="token",
+                   metavar="{" + ",".join(GROUP_REDUCE) + "}",
                    help="group_mean only: a group's loss is its token mean (token) or the mean of its samples' "
                         "token means (sample).")
-    g.add_argument("--dynbatch-samples-per-step", type=int, default=None,
-                   help="Split each global batch into optimizer steps of exactly this many samples.")
     g.add_argument("--dynbatch-max-seq-length", type=int, default=None, metavar="N",
                    help="The longest sample this run can produce (default: --seq-length); checked at start-up "
                         "against --max-tokens-per-gpu and --log-probs-max-tokens-per-gpu.")
-    g.add_argument("--dynbatch-cost-model", type=str, default=None, metavar="NAME|FILE",
-                   help="Cost model the planner uses to choose counts and, with --balance-by-flops, to balance time: "
-                        "a profile (fitted -- the default, fitted on H100 timings --, analytic) or a calibrated "
-                        "cost-model JSON file (docs/cost_model.md).")
-    g.add_argument("--dynbatch-decision-margin", type=float, default=None, metavar="X",
-                   help="Leave the default choice (fewest micro-batches; fixed CP under --dynbatch-dynamic-cp) only "
-                        "for a modelled gain above X (relative, e.g. 0.03); default: the cost model's uncertainty.")
     g.add_argument("--dynbatch-online-calibration", action="store_true", default=False,
                    help="Time every micro-batch's forward and backward while training (CUDA events, read once per "
                         "step) and refit the cost model every --dynbatch-calibration-interval steps; every rank plans "
@@ -142,22 +149,45 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
                         "--max-tokens-per-gpu before a step whose predicted peak would cross the headroom; raise it "
                         "back (never above --max-tokens-per-gpu) only as far as measured steps support. Every rank "
                         "plans with the same budget; every change is logged. Never changes the loss.")
-    g.add_argument("--dynbatch-memory-probe", action=argparse.BooleanOptionalAction, default=None,
-                   help="Before the first step, run one synthetic micro-batch at the budget through the step, read "
-                        "its peak memory (max over ranks) and lower the budget if it crosses the headroom; no trace "
-                        "is left (gradients zeroed, RNG restored). Default: on where a CUDA device is present.")
     g.add_argument("--dynbatch-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node (default: $LOCAL_WORLD_SIZE as torchrun sets it, else 8); with Megatron's rank "
                         "order it tells which CP groups cross nodes.")
-    g.add_argument("--dynbatch-dynamic-cp", action="store_true", default=False,
-                   help="Dynamic context parallelism: plan the data-parallel x context-parallel GPUs as one pool and "
-                        "give every micro-batch its own CP group (long sequences on more GPUs, short ones on one). "
-                        "Needs --use-dynamic-batch-size; see docs/dynamic_cp.md.")
-    g.add_argument("--dynbatch-min-cp-size", type=int, default=None, metavar="N",
-                   help="With --dynbatch-dynamic-cp: every CP group the planner forms has at least N GPUs, so no "
-                        "sequence runs on fewer (a power of two, at most --context-parallel-size; Megatron-LM's "
-                        "--min-dynamic-context-parallel-size). Default: 1.")
+    add_data_source_args(parser)
+    for extend in PARSER_EXTENSIONS:
+        extend(parser)
     return parser
+
+
+def add_data_source_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The data-source flags of the Megatron-LM entry point's datasets provider
+    (``integrations/megatron_lm/sources.py``; checked there by ``check_data_source_args``)."""
+    g = parser.add_argument_group(title="dynbatch data source",
+                                  description="global batches for megatron_dynbatch.integrations.megatron_lm."
+                                              "global_batch_datasets_provider")
+    g.add_argument("--dynbatch-train-data", type=str, default=None, metavar="JSONL",
+                   help="JSON-lines file, one sample per line: {\"tokens\": [...], \"loss_mask\": [...] (optional), "
+                        "\"labels\": [...] (optional), \"group_id\": ... (optional)}. Read by every rank; one global "
+                        "batch = --global-batch-size consecutive lines; wraps around at the end.")
+    g.add_argument("--dynbatch-mock-data", action="store_true", default=False,
+                   help="Synthetic long-tailed samples (seeded, identical on every rank) for smoke and speed runs.")
+    g.add_argument("--dynbatch-mock-max-length", type=int, default=None,
+                   help="Longest synthetic sample (default --seq-length).")
+    g.add_argument("--dynbatch-mock-lengths", type=_length_list, default=None, metavar="L1,L2,...",
+                   help="Synthetic samples of exactly these lengths (one per sample of the global batch, in a "
+                        "seeded order per batch) instead of the long-tailed draw: a length profile to reproduce, "
+                        "e.g. one long document among short answers.")
+    return parser
+
+
+def _length_list(text: str) -> List[int]:
+    """argparse type of ``--dynbatch-mock-lengths``: comma-separated positive integers."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one length >= 2 per sample, e.g. 128,40,16")
+    return values
 
 
 # ----------------------------------------------------------------------------------------- layout
@@ -307,21 +337,23 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
 
     par = parallel_from_args(args, world_size=world_size)
     budgets = {}
+    dynamic_cp = bool(getattr(args, "dynbatch_dynamic_cp", False))
     for forward_only in (False, True):  # both passes' options: the planner's own checks, in the launch's words
         # (the model's shape is Megatron's to check; the cost model and balancing need it: checked when planning,
-        # and here only for an automatic budget, which the model sizes)
+        # and here only for an automatic budget, which the model sizes -- and dynamic CP's balancing rule, which
+        # needs no model)
         auto = AUTO in (args.max_tokens_per_gpu, args.log_probs_max_tokens_per_gpu)
         opts = plan_options_from_args(args, forward_only=forward_only, world_size=world_size, cost_model=None,
-                                      balance_by=None, **({} if auto else {"model": None}))
+                                      **({} if dynamic_cp else {"balance_by": None}),
+                                      **({} if auto else {"model": None}))
         budgets["log_probs_max_tokens_per_gpu" if forward_only else "max_tokens_per_gpu"] = opts
     _check_max_seq_length(args, par, resolved, budgets)
 
-    if getattr(args, "dynbatch_dynamic_cp", False):
+    if dynamic_cp:
         from ..core.run_config import dynamic_cp_problem  # the same refusals as RunConfig and `plan --dynamic-cp`
 
-        problem = dynamic_cp_problem(
-            par, balance_by=balance_by_from_args(args),
-            hybrid_cp=bool(getattr(args, "hybrid_context_parallel", False)), off="drop --dynbatch-dynamic-cp")
+        problem = dynamic_cp_problem(par, hybrid_cp=bool(getattr(args, "hybrid_context_parallel", False)),
+                                     off="drop --dynbatch-dynamic-cp")
         if problem is not None:
             raise DynBatchConfigError("--dynbatch-dynamic-cp", True, *problem)
         from .dynamic_cp import check_dynamic_cp_model
@@ -373,16 +405,6 @@ def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, 
                                dynamic_cp=bool(getattr(args, "dynbatch_dynamic_cp", False)), options=budgets[name])
 
 
-def _budget(text: str) -> Union[int, str]:
-    """``--max-tokens-per-gpu`` / ``--log-probs-max-tokens-per-gpu``: a whole number or ``auto``."""
-    if str(text).strip().lower() == AUTO:
-        return AUTO
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of tokens nor 'auto'") from None
-
-
 def gpu_memory_gb_from_args(args: Any) -> Optional[float]:
     """``--dynbatch-gpu-memory-gb``, else the current CUDA device's memory (``None`` without one: an automatic
     budget then says which flag to pass)."""
@@ -426,15 +448,16 @@ def parse_memory_flag(text: Optional[str]) -> Dict[str, Any]:
     return out
 
 
-def balance_by_from_args(args: Any) -> BalanceBy:
-    """``--dynbatch-balance-by`` if given, else ``--balance-by-flops`` (time) or its absence (tokens): the one
-    mapping of :meth:`BalanceBy.resolve`."""
+def balance_by_from_args(args: Any) -> Optional[BalanceBy]:
+    """``--dynbatch-balance-by`` if given, else ``time`` for the legacy switch ``--balance-by-flops``, else
+    ``None``: the options' one default rule (``time``: a launch knows its model; module docstring of
+    :mod:`~megatron_dynbatch.core.planner.options`)."""
     explicit = getattr(args, "dynbatch_balance_by", None)
     flops = bool(getattr(args, "balance_by_flops", False))
     if explicit is not None and flops and BalanceBy.parse(explicit) is not BalanceBy.TIME:
         raise DynBatchConfigError("--dynbatch-balance-by", explicit, "contradicts --balance-by-flops (which means "
                                   "--dynbatch-balance-by time)", "give one of the two flags")
-    return BalanceBy.resolve(explicit, flops)
+    return BalanceBy.resolve(explicit, True if flops else None)
 
 
 def plan_options_from_args(args: Any, *, forward_only: bool = False, world_size: Optional[int] = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Dict, Mapping, Optional
 
-from ..checks import as_bool, as_float, as_int
+from ..checks import as_bool, as_float, as_int, did_you_mean
 from ..errors import DynBatchConfigError
 from .loss_paths import LossOptions, check_trainer
 
@@ -40,8 +40,9 @@ def _option(default: Any = None, *, megatron: Optional[str] = None, cli: Optiona
 
 def _choice(value: Any, field: str, choices: Any) -> str:
     if not isinstance(value, str) or value not in choices:
+        hint = did_you_mean(value, list(choices), n=1, cutoff=0.5)
         raise DynBatchConfigError(f"settings.{field}", value, "is not one of the choices",
-                                  f"use one of {', '.join(choices)}")
+                                  f"{hint + ' ' if hint else ''}use one of {', '.join(choices)}")
     return value
 
 

@@ -28,10 +28,28 @@ One vocabulary
 --------------
 :class:`BalanceBy` is what balancing equalises, with one meaning everywhere (API, presets, flags, docs):
 ``time`` -- the cost model's seconds (each sample's linear and attention FLOPs at their kernels' efficiency, the
-default); ``flops`` -- raw FLOPs (every FLOP weighs the same); ``tokens`` -- padded tokens. Unset, it is ``time``
-with a model and ``tokens`` without. The Megatron flag ``--balance-by-flops`` (the name the peers use) selects
-``time``; the Python keyword ``balance_by_flops`` is the same switch (``True``: ``time``, and a model is required;
-``False``: ``tokens``), mapped once by :meth:`BalanceBy.resolve`.
+default); ``flops`` -- raw FLOPs (every FLOP weighs the same); ``tokens`` -- padded tokens.
+
+**The one default rule, at every door** (Python API, presets, the ``plan`` command, a Megatron launch, the
+drop-ins): unset, it is ``time`` whenever the model is known and ``tokens`` without one. (A Megatron launch always
+knows its model, so it balances time unless ``--dynbatch-balance-by`` says otherwise; before this rule it balanced
+tokens unless ``--balance-by-flops`` was given.) The Megatron flag ``--balance-by-flops`` (the name the peers use)
+is kept as the legacy switch for ``time``; the Python keyword ``balance_by_flops`` is the same switch (``True``:
+``time``, and a model is required; ``False``: ``tokens``), mapped once by :meth:`BalanceBy.resolve`.
+
+**Dynamic CP** balances the cost model's seconds only: with ``dynamic_cp=True`` an explicit ``balance_by`` other
+than ``time`` (``flops``, ``tokens``, ``balance_by_flops=False``) is refused here, from every door, instead of
+being silently ignored; left unset it is the default above.
+
+Flags
+-----
+The ``megatron`` and ``cli`` spellings are not only names: :mod:`.option_flags` builds the flags themselves from
+the fields -- name, type (from the annotation, or ``kind``), choices, metavar and the help text, which is the
+field's ``#:`` docstring -- for the Megatron launch (:func:`megatron_dynbatch.megatron.args.add_dynamic_batch_args`)
+and the ``plan`` command alike, as Megatron-Core's ``ArgumentGroupFactory`` builds argparse from a config
+dataclass (NVIDIA/Megatron-LM ``megatron/training/argument_utils.py``). A new field with a ``--`` spelling gets its
+flag and its help with nothing else to write; ``tests/test_option_flags.py`` fails until the docs' flag tables list
+it (``docs/architecture.md``, "Adding an option").
 """
 
 from __future__ import annotations
@@ -104,9 +122,12 @@ class BalanceBy(str, enum.Enum):
 
 
 def _option(default: Any = None, *, megatron: Optional[str] = None, cli: Optional[str] = None,
-            default_factory: Any = None) -> Any:
-    """A field with its spellings at the entry points (module docstring)."""
-    meta = {"megatron": megatron, "cli": cli}
+            default_factory: Any = None, kind: Optional[str] = None, metavar: Optional[str] = None,
+            choices: Optional[Sequence[str]] = None) -> Any:
+    """A field with its spellings at the entry points (module docstring). ``kind``, ``metavar`` and ``choices``
+    shape its generated flags where the annotation does not say enough (:mod:`.option_flags`)."""
+    meta = {"megatron": megatron, "cli": cli, "kind": kind, "metavar": metavar,
+            "choices": tuple(choices) if choices is not None else None}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -120,26 +141,30 @@ class PlanOptions:
 
     #: per-GPU token budget: a micro-batch holds at most ``max_tokens_per_gpu * cp`` tokens, padding included;
     #: ``"auto"``: the largest the memory model says fits ``gpu_memory_gb`` (:attr:`budget_choice` tells why)
-    max_tokens_per_gpu: Union[int, str] = _option(None, megatron="--max-tokens-per-gpu", cli="--max-tokens-per-gpu")
+    max_tokens_per_gpu: Union[int, str] = _option(None, megatron="--max-tokens-per-gpu", cli="--max-tokens-per-gpu",
+                                                  kind="budget", metavar="N|auto")
     #: the model's shape (``ModelSpec``, a dict of Megatron field names or a preset name); FLOPs and the default
     #: cost model come from it. A Megatron launch reads it from Megatron's own model flags.
     model: Optional[ModelSpec] = _option(None, megatron="(Megatron's model flags)", cli="--model")
     #: the parallel layout (``ParallelConfig`` or a mapping of ``dp, tp, pp, cp, ep, vpp, ...``; missing = 1)
     parallel: ParallelConfig = _option(megatron="(Megatron's layout flags)", cli="(--dp, --tp, --pp, --cp, ...)",
                                        default_factory=ParallelConfig)
-    #: what balancing equalises: ``time``, ``flops`` or ``tokens`` (:class:`BalanceBy`); ``None``: ``time`` with a
-    #: model, ``tokens`` without
+    #: what balancing equalises: ``time`` (the cost model's seconds), ``flops`` (raw FLOPs) or ``tokens`` (padded
+    #: tokens); default: ``time`` whenever the model is known, else ``tokens``; dynamic CP takes only ``time``
     balance_by: Optional[BalanceBy] = _option(None, megatron="--dynbatch-balance-by", cli="--balance-by")
-    #: the step-time model: a ``CostModel``, a profile name (``"fitted"``, the default with a model;
-    #: ``"analytic"``) or a cost-model JSON file (``docs/cost_model.md``)
-    cost_model: Union[None, str, CostModel] = _option(None, megatron="--dynbatch-cost-model", cli="--cost-model")
+    #: the step-time model: a profile name (``"fitted"``, the default with a model; ``"analytic"``), a cost-model
+    #: JSON file (``docs/cost_model.md``) or, from Python, a ``CostModel``
+    cost_model: Union[None, str, CostModel] = _option(None, megatron="--dynbatch-cost-model", cli="--cost-model",
+                                                      kind="text", metavar="NAME|FILE")
     #: leave the default choice (fewest micro-batches; fixed CP under ``dynamic_cp``) only for a modelled gain
     #: above this (relative); ``None``: the cost model's ``uncertainty``
-    decision_margin: Optional[float] = _option(None, megatron="--dynbatch-decision-margin", cli="--decision-margin")
+    decision_margin: Optional[float] = _option(None, megatron="--dynbatch-decision-margin", cli="--decision-margin",
+                                               kind="fraction", metavar="X")
     #: a sample longer than the budget: ``"error"`` (refuse the batch) or ``"alone"`` (its own micro-batch)
-    oversize: str = _option("error", megatron="--dynbatch-oversize", cli="--oversize")
+    oversize: str = _option("error", megatron="--dynbatch-oversize", cli="--oversize", choices=OVERSIZE_POLICIES)
     #: token multiple FP8 GEMMs need: ``None``, ``"fp8"``, ``"mxfp8"``, ``"nvfp4"``/``"blockwise"`` or an int
-    fp8_alignment: Union[None, str, int] = _option(None, megatron="--dynbatch-fp8-alignment", cli="--fp8")
+    fp8_alignment: Union[None, str, int] = _option(None, megatron="--dynbatch-fp8-alignment", cli="--fp8",
+                                                   kind="int_or_text", metavar="RECIPE|N")
     #: split the batch into optimizer steps of exactly this many consecutive samples
     samples_per_step: Optional[int] = _option(None, megatron="--dynbatch-samples-per-step", cli="--samples-per-step")
     #: count optimizer steps in rollouts instead (with per-sample ``rollout_ids``; slime's global batch size)
@@ -152,7 +177,8 @@ class PlanOptions:
     #: dev's ``--min-dynamic-context-parallel-size``, ``docs/dynamic_cp.md``)
     min_cp_size: Optional[int] = _option(None, megatron="--dynbatch-min-cp-size", cli="--min-cp-size")
     #: the GPU's memory in GiB, for ``max_tokens_per_gpu="auto"`` (a Megatron launch reads it from the device)
-    gpu_memory_gb: Optional[float] = _option(None, megatron="--dynbatch-gpu-memory-gb", cli="--gpu-memory-gb")
+    gpu_memory_gb: Optional[float] = _option(None, megatron="--dynbatch-gpu-memory-gb", cli="--gpu-memory-gb",
+                                             metavar="G")
     #: what ``"auto"`` assumes about memory: optimizer layout, recompute, dtypes, headroom, ...
     #: (:class:`~megatron_dynbatch.core.memory.MemorySettings` or a mapping; default: a bf16 Megatron run; a launch
     #: reads it from Megatron's own flags)
@@ -166,7 +192,7 @@ class PlanOptions:
     #: activations kept for backward (:meth:`for_forward_only`)
     forward_only: bool = _option(False)
     #: force the per-rank count of every optimizer step: one int, or one per step
-    num_microbatches: Union[None, int, Tuple[int, ...]] = _option(None, cli="--num-microbatches")
+    num_microbatches: Union[None, int, Tuple[int, ...]] = _option(None, cli="--num-microbatches", kind="int")
     #: cap on rank-refinement rounds (default ``4 * dp``; ``4 * dp * cp`` under dynamic CP)
     refine_rounds: Optional[int] = _option(None)
     # -- the trainer drop-ins' knobs (docs/planner.md#knobs-for-the-trainers-drop-ins), off by default --------
@@ -217,6 +243,11 @@ class PlanOptions:
         set_("balance_by_default", self.balance_by is None)
         set_("balance_by", BalanceBy.parse(self.balance_by) if self.balance_by is not None else
              BalanceBy.TIME if self.model is not None else BalanceBy.TOKENS)
+        if self.dynamic_cp and not self.balance_by_default and self.balance_by is not BalanceBy.TIME:
+            raise DynBatchConfigError(
+                "balance_by", str(self.balance_by), f"dynamic_cp always balances the cost model's seconds (time), "
+                f"so balance_by {self.balance_by} would be silently ignored",
+                f"drop balance_by {self.balance_by} (or pass balance_by time), or turn dynamic_cp off")
         if self.model is None and self.balance_by is BalanceBy.FLOPS:
             raise DynBatchConfigError("model", None, "balancing by FLOPs needs the model's shape",
                                       "pass model=ModelSpec/dict/preset name, or balance_by='tokens'")

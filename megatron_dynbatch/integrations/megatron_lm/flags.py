@@ -1,10 +1,13 @@
 """The flags of the Megatron-LM entry point, and their checks.
 
-:func:`add_dynamic_batch_args` is the ``extra_args_provider`` to give ``pretrain()``: the dynamic-batching flags
-of :mod:`megatron_dynbatch.megatron.args` (``--use-dynamic-batch-size --max-tokens-per-gpu N ...``) plus the
-data-source flags of :mod:`.sources` (:func:`add_data_source_args`: ``--dynbatch-train-data FILE.jsonl`` or
-``--dynbatch-mock-data``, and ``--dynbatch-mock-max-length`` / ``--dynbatch-mock-lengths`` to shape synthetic
-data). :func:`help_text` is their ``--help`` text.
+:func:`add_dynamic_batch_args` is the ``extra_args_provider`` to give ``pretrain()``: the one provider of
+:mod:`megatron_dynbatch.megatron.args` (re-exported here; the dynamic-batching flags ``--use-dynamic-batch-size
+--max-tokens-per-gpu N ...`` and the data-source flags of :mod:`.sources`, :func:`add_data_source_args`:
+``--dynbatch-train-data FILE.jsonl`` or ``--dynbatch-mock-data``, and ``--dynbatch-mock-max-length`` /
+``--dynbatch-mock-lengths`` to shape synthetic data). Importing this module extends that provider: on a
+Megatron-LM whose parser has ``--sequence-packing-scheduler`` it also registers this planner there. To keep another
+provider (e.g. ModelOpt's), chain them: ``extra_args_provider=lambda p: add_dynamic_batch_args(add_modelopt_args(p))``.
+:func:`help_text` is their ``--help`` text.
 
 The checks raise :class:`~megatron_dynbatch.core.errors.DynBatchConfigError` naming the flag, its value and the fix:
 
@@ -23,8 +26,9 @@ checks are cheap and idempotent, so running them at each of these points costs n
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
+from ...megatron.args import PARSER_EXTENSIONS, add_data_source_args, add_dynamic_batch_args
 from .training import megatron_args
 
 __all__ = ["add_dynamic_batch_args", "add_data_source_args", "help_text", "validate_megatron_lm_args",
@@ -32,49 +36,17 @@ __all__ = ["add_dynamic_batch_args", "add_data_source_args", "help_text", "valid
 
 
 # ============================================================================================= the flags
-def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider`` for Megatron-LM: the dynamic-batching flags of
-    :func:`megatron_dynbatch.megatron.args.add_dynamic_batch_args` plus the data-source flags. To keep another provider
-    (e.g. ModelOpt's), chain them: ``extra_args_provider=lambda p: add_dynamic_batch_args(add_modelopt_args(p))``.
-    On a Megatron-LM whose parser has ``--sequence-packing-scheduler`` it also registers this planner there
+def _offer_packing_scheduler(parser: argparse.ArgumentParser) -> None:
+    """On a Megatron-LM whose parser has ``--sequence-packing-scheduler``, register this planner there
     (:func:`megatron_dynbatch.integrations.megatron_packing.register_packing_scheduler`)."""
-    from ...megatron.args import add_dynamic_batch_args as add_core_args
     from ..megatron_packing import extend_scheduler_flag, register_packing_scheduler
 
     if extend_scheduler_flag(parser):  # a Megatron-LM with --sequence-packing-scheduler: offer `dynbatch` there
         register_packing_scheduler()
-    return add_data_source_args(add_core_args(parser))
 
 
-def add_data_source_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The data-source flags of :func:`~.sources.global_batch_datasets_provider`."""
-    g = parser.add_argument_group(title="dynbatch data source",
-                                  description="global batches for megatron_dynbatch.integrations.megatron_lm."
-                                              "global_batch_datasets_provider")
-    g.add_argument("--dynbatch-train-data", type=str, default=None, metavar="JSONL",
-                   help="JSON-lines file, one sample per line: {\"tokens\": [...], \"loss_mask\": [...] (optional), "
-                        "\"labels\": [...] (optional), \"group_id\": ... (optional)}. Read by every rank; one global "
-                        "batch = --global-batch-size consecutive lines; wraps around at the end.")
-    g.add_argument("--dynbatch-mock-data", action="store_true", default=False,
-                   help="Synthetic long-tailed samples (seeded, identical on every rank) for smoke and speed runs.")
-    g.add_argument("--dynbatch-mock-max-length", type=int, default=None,
-                   help="Longest synthetic sample (default --seq-length).")
-    g.add_argument("--dynbatch-mock-lengths", type=_length_list, default=None, metavar="L1,L2,...",
-                   help="Synthetic samples of exactly these lengths (one per sample of the global batch, in a "
-                        "seeded order per batch) instead of the long-tailed draw: a length profile to reproduce, "
-                        "e.g. one long document among short answers.")
-    return parser
-
-
-def _length_list(text: str) -> List[int]:
-    """argparse type of ``--dynbatch-mock-lengths``: comma-separated positive integers."""
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: give one length >= 2 per sample, e.g. 128,40,16")
-    return values
+if _offer_packing_scheduler not in PARSER_EXTENSIONS:  # the one provider, extended once by this integration
+    PARSER_EXTENSIONS.append(_offer_packing_scheduler)
 
 
 def help_text(prog: str = "pretrain_gpt_dynbatch.py", description: Optional[str] = None) -> str:
