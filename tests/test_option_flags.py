@@ -141,7 +141,7 @@ def test_memory_setting_choices_ignore_case_and_their_errors_name_the_close_matc
     capsys.readouterr()
     assert main(["budget", "--model", "qwen3-0.6b", "--gpu-memory-gb", "80", "--recompute", "ful"]) == 2
     err = capsys.readouterr().err
-    assert "settings.recompute" in err and "did you mean 'full'?" in err and "Fix:" in err
+    assert "--recompute='ful'" in err and "did you mean 'full'?" in err and "Fix:" in err  # the flag typed
 
 
 def test_choice_type_alone():
