@@ -143,6 +143,8 @@ def evaluate(case: Dict[str, Any]) -> Dict[str, Any]:
     gbs = int(getattr(ns, "global_batch_size", 0) or 0)
     micro = max(1, gbs // (int(ns.micro_batch_size) * p.dp)) if gbs else p.pp
     meg = megatron_estimate(m, p, ns, w, st.expert_tensor_parallel_size or p.tp, micro)
+    no_dropout = peak_memory(m.replace(hidden_dropout=0.0), p, inp["tokens"], settings=st).stages[-1]
+    share = (st.expert_tensor_parallel_size or p.tp) / p.tp  # the routed copies one GPU holds (analytic.py)
     return {
         "case": case["case"], "what": case["what"], "world_size": w, "world_size_inferred": not case.get("world_size"),
         "layout": f"tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else "") + (f" ep{p.ep}" if p.ep > 1 else "")
@@ -156,6 +158,9 @@ def evaluate(case: Dict[str, Any]) -> Dict[str, Any]:
         "megatron_static_ratio": meg["static"] / measured_static,
         "megatron_dynamic_ratio": meg["activations"] / measured_dynamic,
         "dropout_bytes": last.dropout_bytes, "routed_bytes": last.routed_bytes,
+        # what the ratio would be without the dropout masks / with every routed copy counted on every TP rank
+        "ratio_without_dropout": (no_dropout.allocated_bytes - no_dropout.static_bytes) / measured_dynamic,
+        "ratio_routed_on_every_tp_rank": (dynamic + last.routed_bytes * (1 / share - 1)) / measured_dynamic,
     }
 
 
