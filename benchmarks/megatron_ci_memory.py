@@ -52,6 +52,8 @@ from megatron_dynbatch.core.model_spec import ModelSpec  # noqa: E402
 from megatron_dynbatch.core.parallel import ParallelConfig  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "megatron_ci_memory.json"
+#: the one routing imbalance (busiest expert's tokens over the mean) tried on every MoE case (settings.moe_imbalance)
+MOE_IMBALANCE = 1.1
 #: world sizes tried where the repository does not record one (release cases)
 WORLD_SIZES = tuple(2 ** i for i in range(3, 11))
 
@@ -145,6 +147,8 @@ def evaluate(case: Dict[str, Any]) -> Dict[str, Any]:
     meg = megatron_estimate(m, p, ns, w, st.expert_tensor_parallel_size or p.tp, micro)
     no_dropout = peak_memory(m.replace(hidden_dropout=0.0), p, inp["tokens"], settings=st).stages[-1]
     share = (st.expert_tensor_parallel_size or p.tp) / p.tp  # the routed copies one GPU holds (analytic.py)
+    imb = peak_memory(m, p, inp["tokens"], settings=st.replace(moe_imbalance=MOE_IMBALANCE)).stages[-1]
+    dynamic_imb = imb.allocated_bytes - imb.static_bytes
     return {
         "case": case["case"], "what": case["what"], "world_size": w, "world_size_inferred": not case.get("world_size"),
         "layout": f"tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else "") + (f" ep{p.ep}" if p.ep > 1 else "")
@@ -161,6 +165,13 @@ def evaluate(case: Dict[str, Any]) -> Dict[str, Any]:
         # what the ratio would be without the dropout masks / with every routed copy counted on every TP rank
         "ratio_without_dropout": (no_dropout.allocated_bytes - no_dropout.static_bytes) / measured_dynamic,
         "ratio_routed_on_every_tp_rank": (dynamic + last.routed_bytes * (1 / share - 1)) / measured_dynamic,
+        # MoE: the routing imbalance on the measured GPU's experts that would close the gap (peak / median), and the
+        # ratios with --moe-imbalance MOE_IMBALANCE
+        "imbalance_needed": 1 + (measured_dynamic - dynamic) / last.routed_bytes if last.routed_bytes else None,
+        "imbalance_needed_median": 1 + (float(case["dynamic_median_bytes"]) - dynamic) / last.routed_bytes
+        if last.routed_bytes else None,
+        "dynamic_ratio_imbalanced": dynamic_imb / measured_dynamic,
+        "dynamic_median_ratio_imbalanced": dynamic_imb / float(case["dynamic_median_bytes"]),
     }
 
 
