@@ -6,11 +6,14 @@ TP / SP division as the profile's bytes say) peaks at::
     reserve + static_s + max(workspace + T x per_token_s,  optimizer step temporaries_s)
 
 * ``static_s`` -- weights, gradients, optimizer state of the stage (:mod:`.params`);
-* ``per_token_s``, training, no / selective recompute: ``units_s x layer + max(backward_extra, logits)``; full
-  recompute: ``units_s x layer_input + max(layer_peak, logits)`` -- ``logits`` (head + loss, plus every further
-  fp32 copy of the settings, plus the MTP layers) on the last stage only, 0 elsewhere. A forward-only log-prob
-  pass keeps nothing for backward (Megatron's forward-only schedule holds no micro-batch's tensors):
-  ``layer_input + max(layer_peak, logits)`` (the stage's input, one layer's working set, the head);
+* ``per_token_s``, training, no / selective recompute: ``units_s x layer + max(backward_extra, logits)``
+  (``backward_extra``: the backward's transient, the gradients alive beside the kept activations); full
+  recompute: ``units_s x layer_input + max(layer_peak, logits)`` (``layer_peak``: the layer recomputed plus its
+  backward's transient) -- ``logits`` (head + loss, plus every further fp32 copy of the settings, plus the MTP
+  layers) on the last stage only, 0 elsewhere. A forward-only log-prob pass keeps nothing for backward
+  (Megatron's forward-only schedule holds no micro-batch's tensors): ``layer_input + max(layer_peak -
+  backward_extra, logits)`` (the stage's input, one layer's working set, the head; a fitted profile's layer peak
+  is kept whole);
 * ``units_s`` -- decoder layers whose activations are alive at once: 1F1B's stage ``s`` holds ``pp - s``
   micro-batches of ``L / pp`` layers (the first stage ``pp`` of them -- about all ``L`` layers' worth whatever
   ``pp`` is); interleaved (``vpp > 1``, ``N`` = Megatron's micro-batch group size per VP stage) it holds
@@ -19,7 +22,9 @@ TP / SP division as the profile's bytes say) peaks at::
   factor). The count is not capped by the step's micro-batch count: the planner may put a full-budget
   micro-batch in every slot, so the budget plans for it;
 * the ``max(...)`` terms are moments that do not overlap: the head's logits are freed before the last layer's
-  backward (or its recompute) starts.
+  backward (or its recompute) starts. :class:`StageMemory` shows them apart: ``activation_bytes`` (kept),
+  ``transient_bytes`` (what the layer at work adds above the head's moment), ``logits_bytes``, and, as parts of
+  the activations, the dropout masks, QK-layernorm inputs and routed experts' share.
 
 Context parallelism needs nothing more: ``T`` is one CP rank's share (the CP ring's K/V buffers are transient and
 left out, as are communication buffers that scale with tokens). MoE routing imbalance and expert tensor
@@ -194,12 +199,15 @@ def stage_terms(model: ModelLike, parallel: Any, *, pass_: str = "train", settin
     head = prof.head_bytes if pass_ == "train" else prof.head_forward_bytes
     logits = head + (copies - 1) * prof.fp32_copy_bytes + (prof.mtp_layer_bytes if pass_ == "train" else 0.0)
     reserve = st.reserve_gb * GiB
+    # the analytic layer peak holds the backward's transient, which a forward-only pass never has; a fitted one is
+    # measured as a whole and kept
+    forward_less = prof.backward_extra_bytes if prof.source == "analytic" else 0.0
     out: List[StageTerms] = []
     for s in range(p.pp):
         units = _units(p, m.num_layers, s)
         last = logits if s == p.pp - 1 else 0.0
-        if pass_ == "log_prob":
-            kept, extra = prof.layer_input_bytes, prof.layer_peak_bytes
+        if pass_ == "log_prob":  # forward only: one layer's working set, no backward gradients (analytic profile)
+            kept, extra = prof.layer_input_bytes, prof.layer_peak_bytes - forward_less
         elif st.recompute == "full":
             kept, extra = units * prof.layer_input_bytes, prof.layer_peak_bytes
         else:
