@@ -375,3 +375,37 @@ def test_legacy_errors_are_clear():
         estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 0)
     with pytest.raises(DynBatchConfigError, match="weight_bytes"):
         estimate_memory("qwen3-8b", {"dp": 8}, 1, weight_bytes=3)
+
+
+def test_a_launchs_flags_give_the_model_the_layout_and_its_dropout():
+    """``megatron_flags``: an argv list -> ModelSpec (Megatron's 0.1 dropout where unset, padded vocabulary),
+    ParallelConfig (VPP from layers per virtual stage, dp from the world size); a run preset's megatron_args set
+    the model's dropout and QK-layernorm over the model preset's."""
+    from megatron_dynbatch.core.memory.megatron_flags import (
+        model_from_megatron,
+        model_overrides_from_megatron,
+        parallel_from_megatron,
+    )
+
+    argv = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+            "--num-query-groups", "8", "--vocab-size", "131073", "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+            "--sequence-parallel"]
+    m = model_from_megatron(argv)
+    assert (m.hidden_dropout, m.attention_dropout, m.qk_layernorm) == (0.1, 0.1, False)
+    assert m.num_query_groups == 8 and m.ffn_hidden_size == 4 * 4096 and m.padded_vocab_size == 131200
+    p = parallel_from_megatron(argv, 8)
+    assert (p.dp, p.pp, p.vpp, p.sequence_parallel) == (2, 4, 8, True)
+    off = model_from_megatron(argv + ["--hidden-dropout=0.0", "--attention-dropout", "0", "--qk-layernorm"])
+    assert (off.hidden_dropout, off.attention_dropout, off.qk_layernorm) == (0.0, 0.0, True)
+    with pytest.raises(DynBatchConfigError, match="is not a multiple of tp x pp x cp"):
+        parallel_from_megatron(argv, 6)
+    with pytest.raises(DynBatchConfigError, match="vocab_size"):
+        model_from_megatron([a for a in argv if a not in ("--vocab-size", "131073")])
+    assert model_overrides_from_megatron(["--bf16", "--hidden-dropout", "0.1"]) == {"hidden_dropout": 0.1}
+
+    rc = RunConfig.from_yaml("qwen3-8b-grpo")
+    assert rc.model_spec().hidden_dropout == 0.0
+    with_dropout = RunConfig.from_dict({"name": "q", "model": "qwen3-8b", "parallel": {"dp": 8},
+                                        "max_tokens_per_gpu": 8192, "megatron_args": ["--hidden-dropout", "0.1"]})
+    assert with_dropout.model_spec().hidden_dropout == 0.1 and with_dropout.model_spec().qk_layernorm
