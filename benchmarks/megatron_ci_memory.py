@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dynbatch.core.memory import peak_memory  # noqa: E402
 from megatron_dynbatch.core.memory.megatron_flags import (  # noqa: E402
-    _namespace,
+    namespace_from_argv,
     model_from_megatron,
     parallel_from_megatron,
     settings_from_megatron,
@@ -66,7 +66,7 @@ def load(path: Path = DATA) -> Dict[str, Any]:
 def case_inputs(case: Dict[str, Any], world_size: int) -> Dict[str, Any]:
     """Model, layout, settings and tokens per micro-batch per GPU of a case's flags on ``world_size`` GPUs."""
     argv = case["argv"]
-    ns = _namespace(argv)
+    ns = namespace_from_argv(argv)
     model = model_from_megatron(argv, vocab_size=case["vocab_size"], name=case["case"])
     parallel = parallel_from_megatron(argv, world_size)
     # the case's flag list is complete: no --untie-embeddings-and-output-weights means tied

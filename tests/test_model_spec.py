@@ -196,7 +196,8 @@ def test_from_megatron_transformer_config():
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=128, gated_linear_unit=True, activation_func=F.silu)
+                            ffn_hidden_size=128, gated_linear_unit=True, activation_func=F.silu,
+                            hidden_dropout=0.0, attention_dropout=0.0)  # as tiny_gpt_config() builds it
     with pytest.raises(ValueError, match=r"vocab_size=None: TransformerConfig carries no vocabulary size"):
         ModelSpec.from_megatron(cfg)
     spec = ModelSpec.from_megatron(cfg, vocab_size=128, name="tiny-gpt")

@@ -75,7 +75,7 @@ def settings_from_megatron(args: Any, **overrides: Any) -> MemorySettings:
     return MemorySettings(**kw)
 
 
-def _namespace(argv: Sequence[str]) -> argparse.Namespace:
+def namespace_from_argv(argv: Sequence[str]) -> argparse.Namespace:
     """An argv list as Megatron's parsed args would read: ``--flag value`` -> ``flag=value`` (ints and floats
     parsed), a flag followed by another flag (or last) -> ``True``; ``--no-x`` flags are kept as given."""
     out: Dict[str, Any] = {}
@@ -109,7 +109,7 @@ def _namespace(argv: Sequence[str]) -> argparse.Namespace:
 def model_overrides_from_megatron(argv: Sequence[str]) -> Dict[str, Any]:
     """The ModelSpec fields beyond the shape an argv list sets: ``hidden_dropout``, ``attention_dropout``,
     ``qk_layernorm`` (only those it names)."""
-    ns = vars(_namespace(argv))
+    ns = vars(namespace_from_argv(argv))
     out: Dict[str, Any] = {k: ns[k] for k in ("hidden_dropout", "attention_dropout") if k in ns}
     if "qk_layernorm" in ns:
         out["qk_layernorm"] = True
@@ -120,7 +120,7 @@ def model_from_megatron(argv: Sequence[str], *, vocab_size: Optional[int] = None
                         name: Optional[str] = None) -> ModelSpec:
     """The model a Megatron-LM launch trains, from its argv list (module docstring). ``vocab_size``: the
     tokenizer's vocabulary (Megatron reads it from the tokenizer; ``--vocab-size`` is used when given)."""
-    ns = _namespace(argv)
+    ns = namespace_from_argv(argv)
     for attr, default in (("hidden_dropout", 0.1), ("attention_dropout", 0.1)):  # Megatron's argument defaults
         if getattr(ns, attr, None) is None:
             setattr(ns, attr, default)
@@ -136,7 +136,7 @@ def model_from_megatron(argv: Sequence[str], *, vocab_size: Optional[int] = None
 
 def parallel_from_megatron(argv: Sequence[str], world_size: int) -> ParallelConfig:
     """The layout of a Megatron-LM launch on ``world_size`` GPUs, from its argv list (module docstring)."""
-    ns = _namespace(argv)
+    ns = namespace_from_argv(argv)
     tp = int(get_arg(ns, "tensor_model_parallel_size", 1))
     pp = int(get_arg(ns, "pipeline_model_parallel_size", 1))
     cp = int(get_arg(ns, "context_parallel_size", 1))
@@ -154,4 +154,5 @@ def parallel_from_megatron(argv: Sequence[str], world_size: int) -> ParallelConf
                           sequence_parallel=bool(getattr(ns, "sequence_parallel", False)))
 
 
-__all__ = ["settings_from_megatron", "model_from_megatron", "parallel_from_megatron", "model_overrides_from_megatron"]
+__all__ = ["settings_from_megatron", "model_from_megatron", "parallel_from_megatron", "model_overrides_from_megatron",
+           "namespace_from_argv"]
