@@ -1057,6 +1057,50 @@ def budgets_output() -> Tuple[Any, str]:
     return rows, format_budgets(rows, meta)
 
 
+def ci_memory() -> Dict[str, Any]:
+    """``python benchmarks/megatron_ci_memory.py``: the memory model against Megatron-LM's measured CI peaks."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("megatron_ci_memory", ROOT / "benchmarks" / "megatron_ci_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.rows()
+    return {"rows": {r["case"]: r for r in rows}, "table": mod.table(rows)}
+
+
+def _qwen3_layer() -> List[str]:
+    """Qwen3-8B's analytic bytes per token per layer (tp 1) and for its 36 layers, decimal KB / MB."""
+    from megatron_dynbatch.core.memory import layer_activation_bytes
+    from megatron_dynbatch.core.model_spec import ModelSpec
+    from megatron_dynbatch.core.parallel import ParallelConfig
+
+    m = ModelSpec.from_yaml("qwen3-8b")
+    b = layer_activation_bytes(m, ParallelConfig(), 1, False, 1.0)
+    return [f"{b / 1e3:.0f}", f"{b * m.num_layers / 1e6:.1f}"]
+
+
+def _ci_imbalance(out: Dict[str, Any]) -> List[str]:
+    one, two = out["rows"]["mixtral_8x7b_tp1pp4ep8vpp8_release"], out["rows"]["mixtral_8x7b_alltoall_tp2pp4ep4_release"]
+    return [f"{one['imbalance_needed']:.2f}", f"{two['imbalance_needed_median']:.2f}", f"{two['imbalance_needed']:.2f}",
+            "1.1", f"{one['dynamic_ratio_imbalanced']:.3f}", f"{two['dynamic_median_ratio_imbalanced']:.3f}",
+            f"{two['dynamic_ratio_imbalanced']:.3f}"]
+
+
+def _static_gap_gb(row: Dict[str, Any]) -> str:
+    return f"{(row['measured_static'] - row['static']) / 1e9:.2f}"
+
+
+def _pct(ratio: float) -> str:
+    return f"{abs(ratio - 1) * 100:.1f}"
+
+
+def _ci_dense(out: Dict[str, Any]) -> List[str]:
+    dense = [r["dynamic_ratio"] for k, r in out["rows"].items() if not k.startswith("mixtral")]
+    if min(dense) >= 1 or max(dense) <= 1:
+        raise ClaimBroken("the dense cases are no longer on both sides of the measurement: rewrite 'within -x% / +y%'")
+    return [_pct(min(dense)), _pct(max(dense))]
+
+
 def _budget_rows(out: Any, workload: str) -> Dict[str, Any]:
     return {r.label: r for r in out[0] if r.workload == workload}
 
@@ -1129,9 +1173,33 @@ SOURCES: Dict[str, Source] = {s.name: s for s in [
     Source("preset", "python benchmarks/dyncp_preset.py --seeds 5 (and --cp-bandwidth 25e9)", preset, slow=True),
     Source("budgets", "megatron-dynbatch bench --budgets", budgets_output),
     Source("auto-oversize", AUTO_OVERSIZE_COMMAND, auto_oversize),
+    Source("ci-memory", "python benchmarks/megatron_ci_memory.py", ci_memory),
 ]}
 
 FIGURES: List[Figure] = [
+    # ------------------------------------------------------------------ docs/tuning.md: Megatron-LM's measured peaks
+    Figure("docs/tuning.md", "no SP with Megatron's default dropout -- {} before the dropout masks were\n  counted",
+           "ci-memory", lambda o: [f"{o['rows']['gpt3_7b_tp4_pp1_memory_speed']['ratio_without_dropout']:.2f}"]),
+    Figure("docs/tuning.md", "the dynamic part within -{}% / +{}%.", "ci-memory", _ci_dense),
+    Figure("docs/tuning.md", "under by {}% (expert TP 1) and {}% at the\n  run's highest peak (expert TP 2; {}% under "
+           "the median", "ci-memory",
+           lambda o: [_pct(o["rows"]["mixtral_8x7b_tp1pp4ep8vpp8_release"]["dynamic_ratio"]),
+                      _pct(o["rows"]["mixtral_8x7b_alltoall_tp2pp4ep4_release"]["dynamic_ratio"]),
+                      _pct(o["rows"]["mixtral_8x7b_alltoall_tp2pp4ep4_release"]["dynamic_median_ratio"])]),
+    Figure("docs/tuning.md", "imbalance on the measured GPU's experts would add: {} (expert TP 1) and {} (expert TP 2, "
+           "median; {} at\n  its early-training peak). With one `--moe-imbalance {}` for both cases the "
+           "expert-TP-1 case is at {} and\n  the expert-TP-2 median at {} (its peak at {})", "ci-memory",
+           _ci_imbalance),
+    Figure("docs/tuning.md", "instead would\n  predict the expert-TP-1 case at {}x", "ci-memory",
+           lambda o: [f"{o['rows']['mixtral_8x7b_tp1pp4ep8vpp8_release']['ratio_routed_on_every_tp_rank']:.2f}"]),
+    Figure("docs/tuning.md", "except the PP 4 case ({}% under: {} GB", "ci-memory",
+           lambda o: [_pct(o["rows"]["gpt3_7b_tp1_pp4_memory_speed"]["static_ratio"]),
+                      _static_gap_gb(o["rows"]["gpt3_7b_tp1_pp4_memory_speed"])]),
+    Figure("docs/tuning.md", "the 64M-parameter full-recompute case ({}% under", "ci-memory",
+           lambda o: [_pct(o["rows"]["gpt3_mcore_te_tp1_pp1_resume_torch_dist_uniform_full_recompute"]
+                           ["static_ratio"])]),
+    Figure("docs/tuning.md", "Qwen3-8B: about {} KB per token per layer, {} MB per token for 36\nlayers", "ci-memory",
+           lambda o: _qwen3_layer()),
     Figure("docs/benchmarks.md", "the auto\n  budget's fewer, larger micro-batches are {}-{}% faster", "budgets",
            _budget_gains),
     Figure("docs/benchmarks.md",
@@ -1495,6 +1563,7 @@ BLOCKS: List[Block] = [
     Block("docs/dynamic_cp.md", "preset", "preset", preset_table),
     Block("docs/benchmarks.md", "budgets", "budgets", lambda out: "```text\n" + out[1].rstrip("\n") + "\n```"),
     Block("docs/troubleshooting.md", "auto-oversize", "auto-oversize", _wrapped),
+    Block("docs/tuning.md", "ci-memory", "ci-memory", lambda out: out["table"]),
 ]
 
 

@@ -43,13 +43,82 @@ def _tiny(**kw) -> ModelSpec:
 def test_activation_count_reproduces_korthikanti_without_dropout():
     """Per token per layer, classic MHA + 4h GELU MLP, flash attention, no dropout: 32h bytes; with TP and no
     sequence parallelism 8h + 24h/t; with sequence parallelism 32h/t (plus fp32 softmax statistics)."""
-    m, h = _tiny(), 1024
+    m, h = _tiny(hidden_dropout=0.0, attention_dropout=0.0), 1024
     stats = lambda t: 4.0 * 8 / t  # noqa: E731
     assert layer_activation_bytes(m, ParallelConfig(), 1, False, 1.0) == pytest.approx(32 * h + stats(1))
     tp4 = layer_activation_bytes(m, ParallelConfig(tp=4), 4, False, 1.0)
     assert tp4 == pytest.approx(8 * h + 24 * h / 4 + stats(4))
     sp = ParallelConfig(tp=4, sequence_parallel=True)
     assert layer_activation_bytes(m, sp, 4, False, 1.0) == pytest.approx(32 * h / 4 + stats(4))
+
+
+def test_dropout_masks_give_korthikantis_34h_and_flash_keeps_no_attention_mask():
+    """Megatron's default dropout (0.1): two 1-byte masks of h per token (after the attention projection and
+    after the MLP) -- Korthikanti's 34h (10h + 24h/t without SP, 34h/t with it) less the s x s attention-dropout
+    mask that flash / fused attention regenerates from its RNG state; attention dropout alone keeps nothing."""
+    h = 1024
+    stats = lambda t: 4.0 * 8 / t  # noqa: E731
+    m = _tiny()
+    assert (m.hidden_dropout, m.attention_dropout) == (0.1, 0.1)
+    assert layer_activation_bytes(m, ParallelConfig(), 1, False, 1.0) == pytest.approx(34 * h + stats(1))
+    assert layer_activation_bytes(m, ParallelConfig(tp=4), 4, False, 1.0) == pytest.approx(10 * h + 24 * h / 4
+                                                                                          + stats(4))
+    sp = ParallelConfig(tp=4, sequence_parallel=True)
+    assert layer_activation_bytes(m, sp, 4, False, 1.0) == pytest.approx(34 * h / 4 + stats(4))
+    only_attn = _tiny(hidden_dropout=0.0, attention_dropout=0.1)
+    assert layer_activation_bytes(only_attn, ParallelConfig(), 1, False, 1.0) == pytest.approx(32 * h + stats(1))
+    b = peak_memory(m, None, 4096, settings={"optimizer": "cpu_offload"})
+    assert b.peak.dropout_bytes == pytest.approx(4096 * 2 * h) and "dropout masks" in b.summary()
+    with pytest.raises(ValueError, match="hidden_dropout=1.5: must be a dropout probability"):
+        _tiny(hidden_dropout=1.5)
+
+
+def test_qk_layernorm_keeps_q_and_k_before_their_norms():
+    m = ModelSpec.from_yaml("qwen3-8b")
+    assert m.qk_layernorm and m.hidden_dropout == 0.0
+    plain = m.replace(qk_layernorm=False)
+    for p in (ParallelConfig(), ParallelConfig(tp=4)):
+        extra = layer_activation_bytes(m, p, p.tp, False, 1.0) - layer_activation_bytes(plain, p, p.tp, False, 1.0)
+        assert extra == pytest.approx(2.0 * (32 * 128 + 8 * 128) / p.tp)  # Q and K, bf16, split over TP
+    assert "QK-norm inputs" in peak_memory(m, {"dp": 8}, 8192).summary()
+    mla = ModelSpec.from_yaml("deepseek-v3")  # MLA: the q / kv latents before their norms
+    extra = layer_activation_bytes(mla, ParallelConfig(), 1, False, 1.0) - \
+        layer_activation_bytes(mla.replace(qk_layernorm=False), ParallelConfig(), 1, False, 1.0)
+    assert extra == pytest.approx(2.0 * (1536 + 512))
+
+
+def test_routed_experts_count_the_expert_tp_share_of_the_copies():
+    """The alltoall dispatcher gathers over the expert-TP group only: with etp < tp one GPU's experts hold
+    etp/tp of the micro-batch's routed copies (each copy's FFN part split over etp)."""
+    m = ModelSpec.from_yaml("qwen3-30b-a3b")
+    sp = ParallelConfig(tp=4, sequence_parallel=True, ep=8)
+    from megatron_dynbatch.core.memory.analytic import layer_parts
+    full, share = layer_parts(m, sp, 4, True, 1.0), layer_parts(m, sp, 1, True, 1.0)
+    h, f, k = 2048, 768, 8
+    assert full["routed"] == pytest.approx(k * (2 * h + 2 * (2 * f + f) / 4))
+    assert share["routed"] == pytest.approx(k / 4 * (2 * h + 2 * (2 * f + f)))
+    assert share["routed"] < full["routed"]
+    b = peak_memory(m, sp, 8192, settings={"expert_tensor_parallel_size": 1, "optimizer": "cpu_offload"})
+    assert "routed experts" in b.summary() and b.peak.routed_bytes > 0
+
+
+def test_backward_transient_is_its_own_line_and_vocab_is_padded_for_tp():
+    """On a stage without the LM head the backward's gradients (beside every kept activation) set the peak;
+    the head's width is the vocabulary padded to make_vocab_size_divisible_by x tp, as Megatron pads it."""
+    st = {"optimizer": "cpu_offload"}
+    b = peak_memory("llama-3.1-8b", {"pp": 2}, 8192, settings=st)
+    first, last = b.stages
+    assert first.transient_bytes > 0 and "transient" in b.lines(0)[3]
+    assert first.allocated_bytes == pytest.approx(first.static_bytes + first.activation_bytes
+                                                  + first.transient_bytes)
+    assert last.transient_bytes == 0 and last.logits_bytes > 0  # the head's moment is larger than the layer's
+    m = ModelSpec.from_dict(dict(num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
+                                 vocab_size=50257))
+    assert m.padded_vocab_size == 50304 and m.padded_vocab_for(1) == 50304 and m.padded_vocab_for(8) == 51200
+    assert parameter_counts(m, tp=8)["embedding"] == 51200 * 256
+    tp8 = peak_memory(m, {"tp": 8}, 4096)
+    assert tp8.padded_vocab_size == 51200 and "V padded to 51200" in tp8.summary()
+    assert tp8.peak.logits_bytes == pytest.approx(4096 * (51200 / 8 * 6 + 2 * 256))
 
 
 def test_parameter_count_and_fp32_logits_term():
@@ -307,3 +376,37 @@ def test_legacy_errors_are_clear():
         estimate_max_tokens_per_gpu("qwen3-8b", {"dp": 8}, 0)
     with pytest.raises(DynBatchConfigError, match="weight_bytes"):
         estimate_memory("qwen3-8b", {"dp": 8}, 1, weight_bytes=3)
+
+
+def test_a_launchs_flags_give_the_model_the_layout_and_its_dropout():
+    """``megatron_flags``: an argv list -> ModelSpec (Megatron's 0.1 dropout where unset, padded vocabulary),
+    ParallelConfig (VPP from layers per virtual stage, dp from the world size); a run preset's megatron_args set
+    the model's dropout and QK-layernorm over the model preset's."""
+    from megatron_dynbatch.core.memory.megatron_flags import (
+        model_from_megatron,
+        model_overrides_from_megatron,
+        parallel_from_megatron,
+    )
+
+    argv = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+            "--num-query-groups", "8", "--vocab-size", "131073", "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+            "--sequence-parallel"]
+    m = model_from_megatron(argv)
+    assert (m.hidden_dropout, m.attention_dropout, m.qk_layernorm) == (0.1, 0.1, False)
+    assert m.num_query_groups == 8 and m.ffn_hidden_size == 4 * 4096 and m.padded_vocab_size == 131200
+    p = parallel_from_megatron(argv, 8)
+    assert (p.dp, p.pp, p.vpp, p.sequence_parallel) == (2, 4, 8, True)
+    off = model_from_megatron(argv + ["--hidden-dropout=0.0", "--attention-dropout", "0", "--qk-layernorm"])
+    assert (off.hidden_dropout, off.attention_dropout, off.qk_layernorm) == (0.0, 0.0, True)
+    with pytest.raises(DynBatchConfigError, match="is not a multiple of tp x pp x cp"):
+        parallel_from_megatron(argv, 6)
+    with pytest.raises(DynBatchConfigError, match="vocab_size"):
+        model_from_megatron([a for a in argv if a not in ("--vocab-size", "131073")])
+    assert model_overrides_from_megatron(["--bf16", "--hidden-dropout", "0.1"]) == {"hidden_dropout": 0.1}
+
+    rc = RunConfig.from_yaml("qwen3-8b-grpo")
+    assert rc.model_spec().hidden_dropout == 0.0
+    with_dropout = RunConfig.from_dict({"name": "q", "model": "qwen3-8b", "parallel": {"dp": 8},
+                                        "max_tokens_per_gpu": 8192, "megatron_args": ["--hidden-dropout", "0.1"]})
+    assert with_dropout.model_spec().hidden_dropout == 0.1 and with_dropout.model_spec().qk_layernorm

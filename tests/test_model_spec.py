@@ -162,6 +162,7 @@ def test_from_megatron_args_namespace():
         num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, multi_latent_attention=False,
         q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
         moe_layer_freq=1, mtp_num_layers=None, make_vocab_size_divisible_by=128, tensor_model_parallel_size=2,
+        hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=True,  # as slime launches Qwen3
     )
     assert ModelSpec.from_megatron(args) == ModelSpec.from_yaml("qwen3-0.6b")
     assert ModelSpec.from_any(args) == ModelSpec.from_yaml("qwen3-0.6b")
@@ -182,7 +183,7 @@ def test_from_megatron_args_moe_mla():
         vocab_size=None, num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
         moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] * 3 + [1] * 58, multi_latent_attention=True,
         q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
-        mtp_num_layers=None,
+        mtp_num_layers=None, hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=True,
     )
     assert ModelSpec.from_megatron(args) == ModelSpec.from_yaml("deepseek-v3")
     with_mtp = ModelSpec.from_megatron(argparse.Namespace(**{**vars(args), "mtp_num_layers": 1}))
@@ -195,7 +196,8 @@ def test_from_megatron_transformer_config():
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=128, gated_linear_unit=True, activation_func=F.silu)
+                            ffn_hidden_size=128, gated_linear_unit=True, activation_func=F.silu,
+                            hidden_dropout=0.0, attention_dropout=0.0)  # as tiny_gpt_config() builds it
     with pytest.raises(ValueError, match=r"vocab_size=None: TransformerConfig carries no vocabulary size"):
         ModelSpec.from_megatron(cfg)
     spec = ModelSpec.from_megatron(cfg, vocab_size=128, name="tiny-gpt")

@@ -65,6 +65,11 @@ def fields_from_megatron(obj: Any, *, vocab_size: Optional[int] = None, padded_v
     mtp = get("mtp_num_layers")
     if mtp:
         d["mtp_num_layers"] = mtp
+    for attr in ("hidden_dropout", "attention_dropout"):  # args and TransformerConfig: the same names, 0.1 default
+        if isinstance(getattr(obj, attr, None), (int, float)):
+            d[attr] = getattr(obj, attr)
+    if getattr(obj, "qk_layernorm", None) is not None:
+        d["qk_layernorm"] = bool(getattr(obj, "qk_layernorm"))
 
     divisible = get("make_vocab_size_divisible_by", 128)
     vocab = vocab_size if vocab_size is not None else get("vocab_size", model_vocab)
@@ -138,6 +143,11 @@ def fields_from_hf_config(path_or_dict: Union[str, os.PathLike, Mapping[str, Any
         "ffn_hidden_size": int(req("intermediate_size")),
         "vocab_size": int(req("vocab_size")),
         "swiglu": True,  # every supported family uses a gated (SiLU) MLP: gate_proj, up_proj, down_proj
+        # Hugging Face configs carry attention_dropout (0.0 for these families) and no hidden dropout; verl's
+        # Megatron config converter passes them on the same way (hidden dropout 0 unless the config says)
+        "attention_dropout": float(cfg.get("attention_dropout") or 0.0),
+        "hidden_dropout": float(cfg.get("hidden_dropout") or 0.0),
+        "qk_layernorm": model_type in _QK_NORM_TYPES,
     }
     family = _HF_MODEL_TYPES[model_type]
     if family == "mla":
@@ -176,6 +186,9 @@ def fields_from_hf_config(path_or_dict: Union[str, os.PathLike, Mapping[str, Any
             d["moe_shared_expert_intermediate_size"] = int(n_shared) * moe_ffn
     return d
 
+
+#: Hugging Face families that normalise queries and keys (Qwen3: per head; DeepSeek MLA: the compressed latents)
+_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3"})
 
 _HF_MODEL_TYPES = {
     "llama": "dense", "mistral": "dense", "qwen2": "dense", "qwen3": "dense",

@@ -1,11 +1,12 @@
-"""The shape of the model being trained, as far as FLOPs are concerned.
+"""The shape of the model being trained, as far as FLOPs and memory are concerned.
 
 :class:`ModelSpec` is a frozen, validated dataclass whose field names are Megatron's (``--num-layers`` is
 ``num_layers``, ``--num-query-groups`` is ``num_query_groups``, ...), so a Megatron command line, a
 ``TransformerConfig`` and a YAML preset all describe a model with the same words. It carries only what the
-FLOPs model (:mod:`megatron_dynbatch.core.flops`) needs: layer count and widths, attention layout (MHA / GQA /
-MLA), MLP layout (dense, gated or not, MoE with a per-layer pattern and shared experts), vocabulary and
-multi-token-prediction depth.
+FLOPs model (:mod:`megatron_dynbatch.core.flops`) and the memory model (:mod:`megatron_dynbatch.core.memory`)
+need: layer count and widths, attention layout (MHA / GQA / MLA), MLP layout (dense, gated or not, MoE with a
+per-layer pattern and shared experts), vocabulary, multi-token-prediction depth, and what the activations keep
+beyond the shape (dropout masks, QK-layernorm inputs).
 
 Defaults follow Megatron so that a spec read from Megatron means what Megatron means:
 
@@ -14,7 +15,12 @@ Defaults follow Megatron so that a spec read from Megatron means what Megatron m
 * ``padded_vocab_size=None`` -> ``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by``
   (128). Megatron pads to ``make_vocab_size_divisible_by * tensor_model_parallel_size``; with TP > 1 and a
   vocabulary that is not already a multiple of that, pass ``padded_vocab_size`` explicitly (or build the spec
-  with :meth:`ModelSpec.from_megatron`, which reads Megatron's own padded size);
+  with :meth:`ModelSpec.from_megatron`, which reads Megatron's own padded size). The memory model pads for the
+  layout's TP itself (:meth:`ModelSpec.padded_vocab_for`);
+* ``hidden_dropout`` / ``attention_dropout`` -> 0.1 each, Megatron's defaults for ``--hidden-dropout`` /
+  ``--attention-dropout`` (the memory model counts the hidden-dropout masks; the model presets, read from Hugging
+  Face configs and trained with dropout off by slime and verl, say 0.0); ``qk_layernorm`` -> False (Megatron's
+  ``--qk-layernorm``; Qwen3 has it);
 * ``moe_layer_freq=1`` -> every layer is MoE when ``num_experts`` is set. An integer ``N`` makes layer ``i``
   (0-based) MoE when ``i % N == 0``; a list gives one 0/1 per layer. Megatron's string form
   ``"([0]*3+[1]*58)"`` is accepted too and stored as the list it denotes.
@@ -150,6 +156,10 @@ class ModelSpec:
     v_head_dim: Optional[int] = None
     # --- multi-token prediction (extra transformer layer(s) + logits per MTP depth, as Megatron trains it)
     mtp_num_layers: Optional[int] = None
+    # --- what the activations keep beyond the shape (memory model only; FLOPs ignore them)
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    qk_layernorm: bool = False
     # --- label only
     name: Optional[str] = field(default=None, compare=False)
 
@@ -175,7 +185,15 @@ class ModelSpec:
         for name in ("num_query_groups", "kv_channels", "padded_vocab_size", "num_experts"):
             positive(name, optional=True)
         positive("mtp_num_layers", allow_zero=True, optional=True)
-        for name in ("swiglu", "multi_latent_attention"):
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) or _is_np_float(value)
+            if not ok or not 0.0 <= float(value) < 1.0:
+                raise DynBatchConfigError(name, value, "must be a dropout probability in [0, 1)",
+                                          f"set {name} to Megatron's --{name.replace('_', '-')} (default 0.1; 0.0 "
+                                          "for most fine-tuning and RL runs)")
+            set_(name, float(value))
+        for name in ("swiglu", "multi_latent_attention", "qk_layernorm"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 try:
@@ -315,6 +333,14 @@ class ModelSpec:
         if isinstance(freq, int):
             return [1 if i % freq == 0 else 0 for i in range(self.num_layers)]
         return list(freq)
+
+    def padded_vocab_for(self, tp: int) -> int:
+        """The vocabulary width Megatron gives the embedding and the LM head at tensor-parallel size ``tp``: the
+        vocabulary padded to a multiple of ``make_vocab_size_divisible_by x tp`` (``_vocab_size_with_padding`` in
+        Megatron-LM's ``megatron/training/tokenizer/tokenizer.py``), never below ``padded_vocab_size`` (a width read
+        from the run itself is kept)."""
+        multiple = self.make_vocab_size_divisible_by * max(1, int(tp))
+        return max(int(self.padded_vocab_size or 0), -(-self.vocab_size // multiple) * multiple)
 
     @property
     def num_moe_layers(self) -> int:
@@ -460,6 +486,15 @@ class ModelSpec:
 
 
 ModelLike = Union[ModelSpec, Mapping[str, Any], str, os.PathLike, argparse.Namespace, Any]
+
+def _is_np_float(value: Any) -> bool:
+    """A NumPy floating scalar (accepted as a dropout probability)."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, (np.floating, np.integer))
+
 
 def _divisors_hint(n: int) -> str:
     divs = [d for d in range(1, n + 1) if n % d == 0]

@@ -228,13 +228,19 @@ class RunConfig:
                                       "optimizer steps >= 1", "write e.g. calibration_interval: 50")
 
     def _resolve_model(self) -> ModelSpec:
+        """The model preset (or mapping), with what ``megatron_args`` say beyond its shape (``--hidden-dropout``,
+        ``--attention-dropout``, ``--qk-layernorm``) on top: the launch decides those."""
+        from .memory.megatron_flags import model_overrides_from_megatron
+
+        over = model_overrides_from_megatron(self.megatron_args)
         if isinstance(self.model, str):
             if not self.model.strip():
                 raise DynBatchConfigError("model", self.model, "is empty",
                                           f"use a preset name ({', '.join(available_presets())})")
-            return ModelSpec.from_yaml(self.model)
+            spec = ModelSpec.from_yaml(self.model)
+            return spec.replace(**over) if over else spec
         if isinstance(self.model, Mapping):
-            return ModelSpec.from_dict({"name": self.name, **dict(self.model)})
+            return ModelSpec.from_dict({"name": self.name, **dict(self.model), **over})
         raise DynBatchConfigError("model", self.model, "must be a model preset name or a mapping of ModelSpec fields",
                                   "write model: qwen3-8b, or model: {num_layers: ..., hidden_size: ...}")
 

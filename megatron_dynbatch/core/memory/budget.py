@@ -219,7 +219,8 @@ def choose_budget(model: ModelLike, parallel: Any, gpu_memory_gb: Any, *, pass_:
             f"{mult} ({pass_.replace('_', '-')} pass)", _fixes(st, m, p, False))
     lim = min(range(len(terms)), key=lambda i: fits[i])
     return BudgetChoice(tokens, pass_, card, usable, exact_int, mult, p.cp, lim, st,
-                        breakdown_of(terms, tokens, pass_, prof.source), _limited_by(terms[lim], st.recompute), p.tp)
+                        breakdown_of(terms, tokens, pass_, prof.source, padded_vocab_size=m.padded_vocab_for(p.tp),
+                                     recompute=st.recompute), _limited_by(terms[lim], st.recompute), p.tp)
 
 
 __all__ = ["BudgetChoice", "choose_budget", "MAX_GPU_MEMORY_GB", "DEFAULT_MULTIPLE", "FIX_WORDS", "KNOWN_CARDS",

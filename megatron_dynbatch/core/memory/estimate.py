@@ -73,7 +73,7 @@ def estimate_memory(model: ModelLike, parallel: Union[ParallelConfig, Dict[str, 
     b = peak_memory(model, parallel, tokens_per_gpu, pass_="log_prob" if forward_only else "train", settings=st)
     s = b.peak
     return MemoryEstimate(tokens_per_gpu=b.tokens_per_gpu, static_gb=s.static_bytes / GiB,
-                          activations_gb=s.activation_bytes / GiB, logits_gb=s.logits_bytes / GiB,
+                          activations_gb=(s.activation_bytes + s.transient_bytes) / GiB, logits_gb=s.logits_bytes / GiB,
                           reserve_gb=s.reserve_bytes / GiB, first_stage_gb=b.stages[0].total_bytes / GiB,
                           last_stage_gb=b.stages[-1].total_bytes / GiB, total_gb=b.peak_gb)
 

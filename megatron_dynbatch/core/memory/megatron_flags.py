@@ -6,14 +6,27 @@ Read: ``--recompute-granularity full|selective`` (``recompute``), ``--use-distri
 buffer (fp32 -- Megatron accumulates bf16 runs' gradients in fp32 -- unless ``--grad-reduce-in-bf16``),
 ``--expert-tensor-parallel-size`` and the LM head's own weights (``--untie-embeddings-and-output-weights``; an
 argv list, e.g. a run preset's, is partial, so there an absent flag keeps the default: untied, the larger).
-Anything else keeps the :class:`~.settings.MemorySettings` default or the ``overrides`` given. Pure Python.
+Anything else keeps the :class:`~.settings.MemorySettings` default or the ``overrides`` given.
+
+The same launch's model and layout, for the memory model (checked against Megatron-LM's measured CI peaks,
+``tests/test_megatron_ci_memory.py``): :func:`model_from_megatron` (the shape flags, ``--hidden-dropout`` /
+``--attention-dropout`` with Megatron's 0.1 defaults, ``--qk-layernorm``; the vocabulary padded as Megatron pads
+it) and :func:`parallel_from_megatron` (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
+``--num-layers-per-virtual-pipeline-stage`` or ``--num-virtual-stages-per-pipeline-rank``, ``--context-parallel-
+size``, ``--expert-model-parallel-size``, ``--sequence-parallel``, the data-parallel size from the world size);
+:func:`model_overrides_from_megatron` the model fields an argv list (e.g. a run preset's ``megatron_args``) sets
+beyond the shape (dropout, QK-layernorm). Pure Python.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import argparse
+from typing import Any, Dict, Optional, Sequence
 
 from ..checks import get_arg
+from ..errors import DynBatchConfigError
+from ..model_spec import ModelSpec
+from ..parallel import ParallelConfig
 from .settings import MemorySettings
 
 
@@ -62,4 +75,84 @@ def settings_from_megatron(args: Any, **overrides: Any) -> MemorySettings:
     return MemorySettings(**kw)
 
 
-__all__ = ["settings_from_megatron"]
+def namespace_from_argv(argv: Sequence[str]) -> argparse.Namespace:
+    """An argv list as Megatron's parsed args would read: ``--flag value`` -> ``flag=value`` (ints and floats
+    parsed), a flag followed by another flag (or last) -> ``True``; ``--no-x`` flags are kept as given."""
+    out: Dict[str, Any] = {}
+    items = [str(a) for a in argv]
+    i = 0
+    while i < len(items):
+        a = items[i]
+        if not a.startswith("--"):
+            i += 1
+            continue
+        key, value = a[2:], None
+        if "=" in key:
+            key, value = key.split("=", 1)
+        elif i + 1 < len(items) and not items[i + 1].startswith("--"):
+            value = items[i + 1]
+            i += 1
+        i += 1
+        parsed: Any = True
+        if value is not None:
+            parsed = value
+            for cast in (int, float):
+                try:
+                    parsed = cast(value)
+                    break
+                except ValueError:
+                    continue
+        out[key.replace("-", "_")] = parsed
+    return argparse.Namespace(**out)
+
+
+def model_overrides_from_megatron(argv: Sequence[str]) -> Dict[str, Any]:
+    """The ModelSpec fields beyond the shape an argv list sets: ``hidden_dropout``, ``attention_dropout``,
+    ``qk_layernorm`` (only those it names)."""
+    ns = vars(namespace_from_argv(argv))
+    out: Dict[str, Any] = {k: ns[k] for k in ("hidden_dropout", "attention_dropout") if k in ns}
+    if "qk_layernorm" in ns:
+        out["qk_layernorm"] = True
+    return out
+
+
+def model_from_megatron(argv: Sequence[str], *, vocab_size: Optional[int] = None,
+                        name: Optional[str] = None) -> ModelSpec:
+    """The model a Megatron-LM launch trains, from its argv list (module docstring). ``vocab_size``: the
+    tokenizer's vocabulary (Megatron reads it from the tokenizer; ``--vocab-size`` is used when given)."""
+    ns = namespace_from_argv(argv)
+    for attr, default in (("hidden_dropout", 0.1), ("attention_dropout", 0.1)):  # Megatron's argument defaults
+        if getattr(ns, attr, None) is None:
+            setattr(ns, attr, default)
+    ns.qk_layernorm = bool(getattr(ns, "qk_layernorm", False))
+    ns.swiglu = bool(getattr(ns, "swiglu", False))
+    ns.group_query_attention = bool(getattr(ns, "group_query_attention", False))
+    ns.multi_latent_attention = bool(getattr(ns, "multi_latent_attention", False))
+    if vocab_size is None and getattr(ns, "vocab_size", None) is None:
+        raise DynBatchConfigError("vocab_size", None, "the launch flags name no vocabulary (Megatron reads it from "
+                                  "the tokenizer)", "pass model_from_megatron(argv, vocab_size=...)")
+    return ModelSpec.from_megatron(ns, vocab_size=vocab_size, name=name)
+
+
+def parallel_from_megatron(argv: Sequence[str], world_size: int) -> ParallelConfig:
+    """The layout of a Megatron-LM launch on ``world_size`` GPUs, from its argv list (module docstring)."""
+    ns = namespace_from_argv(argv)
+    tp = int(get_arg(ns, "tensor_model_parallel_size", 1))
+    pp = int(get_arg(ns, "pipeline_model_parallel_size", 1))
+    cp = int(get_arg(ns, "context_parallel_size", 1))
+    vpp = 1
+    if get_arg(ns, "num_layers_per_virtual_pipeline_stage") is not None:
+        vpp = int(ns.num_layers) // (pp * int(ns.num_layers_per_virtual_pipeline_stage))
+    elif get_arg(ns, "num_virtual_stages_per_pipeline_rank") is not None:
+        vpp = int(ns.num_virtual_stages_per_pipeline_rank)
+    if world_size % (tp * pp * cp):
+        raise DynBatchConfigError("world_size", world_size, f"is not a multiple of tp x pp x cp = {tp * pp * cp}",
+                                  "pass the launch's number of GPUs")
+    return ParallelConfig(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, cp=cp,
+                          ep=int(get_arg(ns, "expert_model_parallel_size", 1)), vpp=vpp,
+                          microbatch_group_size_per_vp_stage=get_arg(ns, "microbatch_group_size_per_vp_stage"),
+                          sequence_parallel=bool(getattr(ns, "sequence_parallel", False)))
+
+
+__all__ = ["settings_from_megatron", "model_from_megatron", "parallel_from_megatron", "model_overrides_from_megatron",
+           "namespace_from_argv"]

@@ -3,7 +3,8 @@
 :func:`parameter_counts` counts a model's parameters by kind (norms and biases, < 0.1%, are left out).
 :func:`stage_static` turns them into bytes per pipeline stage of one GPU:
 
-* dense parameters (attention, dense MLPs, shared experts, routers) are split over ``tp x pp``; routed experts
+* dense parameters (attention, dense MLPs, shared experts, routers) are split over ``tp x pp``; the embedding
+  and LM head are ``V x h`` with ``V`` padded to a multiple of ``make_vocab_size_divisible_by x tp``; routed experts
   over ``etp x ep x pp``; the input embedding sits on the first stage and the LM head on the last (both on the
   one stage when ``pp == 1``; a tied head is stored once there, and as a copy on the last stage when
   ``pp > 1``, as Megatron does);
@@ -32,11 +33,13 @@ def _mlp_mult(spec: ModelSpec) -> int:
     return 3 if spec.swiglu else 2
 
 
-def parameter_counts(model: ModelLike, *, untie_embeddings: bool = True) -> Dict[str, float]:
+def parameter_counts(model: ModelLike, *, untie_embeddings: bool = True, tp: int = 1) -> Dict[str, float]:
     """Parameter counts: ``attention`` and ``dense_mlp`` (all layers), ``shared_experts``, ``routed_experts``,
     ``router``, ``embedding`` (input), ``output`` (LM head; 0 when tied) and ``total``. Norms and biases are
-    ignored (< 0.1%)."""
+    ignored (< 0.1%). The embedding and head are ``V x h`` with ``V`` padded for tensor parallelism ``tp`` as
+    Megatron pads it (:meth:`~megatron_dynbatch.core.model_spec.ModelSpec.padded_vocab_for`)."""
     m = ModelSpec.from_any(model)
+    vocab = m.padded_vocab_for(tp)
     h, nq = m.hidden_size, m.num_attention_heads
     if m.multi_latent_attention:
         qk = int(m.qk_head_dim or 0) + int(m.qk_pos_emb_head_dim or 0)
@@ -56,8 +59,8 @@ def parameter_counts(model: ModelLike, *, untie_embeddings: bool = True) -> Dict
         "shared_experts": float(mult * h * int(m.moe_shared_expert_intermediate_size or 0) * n_moe),
         "routed_experts": float(mult * h * int(m.moe_ffn_hidden_size or 0) * int(m.num_experts or 0) * n_moe),
         "router": float(h * int(m.num_experts or 0) * n_moe),
-        "embedding": float(m.padded_vocab_size * h),
-        "output": float(m.padded_vocab_size * h) if untie_embeddings else 0.0,
+        "embedding": float(vocab * h),
+        "output": float(vocab * h) if untie_embeddings else 0.0,
     }
     out["total"] = sum(out.values())
     return out
@@ -70,7 +73,7 @@ def stage_static(model: ModelLike, parallel: ParallelConfig, settings: MemorySet
     p = parallel
     st = settings
     etp = st.expert_tensor_parallel_size or p.tp
-    counts = parameter_counts(m, untie_embeddings=st.untie_embeddings)
+    counts = parameter_counts(m, untie_embeddings=st.untie_embeddings, tp=p.tp)
     dense = (counts["attention"] + counts["dense_mlp"] + counts["shared_experts"] + counts["router"]) / (p.tp * p.pp)
     expert = counts["routed_experts"] / (etp * p.ep * p.pp)
     emb = counts["embedding"] / p.tp

@@ -14,10 +14,15 @@ token of one micro-batch on one GPU unless said:
 ``fp32_copy_bytes``         one more fp32 copy of the logits (``settings.logits_fp32_copies`` - 1 of them)
 ``mtp_layer_bytes``         the multi-token-prediction layers on the last stage
 ``workspace_bytes``         bytes per micro-batch, whatever its size (kernel workspaces, small buffers)
+``dropout_bytes``           of ``layer_bytes``: the hidden-dropout masks (analytic only; shown in the breakdown)
+``qk_norm_bytes``           of ``layer_bytes``: the QK-layernorm inputs (analytic only)
+``routed_bytes``            of ``layer_bytes``: the routed experts' activations, ``etp / tp`` of the copies
 ==========================  =====================================================================================
 
 :meth:`MemoryProfile.analytic` computes them from the shape (:mod:`.analytic`; ``workspace_bytes`` 0 -- the
-reserve covers workspaces). A *fitted* profile (``megatron-dynbatch calibrate``, :mod:`.fit`) replaces the
+reserve covers workspaces; ``backward_extra_bytes`` the backward's transient -- the gradients alive beside the
+kept activations while the largest layer runs backward -- and ``layer_peak_bytes`` the largest layer plus it).
+A *fitted* profile (``megatron-dynbatch calibrate``, :mod:`.fit`) replaces the
 measured ones -- ``layer_bytes``, ``backward_extra_bytes``, ``head_bytes``, ``workspace_bytes`` and
 ``layer_peak_bytes = layer + backward_extra``; ``head_forward_bytes`` stays analytic but never above the measured
 training head -- and records what it was fitted on (``fitted_on``: model, tensor parallelism, slice layers,
@@ -47,7 +52,8 @@ from .settings import MemorySettings
 SOURCES = ("analytic", "fitted")
 #: the numeric fields (bytes), each finite and in [0, MAX_BYTES]
 BYTE_FIELDS = ("layer_bytes", "layer_peak_bytes", "layer_input_bytes", "backward_extra_bytes", "head_bytes",
-               "head_forward_bytes", "fp32_copy_bytes", "mtp_layer_bytes", "workspace_bytes")
+               "head_forward_bytes", "fp32_copy_bytes", "mtp_layer_bytes", "workspace_bytes", "dropout_bytes",
+               "qk_norm_bytes", "routed_bytes")
 MAX_BYTES = 2.0 ** 50
 
 
@@ -72,6 +78,9 @@ class MemoryProfile:
     backward_extra_bytes: float = 0.0
     mtp_layer_bytes: float = 0.0
     workspace_bytes: float = 0.0
+    dropout_bytes: float = 0.0
+    qk_norm_bytes: float = 0.0
+    routed_bytes: float = 0.0
     sequence_parallel: bool = False
     source: str = "analytic"
     expert_tensor_parallel_size: Optional[int] = None
@@ -104,8 +113,9 @@ class MemoryProfile:
         etp = st.expert_tensor_parallel_size or p.tp
         b = analytic_bytes(m, p, etp, st.moe_imbalance)
         return cls(layer_bytes=b["layer"], layer_peak_bytes=b["layer_peak"], layer_input_bytes=b["layer_input"],
-                   head_bytes=b["head"], head_forward_bytes=b["head"], fp32_copy_bytes=b["fp32_copy"],
-                   mtp_layer_bytes=b["mtp_layers"], model_key=model_key(m), tp=p.tp,
+                   backward_extra_bytes=b["transient"], head_bytes=b["head"], head_forward_bytes=b["head"],
+                   fp32_copy_bytes=b["fp32_copy"], mtp_layer_bytes=b["mtp_layers"], dropout_bytes=b["dropout"],
+                   qk_norm_bytes=b["qk_norm"], routed_bytes=b["routed"], model_key=model_key(m), tp=p.tp,
                    sequence_parallel=p.sequence_parallel, source="analytic", expert_tensor_parallel_size=etp,
                    moe_imbalance=st.moe_imbalance)
 
@@ -121,8 +131,8 @@ class MemoryProfile:
         head = float(coefficients["head"])
         return replace(base, layer_bytes=a, backward_extra_bytes=c, layer_peak_bytes=a + c, head_bytes=head,
                        head_forward_bytes=min(base.head_forward_bytes, head),
-                       workspace_bytes=float(coefficients["workspace"]),
-                       source="fitted", expert_tensor_parallel_size=None, moe_imbalance=None,
+                       workspace_bytes=float(coefficients["workspace"]), dropout_bytes=0.0, qk_norm_bytes=0.0,
+                       routed_bytes=0.0, source="fitted", expert_tensor_parallel_size=None, moe_imbalance=None,
                        fitted_on=dict(fitted_on))
 
     # ---------------------------------------------------------------------------------------------- checks
