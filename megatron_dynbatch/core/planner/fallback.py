@@ -53,11 +53,13 @@ BIN_SEARCH_WORK = 100_000
 PLAN_SEARCH_WORK = 800_000
 #: work the unit search (:func:`units_search`: units looked at) may spend on one count, and in all for one
 #: ``plan_global_batch`` call: ~0.6 s and ~0.9 s on one core
-UNIT_SEARCH_WORK = 2_000_000
+UNIT_SEARCH_WORK = 2_500_000
 PLAN_UNIT_SEARCH_WORK = 3_000_000
 #: the unit search's charge for one rank it packs (units as counted by ``UNIT_SEARCH_WORK``, each about one
 #: Python loop step): the lower bound checked first, per item; then the packers, per call and per item
 BOUND_UNITS_PER_ITEM = 4
+#: the bin search's share for one rank the unit search completes (of ``BIN_SEARCH_WORK``'s budget)
+RANK_SEARCH_WORK = 2_000
 #: thresholds of the L2 bound the unit search carries per unit (:func:`_rank_bounds`)
 BOUND_THRESHOLDS = 16
 PACK_UNITS = 200
@@ -521,7 +523,11 @@ def _rank_bin_search(inp: StepInput, members, m: int, budget: SearchBudget) -> O
     members = np.asarray(members, dtype=np.int64)
     sub = StepInput(aligned=inp.aligned[members], weight=inp.weight[members], oversize=inp.oversize[members],
                     units=None, cap=inp.cap)
-    found = search_bins(sub, m, budget)
+    share = SearchBudget(left=min(RANK_SEARCH_WORK, budget.left))  # one rank of many: a small share
+    try:
+        found = search_bins(sub, m, share)
+    finally:
+        budget.left -= min(RANK_SEARCH_WORK, budget.left) - share.left
     return None if found is None else [[int(members[i]) for i in b] for b in found]
 
 
