@@ -154,19 +154,20 @@ def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
     used = [0] * dp
     ranks: List[List[int]] = [[] for _ in range(dp)]
     heap = [(0.0, r) for r in range(dp)]
-    pop, push = heapq.heappop, heapq.heappush
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for k, u in enumerate(order):
         need = need_of[k]
         skipped = []
         placed = False
         while heap:
-            load, r = pop(heap)
-            if used[r] + need <= capacity:
+            load, r = heap[0]  # peek: a rank that fits is updated in place by one heapreplace (ranks are distinct
+            if used[r] + need <= capacity:  # entries, so the pop order does not depend on the heap's layout)
                 ranks[r].append(u)
                 used[r] += need
-                push(heap, (load + weight_of[k], r))
+                replace(heap, (load + weight_of[k], r))
                 placed = True
                 break
+            pop(heap)
             if used[r] + suffix_min[k + 1] <= capacity:
                 skipped.append((load, r))
         for item in skipped:
