@@ -10,8 +10,10 @@ rank). Before the planner declares a count infeasible, it tries, in order:
 2. **units by best fit** (groups): groups in decreasing tokens, each onto the rank with the most room whose
    ``M`` micro-batches take all its samples (best fit inside the rank); bounded work; then, only when the count
    search would otherwise refuse the batch or a forced count, a **unit search** (:func:`units_search`):
-   depth-first over groups -> ranks, pruned by rank capacity and by the items the short ranks still need, each
-   complete assignment packed rank by rank -- groups whose item counts must split exactly (``dp * M`` items in
+   depth-first over groups -> ranks, pruned by rank capacity, by the items the short ranks still need and by the
+   Martello-Toth bound of a rank's items (:func:`_rank_bounds`), each complete rank packed -- and charged what
+   its packing costs, so the work budget bounds the time (issue 33: a tight grouped step once packed ~43,000
+   ranks, 4-12 s) -- groups whose item counts must split exactly (``dp * M`` items in
    all: every rank exactly ``M``) are a number-partitioning problem that no greedy order solves reliably;
 3. **bin search** (no groups; only when the count search would otherwise refuse the batch or a forced count):
    when best fit needs more than ``dp * M`` bins but the Martello-Toth bound (:func:`.bounds.min_bins`) says
@@ -51,8 +53,10 @@ UNIT_FIT_BUDGET = 4_000_000
 #: call (every step and count together): bounded time on every input, ~0.1 s and ~0.9 s on one core
 BIN_SEARCH_WORK = 100_000
 PLAN_SEARCH_WORK = 800_000
-#: work the unit search (:func:`units_search`: units looked at) may spend on one count, and in all for one
-#: ``plan_global_batch`` call: ~0.6 s and ~0.9 s on one core
+#: work the unit search (:func:`units_search`: units looked at, each about one Python loop step; a rank it packs
+#: is charged PACK_UNITS and more) may spend on one count, and in all for one ``plan_global_batch`` call: a
+#: refusal that spends a whole share took 1.0-1.6 s of CPU on the 2-core VM at load average ~12 (where the
+#: reference plan of docs/benchmarks.md runs 3x its idle time): about 0.4 s idle, scaled, not measured
 UNIT_SEARCH_WORK = 2_500_000
 PLAN_UNIT_SEARCH_WORK = 3_000_000
 #: the unit search's charge for one rank it packs (units as counted by ``UNIT_SEARCH_WORK``, each about one
