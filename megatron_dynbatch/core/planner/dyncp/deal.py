@@ -78,14 +78,15 @@ class _Units:
             skipped = []
             placed = False
             while heap:
-                ld, g = heapq.heappop(heap)
+                ld, g = heap[0]  # peek: a unit that fits is updated by one heapreplace (one entry per unit)
                 if used[g] + a <= cap[g]:
                     self.leaves[g].append(i)
                     used[g] += a
                     load[g] += t
-                    heapq.heappush(heap, (load[g], g))
+                    heapq.heapreplace(heap, (load[g], g))
                     placed = True
                     break
+                heapq.heappop(heap)
                 if used[g] + suffix_min[k + 1] <= cap[g]:  # a later (smaller) sample may still fit
                     skipped.append((ld, g))
             for item in skipped:
