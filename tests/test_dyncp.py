@@ -615,7 +615,7 @@ def test_issue20_dynamic_cp_inputs_plan_validly():
     samples cannot fill 1,024 DP ranks, so that one has no fixed-CP plan (NaN)."""
     from megatron_dynbatch.bench.adversarial import SHAPES
 
-    for shape in (s for s in SHAPES if s.samples is not None):
+    for shape in (s for s in SHAPES if s.samples is not None and s.name.startswith("dyncp")):
         lengths, kwargs = shape.build(0)
         plan = plan_global_batch(lengths, **kwargs)
         plan.validate(lengths.size)

@@ -27,6 +27,11 @@ Each :class:`Shape` builds one batch (deterministic) and the planner arguments f
   with pp=4 (Llama-3.1-8B); and issue 28's: 8 samples over a pool of dp=1,024 x cp=1,024 (a million GPUs:
   the plan lists each one; it took 10 s -- a tree of two million groups built node by node, each GPU's entry
   appended one by one);
+* issue 33's hostile inputs: ``GRPO groups of 8, tight budget, pp8 vpp4`` (1,455 samples over dp=64, Llama-3.1-8B,
+  responses truncated at the budget of 3,000 tokens: only M=16 is valid and it packs only by the unit search,
+  which took 3.3-12 s of CPU before its charges counted its packings) and ``GRPO MoE ep8 (FLOPs), 65536 over
+  dp1024`` (Qwen3-30B-A3B, the growth shape at full size, timed in the default run too); the third, 16,384
+  samples on ``dp=64 x cp=4`` with ``pp=4``, is ``dyncp GRPO dp64xcp4 pp4`` above;
 * ``GRPO pp4096 (FLOPs)`` -- a pipeline far deeper than any model (issue 28: 6 s): the 1F1B simulation is
   compressed (the stages whose warm-up covers every micro-batch are a flow shop in closed form), and the
   planner, which scores more micro-batches the deeper the pipeline, stops where one simulation gets expensive.
@@ -79,6 +84,12 @@ def _grpo(n: int, rng: np.random.Generator, max_len: int) -> np.ndarray:
     return np.minimum(rng.lognormal(7.5, 1.0, n).astype(np.int64) + 200, max_len)
 
 
+#: issue 33's hostile grouped step: 1,455 GRPO samples in groups of 8, every response truncated at a budget so tight
+#: that a third of the samples fill a micro-batch alone and Megatron's interleaved rule (pp=8, vpp=4) leaves one
+#: count, 16, that packs only by the unit search (fallback.units_search); 3.3-12 s before its work was bounded
+TIGHT_GROUPS = "GRPO groups of 8, tight budget, pp8 vpp4"
+TIGHT_BUDGET = 3000
+
 SHAPES: Tuple[Shape, ...] = (
     Shape("just over budget/2", 1, lambda n, r: (np.full(n, BUDGET // 2 + 1), {})),
     Shape("just over budget/3", 2, lambda n, r: (np.full(n, BUDGET // 3 + 1), {})),
@@ -111,6 +122,11 @@ SHAPES: Tuple[Shape, ...] = (
     Shape("dyncp 8 samples, pool dp1024 x cp1024", 1024, lambda n, r: (_grpo(n, r, 16_384), {
         "parallel": {"cp": 1024}, "model": "llama-3.1-8b", "max_tokens_per_gpu": 8192, "dynamic_cp": True}),
         samples=8),
+    Shape(TIGHT_GROUPS, 64, lambda n, r: (_grpo(n, r, TIGHT_BUDGET), {
+        "parallel": {"pp": 8, "vpp": 4}, "model": "llama-3.1-8b", "max_tokens_per_gpu": TIGHT_BUDGET,
+        "group_ids": np.arange(n) // 8}), samples=1455),
+    Shape("GRPO MoE ep8 (FLOPs), 65536 over dp1024", 1024, lambda n, r: (_grpo(n, r, 16_384), {
+        "parallel": {"ep": 8}, "model": "qwen3-30b-a3b", "max_tokens_per_gpu": 32_768}), samples=FULL_SIZE),
 )
 
 

@@ -10,8 +10,10 @@ rank). Before the planner declares a count infeasible, it tries, in order:
 2. **units by best fit** (groups): groups in decreasing tokens, each onto the rank with the most room whose
    ``M`` micro-batches take all its samples (best fit inside the rank); bounded work; then, only when the count
    search would otherwise refuse the batch or a forced count, a **unit search** (:func:`units_search`):
-   depth-first over groups -> ranks, pruned by rank capacity and by the items the short ranks still need, each
-   complete assignment packed rank by rank -- groups whose item counts must split exactly (``dp * M`` items in
+   depth-first over groups -> ranks, pruned by rank capacity, by the items the short ranks still need and by the
+   Martello-Toth bound of a rank's items (:func:`_rank_bounds`), each complete rank packed -- and charged what
+   its packing costs, so the work budget bounds the time (issue 33: a tight grouped step once packed ~43,000
+   ranks, 4-12 s) -- groups whose item counts must split exactly (``dp * M`` items in
    all: every rank exactly ``M``) are a number-partitioning problem that no greedy order solves reliably;
 3. **bin search** (no groups; only when the count search would otherwise refuse the batch or a forced count):
    when best fit needs more than ``dp * M`` bins but the Martello-Toth bound (:func:`.bounds.min_bins`) says
@@ -51,10 +53,21 @@ UNIT_FIT_BUDGET = 4_000_000
 #: call (every step and count together): bounded time on every input, ~0.1 s and ~0.9 s on one core
 BIN_SEARCH_WORK = 100_000
 PLAN_SEARCH_WORK = 800_000
-#: work the unit search (:func:`units_search`: units looked at) may spend on one count, and in all for one
-#: ``plan_global_batch`` call: ~0.6 s and ~0.9 s on one core
-UNIT_SEARCH_WORK = 2_000_000
+#: work the unit search (:func:`units_search`: units looked at, each about one Python loop step; a rank it packs
+#: is charged PACK_UNITS and more) may spend on one count, and in all for one ``plan_global_batch`` call: a
+#: refusal that spends a whole share took 1.0-1.6 s of CPU on the 2-core VM at load average ~12 (where the
+#: reference plan of docs/benchmarks.md runs 3x its idle time): about 0.4 s idle, scaled, not measured
+UNIT_SEARCH_WORK = 2_500_000
 PLAN_UNIT_SEARCH_WORK = 3_000_000
+#: the unit search's charge for one rank it packs (units as counted by ``UNIT_SEARCH_WORK``, each about one
+#: Python loop step): the lower bound checked first, per item; then the packers, per call and per item
+BOUND_UNITS_PER_ITEM = 4
+#: the bin search's share for one rank the unit search completes (of ``BIN_SEARCH_WORK``'s budget)
+RANK_SEARCH_WORK = 2_000
+#: thresholds of the L2 bound the unit search carries per unit (:func:`_rank_bounds`)
+BOUND_THRESHOLDS = 16
+PACK_UNITS = 200
+PACK_UNITS_PER_ITEM = 16
 #: most items bin completion puts with the largest one into a bin (bins of many small items are easy for the
 #: item-by-item search; this bounds the set enumeration's recursion)
 MAX_COMPLETION_ITEMS = 64
@@ -342,10 +355,10 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
     counts, tokens, samples = inp.unit_count.tolist(), inp.unit_tokens.tolist(), inp.unit_samples.tolist()
     order = sorted(range(n_units), key=lambda u: (-counts[u], -tokens[u], u))
     cnt = [counts[u] for u in order]
-    tok = [tokens[u] for u in order]
     smp = [samples[u] for u in order]
-    slack = sum(cnt) - dp * m
     capacity = m * inp.cap
+    big, tok, lanes, lane_bias, lane_high = _rank_bounds(inp, order, capacity)
+    slack = sum(cnt) - dp * m
     token_slack = dp * capacity - sum(tok)
     target = inp.sample_target(dp)
     if slack < 0 or token_slack < 0 or n_units < dp:
@@ -359,9 +372,19 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
 
     def packed(positions) -> Optional[List[List[int]]]:
         members = inp.members([order[p] for p in positions])
-        charge(members.size)
+        charge(members.size * BOUND_UNITS_PER_ITEM)
+        over = inp.oversize[members]
+        if min_bins(inp.aligned[members[~over]], inp.cap, n_alone=int(over.sum())) > m:
+            return None  # no packing of these items into m micro-batches exists (what both packers would find)
+        charge(PACK_UNITS + members.size * PACK_UNITS_PER_ITEM)
         bins = pack_rank(members, inp, m)
-        return bins if bins is not None else _rank_bin_search(inp, members, m, budget)
+        if bins is not None:
+            return bins
+        before = budget.left
+        try:
+            return _rank_bin_search(inp, members, m, budget)
+        finally:
+            charge(before - budget.left)  # the bin search's work is the unit search's too
 
     def completions(first: int, excess_left: int, waste_left: int) -> List[tuple]:
         """Sets of unplaced units after ``first`` completing its rank within the slacks left, as (excess, waste,
@@ -369,7 +392,7 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
         free = [p for p in range(first + 1, n_units) if not placed[p]]
         found: List[tuple] = []
 
-        def extend(i: int, items: int, used: int, held: int, chosen: List[int]) -> None:
+        def extend(i: int, items: int, used: int, held: int, bigs: int, lane: int, chosen: List[int]) -> None:
             charge(len(free) - i + 1)
             if len(chosen) > MAX_COMPLETION_ITEMS:
                 raise _OutOfWork
@@ -386,12 +409,17 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
                 if (key in tried or used + tok[p] > capacity or items + cnt[p] - m > excess_left
                         or (target is not None and held + smp[p] > target)):
                     continue
+                if bigs + big[p] > m or (lane + lanes[p] + lane_bias) & lane_high:
+                    continue  # the rank's items cannot fill m micro-batches (_rank_bounds); not marked tried:
+                    # a unit with the same key may pass
                 tried.add(key)
                 chosen.append(p)
-                extend(j + 1, items + cnt[p], used + tok[p], held + smp[p], chosen)
+                extend(j + 1, items + cnt[p], used + tok[p], held + smp[p], bigs + big[p], lane + lanes[p], chosen)
                 chosen.pop()
 
-        extend(0, cnt[first], tok[first], smp[first], [])
+        if big[first] > m or (lanes[first] + lane_bias) & lane_high:
+            return []
+        extend(0, cnt[first], tok[first], smp[first], big[first], lanes[first], [])
         found.sort()
         return [(excess, waste, chosen) for _, excess, waste, chosen in found]
 
@@ -449,13 +477,61 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
         budget.units_left -= min(spent[0], work)
 
 
+def _rank_bounds(inp: StepInput, order: List[int], capacity: int):
+    """Necessary conditions for a rank's units to fill ``m`` micro-batches (``capacity = m * cap``), additive
+    over units so the unit search carries them while a set grows -- the Martello-Toth L2 bound
+    (:mod:`.bounds`) split by unit: ``(big, tok, lanes, bias, high)``, per unit in ``order``.
+
+    * ``big``: items over half the cap (or over budget), each needing a micro-batch of its own: at most ``m``;
+    * ``lanes``: for a few thresholds ``k <= cap/2`` (the smallest item, then quantiles of the item sizes), the
+      items over ``cap - k`` fill a micro-batch alone (no item of ``>= k`` joins them) and are charged ``cap``,
+      items under ``k`` nothing, the rest their tokens; the rank's charge must stay within ``capacity``. L2 at
+      ``k`` is exactly this with the ``big`` count. The charges of every threshold share one Python integer, a
+      lane of bits each, so a sum is one addition and the test ``(lanes + bias) & high`` one more (a lane
+      passes ``capacity`` iff its top bit is set; lanes are wide enough that no sum carries into the next);
+    * ``tok``: the first lane alone (``k`` the smallest item: every item charged at least its tokens), the
+      token measure of the search's waste and slack."""
+    cap = int(inp.cap)
+    normal = inp.aligned[~inp.oversize]
+    small = np.sort(normal[2 * normal <= cap])
+    ks = [int(normal.min()) if normal.size else 0]
+    if small.size:
+        ks += small[np.linspace(0, small.size - 1, BOUND_THRESHOLDS).astype(np.int64)].tolist()
+    ks = sorted(set(ks))
+    big = _per_unit(inp, (inp.oversize | (2 * inp.aligned > cap)).astype(np.int64))[order]
+    charges = [_per_unit(inp, np.where(inp.oversize | (inp.aligned > cap - k), cap,
+                                       np.where(inp.aligned >= k, inp.aligned, 0)).astype(np.int64))[order]
+               for k in ks]
+    width = (int(charges[0].sum()) + capacity + 1).bit_length() + 1  # top bit of a lane: over capacity
+    lanes = [0] * len(order)
+    bias = high = 0
+    for lane, charge in enumerate(charges):
+        shift = lane * width
+        bias |= ((1 << (width - 1)) - 1 - capacity) << shift
+        high |= (1 << (width - 1)) << shift
+        lanes = [acc | (int(c) << shift) for acc, c in zip(lanes, charge.tolist(), strict=True)]
+    return big.tolist(), charges[0].tolist(), lanes, bias, high
+
+
+def _per_unit(inp: StepInput, values: np.ndarray) -> np.ndarray:
+    """Per-item ``values`` summed over each unit (units are never empty)."""
+    if inp.singletons:
+        return values
+    starts = np.concatenate(([0], np.cumsum([len(members) for members in inp.units])[:-1]))
+    return np.add.reduceat(values[np.concatenate(inp.units)], starts)
+
+
 def _rank_bin_search(inp: StepInput, members, m: int, budget: SearchBudget) -> Optional[List[List[int]]]:
     """One rank's items in exactly ``m`` micro-batches by the bounded bin search (:func:`search_bins` on the
     rank alone), or ``None``."""
     members = np.asarray(members, dtype=np.int64)
     sub = StepInput(aligned=inp.aligned[members], weight=inp.weight[members], oversize=inp.oversize[members],
                     units=None, cap=inp.cap)
-    found = search_bins(sub, m, budget)
+    share = SearchBudget(left=min(RANK_SEARCH_WORK, budget.left))  # one rank of many: a small share
+    try:
+        found = search_bins(sub, m, share)
+    finally:
+        budget.left -= min(RANK_SEARCH_WORK, budget.left) - share.left
     return None if found is None else [[int(members[i]) for i in b] for b in found]
 
 

@@ -154,19 +154,20 @@ def assign_ranks(inp: StepInput, dp: int, m: int) -> Optional[List[List[int]]]:
     used = [0] * dp
     ranks: List[List[int]] = [[] for _ in range(dp)]
     heap = [(0.0, r) for r in range(dp)]
-    pop, push = heapq.heappop, heapq.heappush
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for k, u in enumerate(order):
         need = need_of[k]
         skipped = []
         placed = False
         while heap:
-            load, r = pop(heap)
-            if used[r] + need <= capacity:
+            load, r = heap[0]  # peek: a rank that fits is updated in place by one heapreplace (ranks are distinct
+            if used[r] + need <= capacity:  # entries, so the pop order does not depend on the heap's layout)
                 ranks[r].append(u)
                 used[r] += need
-                push(heap, (load + weight_of[k], r))
+                replace(heap, (load + weight_of[k], r))
                 placed = True
                 break
+            pop(heap)
             if used[r] + suffix_min[k + 1] <= capacity:
                 skipped.append((load, r))
         for item in skipped:
@@ -656,22 +657,30 @@ def _lpt_bins(items: List[int], needs: List[int], weights: List[float], k: int,
     count = [0] * k
     version = [0] * k
     heap = [(0.0, 0, b, 0) for b in range(k)]
-    rooms = [(-cap, b) for b in range(k)]  # max-heap on room; an entry is current iff it matches used[b]
-    pop, push = heapq.heappop, heapq.heappush
+    # max-heap on room, built only once an item needs it (most passes never do); an entry is current iff it
+    # matches used[b], and its top is the bin with the most room, lowest index on ties, however it was built
+    rooms: Optional[list] = None
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     allowance = min(SKIPS_PER_ITEM * len(items), MAX_SKIPS)
     for i, need, w in zip(items, needs, weights, strict=True):
         skipped = []
         target = -1
-        while heap and len(skipped) < max(SKIP_LIMIT, allowance):
-            entry = pop(heap)
+        limit = max(SKIP_LIMIT, allowance)
+        while heap and len(skipped) < limit:
+            entry = heap[0]  # peek: the bin found stays on top, and one heapreplace below updates it
             b = entry[2]
             if entry[3] != version[b]:
+                pop(heap)
                 continue  # stale: the bin was filled through the room index
             if used[b] + need <= cap:
                 target = b
                 break
-            skipped.append(entry)
-        if target < 0:
+            skipped.append(pop(heap))
+        used_rooms = target < 0
+        if used_rooms:
+            if rooms is None:
+                rooms = [(u - cap, b) for b, u in enumerate(used)]
+                heapq.heapify(rooms)
             while rooms and -rooms[0][0] != cap - used[rooms[0][1]]:
                 pop(rooms)
             if not rooms or -rooms[0][0] < need:
@@ -679,14 +688,19 @@ def _lpt_bins(items: List[int], needs: List[int], weights: List[float], k: int,
             target = rooms[0][1]
             version[target] += 1  # its entry in ``heap`` (if still there) is now stale
         allowance -= len(skipped)
-        for entry in skipped:
-            push(heap, entry)
         bins[target].append(i)
         used[target] += need
         load[target] += w
         count[target] += 1
-        push(heap, (load[target], count[target], target, version[target]))
-        push(rooms, (used[target] - cap, target))
+        entry = (load[target], count[target], target, version[target])
+        if used_rooms:
+            push(heap, entry)
+        else:
+            replace(heap, entry)  # pops the target's old entry (the top) and pushes its new one
+        for old in skipped:
+            push(heap, old)
+        if rooms is not None:
+            push(rooms, (used[target] - cap, target))
     return bins
 
 

@@ -150,7 +150,7 @@ class _Counts:
             self.polished[m] = (_copy_bins(bins), done, best)
         if self.lockstep:  # expert-parallel ranks advance together: also try even micro-batches across ranks
             alt = self.global_bins(m)
-            if alt is not None:
+            if alt is not None and alt != bins:  # (the count's own packing may be these very bins: timed above)
                 res = order_and_time(alt, inp.aligned, self.sq, self.cm, self.align)
                 if best is None or res[1] < best[1]:
                     best = res

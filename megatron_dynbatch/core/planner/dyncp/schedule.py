@@ -78,13 +78,32 @@ class Schedule:
         self.times = np.zeros((m, tree.size))
         self.node_at = np.zeros((m, tree.size), dtype=np.int64)
         self.bin_at = np.zeros((m, tree.size), dtype=np.int64)
+        # single-GPU nodes (most of them) in one indexed assignment; every (slot, GPU) cell has one writer
+        rows: list = []
+        cols: list = []
+        vals: list = []
+        nodes: list = []
+        idx: list = []
         for v, bins in self.node_bins.items():
             node = tree.nodes[v]
-            for b, t in enumerate(self.node_times[v]):
+            times = self.node_times[v]
+            if node.stop - node.start == 1:
+                k = len(times)
+                rows += range(self.offset[v], self.offset[v] + k)
+                cols += [node.start] * k
+                vals += list(times)
+                nodes += [v] * k
+                idx += range(k)
+                continue
+            for b, t in enumerate(times):
                 j = self.offset[v] + b
                 self.times[j, node.start:node.stop] = t
                 self.node_at[j, node.start:node.stop] = v
                 self.bin_at[j, node.start:node.stop] = b
+        if rows:
+            self.times[rows, cols] = vals
+            self.node_at[rows, cols] = nodes
+            self.bin_at[rows, cols] = idx
         gpu = np.arange(tree.size)
         self.blocks = [np.flatnonzero(tree.starts[self.node_at[j]] == gpu) for j in range(m)]
 
