@@ -5,6 +5,7 @@ runs its micro-batches most padded tokens first (the memory order)."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -54,20 +55,34 @@ def batches(draw):
                 samples_per_step=None if steps is None else n // steps), lengths.tolist(), groups
 
 
+@contextlib.contextmanager
+def search_alone():
+    """The planner without its portfolio: the count search's plan of every step."""
+    saved = search.best_plan
+    search.best_plan = lambda ours, *args, **kw: ours
+    try:
+        yield
+    finally:
+        search.best_plan = saved
+
+
 def _plan_and_peers(kwargs, lengths, groups):
-    """The plan, and per optimizer step every valid peer candidate's ``(name, step time, count)``."""
+    """The plan, and per optimizer step every valid peer candidate's ``(name, step time, count)`` (the
+    strategies also try the count the search chose, as in the planner)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
         try:
             plan = plan_global_batch(lengths, group_ids=groups, **kwargs)
         except DynBatchConfigError:
             return None, None
+        with search_alone():
+            searched = plan_global_batch(lengths, group_ids=groups, **kwargs).microbatches_per_step
         opts = PlanOptions.from_kwargs(kwargs)
         prep = prepare(lengths, opts, group_ids=groups)
     sets = prep.search_settings()
     peers = []
-    for step in prep.steps:
-        ctx = portfolio.StepContext(step.inp, sets)
+    for step, count in zip(prep.steps, searched, strict=True):
+        ctx = portfolio.StepContext(step.inp, sets, search_count=count)
         peers.append([(name, order_and_time(bins, step.inp.aligned, step.sq, sets.cost_model, sets.alignment)[1],
                        len(bins[0])) for name, bins in portfolio.candidates(ctx)])
     return plan, peers
@@ -108,8 +123,8 @@ def test_every_candidate_is_a_valid_plan_under_our_rules(batch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
         prep = prepare(lengths, PlanOptions.from_kwargs(kwargs), group_ids=groups)
-    for step in prep.steps:
-        ctx = portfolio.StepContext(step.inp, prep.search_settings())
+    for step, count in zip(prep.steps, plan.microbatches_per_step, strict=True):
+        ctx = portfolio.StepContext(step.inp, prep.search_settings(), search_count=count)
         for name, bins in portfolio.candidates(ctx):
             assert portfolio.is_valid(bins, ctx), name
             items = sorted(i for rank in bins for mb in rank for i in mb)
@@ -141,12 +156,8 @@ def test_a_peer_heuristic_shortens_a_long_tailed_sft_step():
     lengths = w.generate(1).lengths
     kwargs = dict(model=w.model, parallel=w.parallel, max_tokens_per_gpu=w.max_tokens_per_gpu)
     with_portfolio = plan_global_batch(lengths, **kwargs).predicted_step_time
-    saved = search.best_plan
-    search.best_plan = lambda ours, *args, **kw: ours
-    try:
+    with search_alone():
         alone = plan_global_batch(lengths, **kwargs).predicted_step_time
-    finally:
-        search.best_plan = saved
     assert with_portfolio < alone * (1 - 1e-3)
 
 

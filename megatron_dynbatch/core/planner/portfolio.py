@@ -74,6 +74,9 @@ class StepContext:
     inp: StepInput
     settings: Any
     forced: Optional[int] = None
+    #: the count the search chose for the step: every strategy also tries it when it is above its own (with
+    #: ``pp > 1`` the search's count is the one that shortens the bubble)
+    search_count: Optional[int] = None
     #: ``hopeless(ranks, m)``: whether a plan with these items per rank (local item indices) and ``m``
     #: micro-batches per rank surely cannot win (:func:`step_bound`); strategies ask before packing further
     hopeless: Optional[Callable[[list, int], bool]] = None
@@ -82,14 +85,21 @@ class StepContext:
     def dp(self) -> int:
         return self.settings.parallel.dp
 
+    def counts(self, first: int) -> List[int]:
+        """The counts a strategy tries when its own packing needs ``first`` micro-batches per rank (a valid
+        count): that one and the search's when larger -- or only the forced count."""
+        if self.forced is not None:
+            return [self.forced]
+        return [first] + ([self.search_count] if self.search_count is not None and self.search_count > first else [])
+
     def count_for(self, bins: int) -> int:
-        """The strategy's count for ``bins`` micro-batches over ``dp`` ranks: the first valid count that holds
-        them, or the forced one."""
-        return self.forced if self.forced is not None else self.settings.count_rule.next(-(-bins // self.dp))
+        """The first valid count that holds ``bins`` micro-batches over ``dp`` ranks."""
+        return self.settings.count_rule.next(-(-bins // self.dp))
 
 
 class Strategy:
-    """One peer's heuristic: :meth:`bins` is its plan of a step under the planner's rules, or ``None``."""
+    """One peer's heuristic: :meth:`plans` are its plans of a step under the planner's rules (each still checked
+    by :func:`is_valid`), one per count it tries (:meth:`StepContext.counts`)."""
 
     name = ""
     #: the peer and the code it follows
@@ -97,7 +107,7 @@ class Strategy:
     #: runs on steps with ``group_ids`` groups (a strategy dealing bins round-robin cannot keep them together)
     groups = False
 
-    def bins(self, ctx: StepContext) -> Optional[Bins]:
+    def plans(self, ctx: StepContext) -> Iterator[Bins]:
         raise NotImplementedError
 
 
@@ -107,28 +117,28 @@ class KarmarkarKarp(Strategy):
                   "equal_size=True); slime's legacy DP split")
     groups = True
 
-    def bins(self, ctx: StepContext) -> Optional[Bins]:
+    def plans(self, ctx: StepContext) -> Iterator[Bins]:
         inp, dp = ctx.inp, ctx.dp
         parts = karmarkar_karp(inp.unit_weight, dp, equal_size=True)
-        if inp.singletons:
-            ranks = [np.asarray(p, dtype=np.int64) for p in parts]
-        else:
-            ranks = [inp.members(p) for p in parts]
+        ranks = [np.asarray(p, dtype=np.int64) if inp.singletons else inp.members(p) for p in parts]
         tokens = max(int(inp.unit_tokens[p].sum()) for p in parts)
         m = ctx.count_for(dp * max(1, -(-tokens // inp.cap)))
-        for _ in range(1 if ctx.forced is not None else 1 + KK_EXTRA_COUNTS):
-            if ctx.hopeless is not None and ctx.hopeless(ranks, m):
-                return None  # more micro-batches only raise the bound
-            out = []
-            for items in ranks:
-                packed = pack_rank(items.tolist(), inp, m)
-                if packed is None:
-                    break
-                out.append(packed)
-            else:
-                return out
+        tries = 1 + KK_EXTRA_COUNTS  # a rank may need a count or two more than its tokens say
+        while tries:
+            done = False
+            for count in ctx.counts(m):
+                if ctx.hopeless is not None and ctx.hopeless(ranks, count):
+                    return  # the bound only grows with the count
+                packed = [pack_rank(items.tolist(), inp, count) for items in ranks]
+                if all(p is not None for p in packed):
+                    done = True
+                    yield packed
+                elif count == m:
+                    break  # the strategy's own count does not pack: try the next one
+            if done or ctx.forced is not None:
+                return
+            tries -= 1
             m = ctx.settings.count_rule.next(m + 1)
-        return None
 
 
 def _with_oversize_alone(inp: StepInput, pack) -> List[List[int]]:
@@ -146,18 +156,15 @@ class FirstFitKK(Strategy):
     name = "first-fit-kk"
     provenance = "slime --use-dynamic-batch-size --balance-data (slime/utils/dp_schedule.py build_dp_schedule)"
 
-    def bins(self, ctx: StepContext) -> Optional[Bins]:
+    def plans(self, ctx: StepContext) -> Iterator[Bins]:
         inp, dp = ctx.inp, ctx.dp
         # first fit in sample order; an over-budget item opens a bin nothing else can join
-        bins = first_fit(inp.aligned, inp.cap)
-        m = ctx.count_for(len(bins))
-        if len(bins) > dp * m:
-            return None
-        bins = split_largest_bins(bins, dp * m, inp.aligned)
-        if len(bins) != dp * m:
-            return None
-        parts = karmarkar_karp([float(inp.weight[b].sum()) for b in bins], dp, equal_size=True)
-        return [[bins[j] for j in part] for part in parts]
+        base = first_fit(inp.aligned, inp.cap)
+        for m in ctx.counts(ctx.count_for(len(base))):
+            bins = split_largest_bins(base, dp * m, inp.aligned)
+            if len(bins) == dp * m:
+                parts = karmarkar_karp([float(inp.weight[b].sum()) for b in bins], dp, equal_size=True)
+                yield [[bins[j] for j in part] for part in parts]
 
 
 class ModifiedFirstFitDecreasing(Strategy):
@@ -165,17 +172,16 @@ class ModifiedFirstFitDecreasing(Strategy):
     provenance = ("NeMo-RL sequence packing (nemo_rl/data/packing/algorithms.py ModifiedFirstFitDecreasingPacker, "
                   "min_bin_count / bin_count_multiple = dp), bins round-robin to ranks")
 
-    def bins(self, ctx: StepContext) -> Optional[Bins]:
+    def plans(self, ctx: StepContext) -> Iterator[Bins]:
         inp, dp = ctx.inp, ctx.dp
-        bins = _with_oversize_alone(inp, lambda _, sizes: modified_first_fit_decreasing(sizes, inp.cap))
-        m = ctx.count_for(len(bins))
-        if len(bins) > dp * m:
-            return None
-        try:
-            bins = adjust_bin_count(bins, dp * m, 1)
-        except PartitionInfeasible:
-            return None
-        return [bins[r::dp] for r in range(dp)]
+        base = _with_oversize_alone(inp, lambda _, sizes: modified_first_fit_decreasing(sizes, inp.cap))
+        for m in ctx.counts(ctx.count_for(len(base))):
+            if len(base) <= dp * m:
+                try:
+                    bins = adjust_bin_count(base, dp * m, 1)
+                except PartitionInfeasible:
+                    continue
+                yield [bins[r::dp] for r in range(dp)]
 
 
 class NextFit(Strategy):
@@ -183,15 +189,16 @@ class NextFit(Strategy):
     provenance = ("Megatron-Core DpBalancedScheduler (megatron/core/datasets/data_schedule.py): next fit in "
                   "loader order, packs round-robin to ranks")
 
-    def bins(self, ctx: StepContext) -> Optional[Bins]:
+    def plans(self, ctx: StepContext) -> Iterator[Bins]:
         inp, dp = ctx.inp, ctx.dp
-        try:
-            packs = next_fit_packs(inp.aligned, inp.cap, lambda n: dp * ctx.count_for(n))
-        except PartitionInfeasible:
-            return None
-        if len(packs) % dp:  # the forced count was below the packing's own
-            return None
-        return [packs[r::dp] for r in range(dp)]
+        first = ctx.count_for(len(next_fit_packs(inp.aligned, inp.cap, lambda n: n)))
+        for m in ctx.counts(first):
+            try:
+                packs = next_fit_packs(inp.aligned, inp.cap, lambda n, m=m: dp * m)
+            except PartitionInfeasible:
+                continue
+            if len(packs) == dp * m:  # not so when a forced count is below the packing's own
+                yield [packs[r::dp] for r in range(dp)]
 
 
 STRATEGIES: Dict[str, Strategy] = {s.name: s for s in (KarmarkarKarp(), FirstFitKK(), ModifiedFirstFitDecreasing(),
@@ -256,16 +263,16 @@ def step_bound(ranks: list, m: int, work: np.ndarray, ctx: StepContext) -> float
 
 
 def candidates(ctx: StepContext) -> Iterator[Tuple[str, Bins]]:
-    """Every strategy's plan of the step that is valid under the planner's rules, ``(name, bins)``, one strategy
-    at a time (the later ones see a ``hopeless`` that knows the earlier winners), hopeless ones left out."""
+    """Every strategy's plans of the step that are valid under the planner's rules, ``(name, bins)``, one at a
+    time (the later ones see a ``hopeless`` that knows the earlier winners), hopeless ones left out."""
     for strategy in STRATEGIES.values():
         if not (ctx.inp.singletons or strategy.groups):
             continue
-        bins = strategy.bins(ctx)
-        if bins is None or (ctx.hopeless is not None and ctx.hopeless(bins, len(bins[0]))):
-            continue
-        if is_valid(bins, ctx):
-            yield strategy.name, bins
+        for bins in strategy.plans(ctx):
+            if ctx.hopeless is not None and ctx.hopeless(bins, len(bins[0])):
+                continue
+            if is_valid(bins, ctx):
+                yield strategy.name, bins
 
 
 def best_plan(ours: Result, inp: StepInput, sq: np.ndarray, settings: Any, margin_of: Callable[[int, float], float],
@@ -291,7 +298,7 @@ def best_plan(ours: Result, inp: StepInput, sq: np.ndarray, settings: Any, margi
         # a candidate faster than the best has a larger count-dependent share, so its margin is at least this one
         return step_bound(ranks, m, work, ctx) * (1 - 1e-9) * need(m, best[0][1]) >= best[0][1]
 
-    ctx = StepContext(inp, settings, forced, hopeless)
+    ctx = StepContext(inp, settings, forced, len(ours[0][0]), hopeless)
     for _, bins in candidates(ctx):
         m = len(bins[0])
         res = order_and_time(bins, inp.aligned, sq, cm, align, memo)
