@@ -8,9 +8,10 @@ LPT and pairwise exchanges; Karmarkar-Karp's differencing sometimes ends closer.
 dominates, the step keeps the best.
 
 The family (:data:`STRATEGIES`; one class per peer behind :class:`Strategy`, :func:`get_strategy` the factory).
-Each turns the step's items into ``bins[rank][j]`` with every rank's micro-batch count its own natural one -- the
-first count the VPP rule, ``min_num_microbatches`` and ``num_microbatches_multiple`` accept that its packing
-fills -- or the forced count (``num_microbatches``):
+Each turns the step's items into ``bins[rank][j]`` at its own natural count -- the first count the VPP rule,
+``min_num_microbatches`` and ``num_microbatches_multiple`` accept that its packing fills -- and at the count the
+search chose when that is larger (with ``pp > 1`` the one that shortens the bubble), or only at the forced count
+(``num_microbatches``):
 
 * ``karmarkar-karp`` -- verl ``balance_batch`` (``get_seqlen_balanced_partitions(..., equal_size=True)``) and
   slime's legacy rank split: the units (a sample, or a ``group_ids`` group) over the DP ranks by Karmarkar-Karp
@@ -36,9 +37,14 @@ rank: with groups only ``karmarkar-karp`` runs). A candidate is ordered and time
 are (:func:`.ordering.order_and_time`), and replaces the step's plan when it is faster -- by more than the
 decision margin (:func:`.search.count_dependent_share`) when it runs more micro-batches, as the search decides
 between its own counts; so with ``decision_margin=0`` the step is never slower than any candidate, and with the
-default margin never slower by more than that margin (``tests/test_portfolio.py``). Candidates whose rank work
+default margin never slower by more than that margin, up to float rounding (:data:`NOISE`;
+``tests/test_portfolio.py``). Candidates whose rank work
 alone already reaches the best step time (:func:`step_bound`, a true lower bound) are neither packed further
 nor timed. Deterministic: every rank computes the same choice.
+
+Cost: ``O(n log n)`` per strategy and step. It runs only on steps of at most :data:`MAX_ITEMS` items and on a
+plan's first ``SearchBudget.portfolio_items`` items (:mod:`.fallback`; counted in items, so every rank decides
+alike); other steps keep the search's plan, which keeps the planning-time targets of ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ Result = Tuple[list, float, float]
 #: steps of more items keep the count search's plan: the strategies' packings cost ``O(n log n)`` in Python each,
 #: and the planning-time targets (docs/benchmarks.md) leave no room for them on steps of thousands of items
 MAX_ITEMS = 1024
+#: a candidate must be faster by more than this relative amount: float rounding (a different summation order of
+#: the same micro-batches) is no gain, and the search's even micro-batches are worth more than it (memory, and
+#: expert-parallel ranks in lockstep that a per-rank plan does not see)
+NOISE = 1e-9
 #: extra counts the ``karmarkar-karp`` strategy tries above its first one when a rank does not pack there
 KK_EXTRA_COUNTS = 2
 
@@ -292,7 +302,7 @@ def best_plan(ours: Result, inp: StepInput, sq: np.ndarray, settings: Any, margi
     best = [ours, len(ours[0][0])]
 
     def need(m: int, step: float) -> float:
-        return 1.0 + margin_of(m, step) + 1e-9 if m > best[1] else 1.0
+        return 1.0 + margin_of(m, step) + NOISE if m > best[1] else 1.0 + NOISE
 
     def hopeless(ranks: list, m: int) -> bool:
         # a candidate faster than the best has a larger count-dependent share, so its margin is at least this one
