@@ -5,7 +5,6 @@ runs its micro-batches most padded tokens first (the memory order)."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import numpy as np
@@ -16,7 +15,7 @@ from hypothesis import strategies as st
 from megatron_dynbatch import DynBatchConfigError, OversizeSampleWarning, plan_global_batch
 from megatron_dynbatch.bench.workloads import WORKLOADS
 from megatron_dynbatch.core import partitioning
-from megatron_dynbatch.core.planner import portfolio, search
+from megatron_dynbatch.core.planner import portfolio
 from megatron_dynbatch.core.planner.options import PlanOptions
 from megatron_dynbatch.core.planner.ordering import order_and_time
 from megatron_dynbatch.core.planner.prepare import prepare
@@ -55,17 +54,6 @@ def batches(draw):
                 samples_per_step=None if steps is None else n // steps), lengths.tolist(), groups
 
 
-@contextlib.contextmanager
-def search_alone():
-    """The planner without its portfolio: the count search's plan of every step."""
-    saved = search.best_plan
-    search.best_plan = lambda ours, *args, **kw: ours
-    try:
-        yield
-    finally:
-        search.best_plan = saved
-
-
 def _plan_and_peers(kwargs, lengths, groups):
     """The plan, and per optimizer step every valid peer candidate's ``(name, step time, count)`` (the
     strategies also try the count the search chose, as in the planner)."""
@@ -75,7 +63,7 @@ def _plan_and_peers(kwargs, lengths, groups):
             plan = plan_global_batch(lengths, group_ids=groups, **kwargs)
         except DynBatchConfigError:
             return None, None
-        with search_alone():
+        with portfolio.disabled():
             searched = plan_global_batch(lengths, group_ids=groups, **kwargs).microbatches_per_step
         opts = PlanOptions.from_kwargs(kwargs)
         prep = prepare(lengths, opts, group_ids=groups)
@@ -156,7 +144,7 @@ def test_a_peer_heuristic_shortens_a_long_tailed_sft_step():
     lengths = w.generate(1).lengths
     kwargs = dict(model=w.model, parallel=w.parallel, max_tokens_per_gpu=w.max_tokens_per_gpu)
     with_portfolio = plan_global_batch(lengths, **kwargs).predicted_step_time
-    with search_alone():
+    with portfolio.disabled():
         alone = plan_global_batch(lengths, **kwargs).predicted_step_time
     assert with_portfolio < alone * (1 - 1e-3)
 

@@ -49,6 +49,7 @@ alike); other steps keep the search's plan, which keeps the planning-time target
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -285,6 +286,22 @@ def candidates(ctx: StepContext) -> Iterator[Tuple[str, Bins]]:
                 yield strategy.name, bins
 
 
+_ENABLED = [True]
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside: every step keeps the count search's plan, as the planner made it before the portfolio (issue 33) --
+    for reproducing plans measured with an older planner (``benchmarks/gpu/compare.py``) and for comparing the
+    two (``tests/test_portfolio.py``). Not thread-safe: a module-wide switch."""
+    saved = _ENABLED[0]
+    _ENABLED[0] = False
+    try:
+        yield
+    finally:
+        _ENABLED[0] = saved
+
+
 def best_plan(ours: Result, inp: StepInput, sq: np.ndarray, settings: Any, margin_of: Callable[[int, float], float],
               *, forced: Optional[int] = None, memo: Optional[TimingMemo] = None, budget: Any = None) -> Result:
     """The step's plan: the count search's (``ours``: ordered bins, step time, imbalance) or a faster candidate,
@@ -293,7 +310,7 @@ def best_plan(ours: Result, inp: StepInput, sq: np.ndarray, settings: Any, margi
     than :data:`MAX_ITEMS` items keep the search's plan, and so do the steps past the plan's item allowance
     (``budget.portfolio_items``, a :class:`.fallback.SearchBudget` shared by the plan's steps)."""
     n = inp.aligned.size
-    if n > MAX_ITEMS or (budget is not None and budget.portfolio_items < n):
+    if not _ENABLED[0] or n > MAX_ITEMS or (budget is not None and budget.portfolio_items < n):
         return ours
     if budget is not None:
         budget.portfolio_items -= n
@@ -318,4 +335,4 @@ def best_plan(ours: Result, inp: StepInput, sq: np.ndarray, settings: Any, margi
 
 
 __all__ = ["MAX_ITEMS", "STRATEGIES", "FirstFitKK", "KarmarkarKarp", "ModifiedFirstFitDecreasing", "NextFit",
-           "StepContext", "Strategy", "best_plan", "candidates", "get_strategy", "is_valid", "step_bound"]
+           "StepContext", "Strategy", "best_plan", "candidates", "disabled", "get_strategy", "is_valid", "step_bound"]
