@@ -895,12 +895,6 @@ def _xlb(res: Any, workload: str, algorithm: str = "dynbatch") -> List[float]:
     return [r.vs_lower_bound for r in _workload_rows(res, workload, algorithm)]
 
 
-def _level_breaking(res: Any) -> Tuple[str, str]:
-    """(level batches whose fastest baseline breaks the budget, level batches)."""
-    lv = [min(baselines(rows), key=lambda b: b.step_time_s) for rows in by_batch(res).values() if not ahead(rows)]
-    return str(sum(b.cap_violations > 0 for b in lv)), str(len(lv))
-
-
 def _flops_behind(res: Any) -> Tuple[str, str, str]:
     behind = [rows["dynbatch-flops"].vs_best_baseline for rows in by_batch(res).values()
               if rows["dynbatch-flops"].vs_best_baseline > 1 + TOLERANCE]
@@ -1292,8 +1286,6 @@ FIGURES: List[Figure] = [
                       f"{max(_xlb(r, 'pp4-vpp2-qwen3-32b')):.4f}"]),
     Figure("docs/benchmarks.md", "(1/24,576 per token against 1/{} for Qwen3-8B, 1/{} for Qwen3-32B)", "profile",
            lambda p: [_weight_ratio("qwen3-8b"), _weight_ratio("qwen3-32b")]),
-    Figure("docs/benchmarks.md", "On {} of the {} level batches `verl` gets there by breaking the budget", "bench5",
-           _level_breaking),
     Figure("docs/benchmarks.md", "it is behind the best baseline on {} of the {} batches, by up to {}%", "bench5",
            _flops_behind),
     Figure("docs/benchmarks.md", "the fitted model weighs attention FLOPs {}x more than linear FLOPs (attention runs "

@@ -8,8 +8,9 @@ For each batch of the shared GPU data (``results/``, method in the shared ``READ
    ``--documents PATH`` draws them again from that file (``../shared/data/document_lengths_wlbllm.json``) and
    stops, naming the batch, where they differ from the bundle;
 2. rebuilds the two measured plans -- the fixed-CP plan and the dynamic-CP plan of project commit e7fb6ba, i.e.
-   the planner with ``cost_model="analytic", decision_margin=0`` -- and checks them against the timing records
-   (every micro-batch share of both plans must be there; batches without records are marked);
+   the planner with ``cost_model="analytic", decision_margin=0`` and without the portfolio it gained later
+   (``portfolio.disabled()``) -- and checks them against the timing records (every micro-batch share of both
+   plans must be there; batches without records are marked);
 3. composes the measured micro-batch times with the pool simulator (as the measurement did) where records exist;
 4. scores both measured plans with the ``analytic`` model (what the bench reported then) and the ``fitted``
    default, with and without the CP communication term (the timings were compute only, so ``compute`` is the
@@ -35,7 +36,7 @@ from gpu_data import measured_lookup, measured_ratios  # noqa: E402
 
 from megatron_dynbatch.bench.workloads import WORKLOADS, load_document_lengths  # noqa: E402
 from megatron_dynbatch.core.cost_model import CostModel  # noqa: E402
-from megatron_dynbatch.core.planner import build_dynamic_cp_plan, plan_global_batch  # noqa: E402
+from megatron_dynbatch.core.planner import build_dynamic_cp_plan, plan_global_batch, portfolio  # noqa: E402
 from megatron_dynbatch.core.planner.dyncp.pool_sim import simulate_pool  # noqa: E402
 
 #: the lengths of every measured batch (step 1 of the module docstring)
@@ -98,8 +99,9 @@ def evaluate(key: str, measured: List[float], lengths: np.ndarray, table: Dict) 
     name, _ = key.split("/s")
     w = WORKLOADS[name]
     kw = dict(model=w.model, parallel=w.parallel, max_tokens_per_gpu=w.max_tokens_per_gpu)
-    old_fixed = plan_global_batch(lengths, cost_model="analytic", decision_margin=0, **kw)
-    old_dyn = plan_global_batch(lengths, cost_model="analytic", decision_margin=0, dynamic_cp=True, **kw)
+    with portfolio.disabled():  # commit e7fb6ba planned with the count search alone (no portfolio: issue 33)
+        old_fixed = plan_global_batch(lengths, cost_model="analytic", decision_margin=0, **kw)
+        old_dyn = plan_global_batch(lengths, cost_model="analytic", decision_margin=0, dynamic_cp=True, **kw)
     fs, ds = fixed_slots(old_fixed), dyn_slots(old_dyn)
     steps_f, steps_d = old_fixed.microbatches_per_step, old_dyn.microbatches_per_step
     row: Dict[str, Any] = {"batch": key, "measured": float(np.mean(measured)), "measured_runs": measured,

@@ -25,7 +25,7 @@ from typing import Any, List
 
 import numpy as np
 
-from .partitioning import BaselineInfeasible
+from .partitioning import BaselineInfeasible, next_fit_packs
 
 #: Megatron RL's default ``--rl-sequence-packing-max-sequences-per-bin``.
 RL_MAX_SEQUENCES_PER_BIN = 50
@@ -34,31 +34,13 @@ RL_MAX_SEQUENCES_PER_BIN = 50
 def megatron_dp_balanced(lengths: np.ndarray, ctx: Any) -> List[List[List[int]]]:
     """Megatron-Core ``DpBalancedScheduler``: next-fit in loader order by tokens, count rounded to a multiple of
     ``dp`` (x ``N`` under VPP) by splitting single samples off the tail, packs dealt round-robin."""
-    par, cap = ctx.parallel, ctx.cap
-    aligned = ctx.alignment.seq_len(lengths).tolist()
-    packs: List[List[int]] = []
-    current: List[int] = []
-    used = 0
-    for i, n in enumerate(aligned):
-        if current and used + n > cap:
-            packs.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        packs.append(current)
+    par = ctx.parallel
     multiple = par.dp * (par.vp_group_size if par.vpp > 1 else 1)
-    missing = -len(packs) % multiple
-    k = len(packs) - 1
-    while missing:
-        if k < 0:
-            raise BaselineInfeasible(f"megatron-dp-balanced: not enough samples to make a multiple of {multiple} "
-                                     "packs (upstream asserts)")
-        if len(packs[k]) > 1:
-            packs.append([packs[k].pop()])
-            missing -= 1
-        else:
-            k -= 1
+    try:
+        packs = next_fit_packs(ctx.alignment.seq_len(lengths), ctx.cap, lambda n: -(-n // multiple) * multiple)
+    except BaselineInfeasible:
+        raise BaselineInfeasible(f"megatron-dp-balanced: not enough samples to make a multiple of {multiple} "
+                                 "packs (upstream asserts)") from None
     return [packs[r::par.dp] for r in range(par.dp)]
 
 

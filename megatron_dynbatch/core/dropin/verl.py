@@ -251,13 +251,18 @@ def local_plan(lengths: Sequence[int], max_token_len: int, num_micro_batches: in
 def local_partitions(lengths: Sequence[int], max_token_len: int, num_micro_batches: int, *,
                      use_dynamic_bsz_balance: bool = True, **kwargs: Any) -> List[List[int]]:
     """This rank's ``num_micro_batches`` micro-batches (each a sorted list of indices into its batch) of
-    :func:`local_plan`. ``use_dynamic_bsz_balance``: in the cost model's pipeline order, else in order of
-    first index."""
+    :func:`local_plan`. ``use_dynamic_bsz_balance``: in the cost model's pipeline order -- with ``pp == 1``
+    longest modelled time first (verl orders by workload there too), not the plan's memory order: the ranks of an
+    expert-parallel group, which this per-rank plan does not see, advance in lockstep and so meet micro-batches of
+    similar time at each position -- else in order of first index."""
     balance = as_bool(use_dynamic_bsz_balance, "use_dynamic_bsz_balance")
     plan = local_plan(lengths, max_token_len, num_micro_batches, **kwargs)
     parts = [sorted(mb) for mb in plan.micro_batches[0]]
     if not balance:
         parts.sort(key=lambda p: p[0])
+    elif plan.parallel.pp == 1:
+        times = plan.microbatch_time[0]
+        parts = [parts[j] for j in sorted(range(len(parts)), key=lambda j: -times[j])]  # stable: ties by position
     return parts
 
 

@@ -15,10 +15,14 @@ For each optimizer step (the whole batch, or consecutive slices of ``samples_per
    better packing). A larger count wins only by more than the **decision margin** (``decision_margin``, default
    the cost model's ``uncertainty``) charged to the part of the step the count changes (per-micro-batch fixed
    costs and the pipeline bubble); within it, the fewest micro-batches win.
-4. Order each rank's micro-batches: largest first with ``pp == 1`` (an out-of-memory shows on the first
-   micro-batch); with ``pp > 1`` the arrangement (decreasing, increasing, small-at-both-ends) with the shortest
-   simulated 1F1B makespan. The arrangement is a pattern over the weight ranks, the same on every DP rank,
-   so expert-parallel ranks that advance in lockstep meet micro-batches of similar size.
+4. Keep the fastest of that and the peers' cap-safe heuristics made into valid plans under the same rules
+   (:mod:`.portfolio`: verl's Karmarkar-Karp, slime's first fit, NeMo-RL's modified first-fit decreasing,
+   Megatron-Core's next fit), scored by the same cost model.
+5. Order each rank's micro-batches: with ``pp == 1`` (order leaves the time alone) most padded tokens first, the
+   largest predicted peak (an out-of-memory shows on the first micro-batch); with ``pp > 1`` the arrangement
+   (decreasing, increasing, small-at-both-ends) with the shortest simulated 1F1B makespan. The arrangement is a
+   pattern over the weight ranks, the same on every DP rank, so expert-parallel ranks that advance in lockstep
+   meet micro-batches of similar size.
 
 Invariants (asserted by ``tests/test_planner_properties.py`` over thousands of random workloads)
 ----------------------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ class SearchBudget:
 
     left: int = PLAN_SEARCH_WORK
     units_left: int = PLAN_UNIT_SEARCH_WORK
+    #: items the portfolio (:mod:`.portfolio`) may still try its strategies on, over every step of one plan
+    portfolio_items: int = 4_096
 
     def take(self) -> int:
         return min(BIN_SEARCH_WORK, self.left)

@@ -1,7 +1,10 @@
 """Micro-batch execution order and pipeline-aware polishing.
 
 With ``pp == 1`` a rank's time is the sum of its micro-batch times, so order only matters for memory: the
-largest micro-batch runs first (an out-of-memory shows at once, not minutes into the step). With ``pp > 1`` a
+micro-batch with the most padded tokens -- the largest predicted peak -- runs first (:func:`memory_order`; the first
+step meets its peak on its first micro-batch, where an out-of-memory shows at once and the start-up probe and the
+memory guard look). Ranks of one expert-parallel group advance in lockstep, where order changes the time, so there
+the micro-batches run longest first (below). With ``pp > 1`` a
 rank's time is the 1F1B makespan, which depends on order (the first micro-batch fills the pipeline, the last
 drains it) and on the largest micro-batch (the steady state waits for it on every stage). Two tools:
 
@@ -55,6 +58,15 @@ def arrangements_of(times: List[float]) -> Tuple[List[int], ...]:
 def descending(times: List[float]) -> List[int]:
     """The positions of ``times`` longest first, ties in index order: the "desc" arrangement."""
     return sorted(range(len(times)), key=times.__getitem__, reverse=True)  # reverse keeps ties in index order
+
+
+def memory_order(padded_tokens: np.ndarray) -> np.ndarray:
+    """The ``pp == 1`` execution order of one rank's micro-batches: most padded tokens first (its peak memory
+    grows with them, so the first micro-batch meets the rank's peak, where the start-up probe and the memory
+    guard look; NeMo-RL's ``microbatch_order: largest_first``), ties in index order. Its plain-Python twin is
+    :func:`descending` of the list."""
+    idx = np.arange(padded_tokens.size)
+    return np.lexsort((idx, -padded_tokens))
 
 
 def mb_sums(rank_bins: List[List[int]], values: np.ndarray) -> np.ndarray:
@@ -126,11 +138,17 @@ class RankTimes:
                 best = (t, pattern)
         return best
 
+    def padded(self, r: int) -> np.ndarray:
+        """Rank ``r``'s micro-batches' padded tokens (what its peak memory grows with)."""
+        tm = self.align.total_multiple
+        return -(-self.slots[r] // tm) * tm
+
     def ranks_timed(self, times: List[np.ndarray]) -> Tuple[np.ndarray, list]:
-        """Every rank's time and arrangement (ranks independent: no expert lockstep): largest first with
-        ``pp == 1``, else the best arrangement (:func:`best_arrangements`)."""
+        """Every rank's time and arrangement (ranks independent: no expert lockstep): with ``pp == 1`` the
+        order leaves the time alone, so it is the memory order (:func:`memory_order`), else the best
+        arrangement (:func:`best_arrangements`)."""
         if self.cm.pp == 1:
-            perms = [arrangement(t, "desc") for t in times]
+            perms = [memory_order(self.padded(r)) for r in range(len(times))]
             return self.cm.step_time([t[p] for t, p in zip(times, perms, strict=True)]), perms
         return best_arrangements(times, self.cm, None if self.memo is None else self.memo.arranged)
 
@@ -246,10 +264,14 @@ class SmallRankTimes(RankTimes):
         # pp == 1 sums each rank largest first; else each rank's best arrangement is best_arrangements' choice
         # (its vectorised 1F1B simulation is the per-rank one, row by row)
         if self.cm.pp == 1:
-            perms = [descending(t) for t in times]
+            perms = [descending(self.padded(r)) for r in range(len(times))]
             return np.array([self.cm.rank_time_of([t[i] for i in p]) for t, p in zip(times, perms, strict=True)]), perms
         best = [self._best(t) for t in times]
         return np.array([b[0] for b in best]), [b[2] for b in best]
+
+    def padded(self, r: int) -> List[int]:
+        tm = self.align.total_multiple
+        return [-(-s // tm) * tm for s in self.slots[r]]
 
     @staticmethod
     def by_time(times: List[float]) -> List[int]:

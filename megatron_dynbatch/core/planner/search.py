@@ -41,6 +41,7 @@ from .bounds import max_covered_count, min_bins
 from .fallback import SearchBudget, feasible_packing
 from .ordering import TimingMemo, order_and_time, polish_pipeline
 from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins, split_bins
+from .portfolio import best_plan
 from .counts import CountRule
 
 Result = Tuple[list, float, float]  # (ordered bins, step time, imbalance)
@@ -229,7 +230,7 @@ def plan_step(inp: StepInput, sq: np.ndarray, settings: SearchSettings, *, force
             if bins is None:
                 raise _forced_count_error(counts, forced, lb_m, m_max, max_tokens_per_gpu)
             best = order_and_time(bins, inp.aligned, counts.sq, cm, align)
-        return best[0], lb_m
+        return _with_portfolio(best, counts, settings, forced), lb_m
 
     chosen = _first_count(counts, lb_m, m_max, max_tokens_per_gpu)
     first = counts.evaluate(chosen)
@@ -249,7 +250,18 @@ def plan_step(inp: StepInput, sq: np.ndarray, settings: SearchSettings, *, force
                 best = final
             else:
                 best = dict(scored)[chosen]
-    return best[0], lb_m
+    return _with_portfolio(best, counts, settings), lb_m
+
+
+def _with_portfolio(best: Result, counts: _Counts, settings: SearchSettings, forced: Optional[int] = None) -> list:
+    """The step's ordered bins: the search's ``best`` or a faster peer heuristic's (:mod:`.portfolio`)."""
+    cm = settings.cost_model
+
+    def margin_of(m: int, step: float) -> float:
+        return settings.margin * count_dependent_share(m, step, cm)
+
+    return best_plan(best, counts.inp, counts.sq, settings, margin_of, forced=forced, memo=counts.memo,
+                     budget=counts.search)[0]
 
 
 def first_feasible_count(inp: StepInput, sq: np.ndarray, settings: SearchSettings) -> int:
