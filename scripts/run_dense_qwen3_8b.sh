@@ -10,7 +10,7 @@
 # Environment knobs: GPUS_PER_NODE (8), MAX_TOKENS_PER_GPU and LOG_PROBS_MAX_TOKENS_PER_GPU (auto: the largest
 # the memory model says fits GPU_MEMORY_GB, default 79.1 -- an H100 80GB; or a number of tokens),
 # GLOBAL_BATCH_SIZE (256 samples per optimizer step), TRAIN_ITERS (100), SEQ_LENGTH (the longest sample; default
-# 16384; it must fit the budget: checked at start-up),
+# 12288, what run preset qwen3-8b-grpo says: the budget of every trainer it names holds it; checked at start-up),
 # DATA_PATH (JSONL of token ids; unset = synthetic data), LOAD / SAVE (checkpoint dirs), MASTER_PORT (29500).
 # PYTHON (default: the active venv, else the project's .venv, else python3; see scripts/_env.sh) runs
 # torchrun as `$PYTHON -m torch.distributed.run`; TORCHRUN=... replaces that launcher.
@@ -33,7 +33,7 @@ LOG_PROBS_MAX_TOKENS_PER_GPU=${LOG_PROBS_MAX_TOKENS_PER_GPU:-auto}
 GPU_MEMORY_GB=${GPU_MEMORY_GB:-79.1}                            # the card auto sizes for (an H100 80GB)
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-256}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
-SEQ_LENGTH=${SEQ_LENGTH:-16384}  # the longest sample; must fit the budget (checked at start-up)
+SEQ_LENGTH=${SEQ_LENGTH:-12288}  # the longest sample; must fit the budget (checked at start-up)
 ATTN_BACKEND=${ATTN_BACKEND:-flash}
 
 case "$ATTN_BACKEND" in

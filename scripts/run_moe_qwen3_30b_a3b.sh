@@ -11,7 +11,7 @@
 # rank of its group, which dynamic micro-batches do not have, and megatron-dynbatch refuses it with an error.
 # With ep=8 on 8 GPUs each expert lives on one GPU, so Adam state cannot be sharded: it is offloaded to the host.
 #
-# Environment knobs: GPUS_PER_NODE (8), MAX_TOKENS_PER_GPU (16384), LOG_PROBS_MAX_TOKENS_PER_GPU (32768),
+# Environment knobs: GPUS_PER_NODE (8), MAX_TOKENS_PER_GPU (16384), LOG_PROBS_MAX_TOKENS_PER_GPU (16384),
 # GLOBAL_BATCH_SIZE (256), TRAIN_ITERS (100), SEQ_LENGTH (the longest sample; default MAX_TOKENS_PER_GPU, since
 # it must fit the budget: checked at start-up), DATA_PATH, LOAD / SAVE, MASTER_PORT (29500).
 # PYTHON (default: the active venv, else the project's .venv, else python3; see scripts/_env.sh) runs
@@ -29,7 +29,7 @@ TOKENIZER=${TOKENIZER:-Qwen/Qwen3-30B-A3B}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MASTER_PORT=${MASTER_PORT:-29500}
 MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-16384}
-LOG_PROBS_MAX_TOKENS_PER_GPU=${LOG_PROBS_MAX_TOKENS_PER_GPU:-32768}
+LOG_PROBS_MAX_TOKENS_PER_GPU=${LOG_PROBS_MAX_TOKENS_PER_GPU:-16384}
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-256}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
 SEQ_LENGTH=${SEQ_LENGTH:-$MAX_TOKENS_PER_GPU}  # the longest sample; must fit the budget (checked at start-up)

@@ -8,6 +8,8 @@ value is also held to ``trainer_settings`` -- the lines ``megatron-dynbatch budg
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import types
@@ -279,7 +281,8 @@ QWEN3_8B_ARGS = dict(num_layers=36, hidden_size=4096, num_attention_heads=32, ff
 
 def test_slime_start_up_warns_once_from_args():
     spec = ModelSpec.from_megatron(slime_args(**QWEN3_8B_ARGS))
-    fit = choose_budget(spec, {"dp": 8}, CARD, settings=settings_from_megatron(slime_args(**QWEN3_8B_ARGS)))
+    mem = dataclasses.replace(settings_from_megatron(slime_args(**QWEN3_8B_ARGS)), trainer="slime")
+    fit = choose_budget(spec, {"dp": 8}, CARD, settings=mem)  # slime's own loss path (its start-up check's)
     args = slime_args(**QWEN3_8B_ARGS, max_tokens_per_gpu=fit.exact_tokens + 4096, dynbatch_gpu_memory_gb=CARD,
                       rollout_max_prompt_len=1024, rollout_max_response_len=3072)
     with warnings.catch_warnings(record=True) as record:

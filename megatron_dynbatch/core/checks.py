@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
@@ -153,11 +154,12 @@ def close_matches(key: str, known: Sequence[str], *, n: int = 3, cutoff: float =
     """The names in ``known`` close to ``key``, best first: at most ``n``, each at least ``cutoff`` similar and
     about as close as the best one (within 0.1) -- the one "did you mean" rule of every error that names an
     unknown key, choice, flag or preset."""
-    scored = sorted(((difflib.SequenceMatcher(None, str(key), str(k)).ratio(), str(k)) for k in known),
-                    reverse=True)  # ties: difflib's order
+    scored = sorted(((difflib.SequenceMatcher(None, str(key), str(k)).ratio(),
+                      len(os.path.commonprefix([str(key), str(k)])), str(k)) for k in known),
+                    reverse=True)  # ties: the longer shared start (--seedz: --seeds before --speed)
     if not scored or scored[0][0] < cutoff:
         return []
-    return [k for r, k in scored[:n] if r >= cutoff and r >= scored[0][0] - 0.1]
+    return [k for r, _, k in scored[:n] if r >= cutoff and r >= scored[0][0] - 0.1]
 
 
 def did_you_mean(key: Any, known: Sequence[str], *, n: int = 3, cutoff: float = 0.6) -> str:
