@@ -149,6 +149,8 @@ def evaluate(case: Dict[str, Any]) -> Dict[str, Any]:
     share = (st.expert_tensor_parallel_size or p.tp) / p.tp  # the routed copies one GPU holds (analytic.py)
     imb = peak_memory(m, p, inp["tokens"], settings=st.replace(moe_imbalance=MOE_IMBALANCE)).stages[-1]
     dynamic_imb = imb.allocated_bytes - imb.static_bytes
+    bal = peak_memory(m, p, inp["tokens"], settings=st.replace(moe_imbalance=1.0)).stages[-1]  # perfectly balanced
+    dynamic_bal = bal.allocated_bytes - bal.static_bytes
     return {
         "case": case["case"], "what": case["what"], "world_size": w, "world_size_inferred": not case.get("world_size"),
         "layout": f"tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else "") + (f" ep{p.ep}" if p.ep > 1 else "")
@@ -165,13 +167,19 @@ def evaluate(case: Dict[str, Any]) -> Dict[str, Any]:
         # what the ratio would be without the dropout masks / with every routed copy counted on every TP rank
         "ratio_without_dropout": (no_dropout.allocated_bytes - no_dropout.static_bytes) / measured_dynamic,
         "ratio_routed_on_every_tp_rank": (dynamic + last.routed_bytes * (1 / share - 1)) / measured_dynamic,
-        # MoE: the routing imbalance on the measured GPU's experts that would close the gap (peak / median), and the
-        # ratios with --moe-imbalance MOE_IMBALANCE
-        "imbalance_needed": 1 + (measured_dynamic - dynamic) / last.routed_bytes if last.routed_bytes else None,
-        "imbalance_needed_median": 1 + (float(case["dynamic_median_bytes"]) - dynamic) / last.routed_bytes
+        "ratio_routed_on_every_tp_rank_balanced": (dynamic_bal + bal.routed_bytes * (1 / share - 1))
+        / measured_dynamic,
+        # MoE: the routing imbalance on the measured GPU's experts that would close the gap (peak / median; routed_bytes
+        # is at the settings' moe_imbalance), and the ratios with --moe-imbalance MOE_IMBALANCE
+        "imbalance_needed": st.moe_imbalance * (1 + (measured_dynamic - dynamic) / last.routed_bytes)
         if last.routed_bytes else None,
+        "imbalance_needed_median": st.moe_imbalance * (1 + (float(case["dynamic_median_bytes"]) - dynamic)
+                                                       / last.routed_bytes) if last.routed_bytes else None,
         "dynamic_ratio_imbalanced": dynamic_imb / measured_dynamic,
         "dynamic_median_ratio_imbalanced": dynamic_imb / float(case["dynamic_median_bytes"]),
+        # and with perfectly balanced routing (moe_imbalance 1.0, the default before 1.1)
+        "dynamic_ratio_balanced": dynamic_bal / measured_dynamic,
+        "dynamic_median_ratio_balanced": dynamic_bal / float(case["dynamic_median_bytes"]),
     }
 
 

@@ -67,7 +67,7 @@ def add_memory_args(m: Any) -> None:
     m.add_argument("--logits-fp32-copies", default=None, metavar="N",
                    help="override every trainer's loss path: N fp32 logits copies beside the bf16 logits in training")
     m.add_argument("--log-prob-fp32-copies", default=None, metavar="N", help="the same for log-prob passes")
-    m.add_argument("--moe-imbalance", default=None, metavar="X", help="busiest expert's tokens over the mean (1.0)")
+    m.add_argument("--moe-imbalance", default=None, metavar="X", help="busiest expert's tokens over the mean (1.1)")
     m.add_argument("--log-prob-static", default=None, type=choice(LOG_PROB_STATIC, strict=False),
                    help="resident in a log-prob pass: training (the actor's whole state, default) or weights")
     m.add_argument("--optimizer-step-bytes-per-param", default=None, metavar="B",

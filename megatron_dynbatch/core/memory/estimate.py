@@ -56,7 +56,8 @@ def _dtype(nbytes: Any, field: str) -> str:
 
 def legacy_settings(*, optimizer: str = "distributed", recompute: str = "none", weight_bytes: float = 2.0,
                     grad_bytes: float = 4.0, logits_fp32_copies: int = 1, untie_embeddings: bool = True,
-                    expert_tensor_parallel_size: Optional[int] = None, moe_imbalance: float = 1.0,
+                    expert_tensor_parallel_size: Optional[int] = None,
+                    moe_imbalance: float = MemorySettings.moe_imbalance,
                     forward_only: bool = False, reserve_gb: float = 4.0, headroom: float = 0.10) -> MemorySettings:
     """The :class:`~.settings.MemorySettings` the old keywords mean."""
     return MemorySettings(optimizer=optimizer, recompute=recompute, param_dtype=_dtype(weight_bytes, "weight_bytes"),
