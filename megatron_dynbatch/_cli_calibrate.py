@@ -199,7 +199,7 @@ def cmd_calibrate(args: argparse.Namespace, layout: Callable[[argparse.Namespace
     from .core.calibration.compare import step_time_change
     from .core.cost_files import save_cost_model
 
-    change = step_time_change(lengths, old=args.base, new=cm, options=_plan_options(target, setup))
+    change = step_time_change(lengths, old=args.base, new=cm, options=_plan_options(target, setup).resolve())
     save_cost_model(cm, args.output, report,
                     memory=memory_fit.profile.to_dict() if memory_fit is not None else None)
     if memory_fit is not None:

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._cli_summary import count_line, first_of, step_time_line, table_end, token_lines
 from .core.errors import DynBatchConfigError
+from .core.planner.options import ResolvedOptions
 
 
 def check_dynamic_cp_flags(args: argparse.Namespace, opts: Any, group_ids: Optional[list], run: Any) -> None:
@@ -38,11 +39,11 @@ def check_dynamic_cp_flags(args: argparse.Namespace, opts: Any, group_ids: Optio
             "turn dynamic CP off", "drop --dynamic-cp"))
 
 
-def run_plan_dynamic_cp(args: argparse.Namespace, lengths: Sequence[int], opts: Any) -> int:
+def run_plan_dynamic_cp(args: argparse.Namespace, lengths: Sequence[int], opts: ResolvedOptions) -> int:
     """Plan with dynamic CP, print the summary, the per-GPU table and the fixed-CP comparison; 0 on success."""
-    from .core.planner import plan_global_batch
+    from .core.planner.api import plan_resolved
 
-    plan = plan_global_batch(lengths, opts)
+    plan = plan_resolved(lengths, opts)
     if args.json:
         print(plan.to_json(indent=1))
         return 0
@@ -66,17 +67,17 @@ def run_plan_dynamic_cp(args: argparse.Namespace, lengths: Sequence[int], opts: 
     return 0
 
 
-def _fixed_cp_plan(lengths: Sequence[int], opts: Any) -> Tuple[Any, Optional[str]]:
+def _fixed_cp_plan(lengths: Sequence[int], opts: ResolvedOptions) -> Tuple[Any, Optional[str]]:
     """The fixed-CP plan of the same layout scored with CP communication, or ``(None, why it cannot plan)``."""
     import warnings
 
-    from .core.planner import plan_global_batch
+    from .core.planner.api import plan_resolved
     from .core.planner.dyncp.assembly import score_with_cp_comm
 
     try:
         with warnings.catch_warnings():  # the dynamic-CP plan already warned about what matters
             warnings.simplefilter("ignore")
-            plan = plan_global_batch(lengths, opts.replace(dynamic_cp=False, min_cp_size=None))
+            plan = plan_resolved(lengths, opts.replace(dynamic_cp=False, min_cp_size=None))
     except DynBatchConfigError as exc:
         return None, exc.problem
     return score_with_cp_comm(plan, model=opts.model, cost_model=opts.cost_model, lengths=lengths), None

@@ -159,7 +159,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .core.planner import plan_global_batch
+    from .core.planner.api import plan_resolved
 
     if args.plot:
         from .bench.plot import require_matplotlib
@@ -168,11 +168,12 @@ def _plan(args: argparse.Namespace) -> int:
     lengths = _read_values(args.lengths, "--lengths", integers=True)
     group_ids = _read_values(args.group_ids, "--group-ids", integers=False) if args.group_ids else None
     opts, run = _plan_options(args)
+    res = opts.resolve()  # the one resolution of this command: preset, cost-model file, "auto"
     par = opts.parallel
-    if opts.model is not None:  # check the layout against the model (tp divides the heads, ep the experts)
+    if res.model is not None:  # check the layout against the model (tp divides the heads, ep the experts)
         from .core.flops import per_gpu_flops
 
-        per_gpu_flops(1.0, opts.model, par)
+        per_gpu_flops(1.0, res.model, par)
     group_source = "--group-ids" if group_ids is not None else None
     if run is not None:
         from ._cli_run import check_group_ids
@@ -182,21 +183,21 @@ def _plan(args: argparse.Namespace) -> int:
             group_ids = run.group_ids(len(lengths))
             group_source = f"the run preset's group_size={run.group_size}" if group_ids is not None else None
     balance_by = {"time": "cost-model time (FLOPs at kernel efficiency)", "flops": "raw FLOPs",
-                  "tokens": "tokens"}[str(opts.balance_by)]
-    args.model, args.max_tokens_per_gpu, args.fp8 = opts.model, opts.max_tokens_per_gpu, opts.fp8_alignment
-    args.cost_model = opts.cost_model  # a run preset's cost model scores the baselines too (--compare)
+                  "tokens": "tokens"}[str(res.balance_by)]
+    args.model, args.max_tokens_per_gpu, args.fp8 = res.model, res.max_tokens_per_gpu, opts.fp8_alignment
+    args.cost_model = res.cost_model  # a run preset's cost model scores the baselines too (--compare)
     if opts.dynamic_cp:  # the pool summary and the fixed-CP plan next to it (_cli_dyncp.py)
         from ._cli_dyncp import check_dynamic_cp_flags, run_plan_dynamic_cp
 
         check_dynamic_cp_flags(args, opts, group_ids, run)
-        return run_plan_dynamic_cp(args, lengths, opts)
-    plan = plan_global_batch(lengths, opts, group_ids=group_ids)
+        return run_plan_dynamic_cp(args, lengths, res)
+    plan = plan_resolved(lengths, res, group_ids=group_ids)
     if args.json:
         print(plan.to_json(indent=1))
         return 0
     print(plan_summary(plan, args, balance_by, len(lengths), groups=group_line(group_ids, group_source)))
-    if opts.budget_choice is not None:  # --max-tokens-per-gpu auto: what the memory model chose, and why
-        print(opts.budget_choice.summary())
+    if res.budget_choice is not None:  # --max-tokens-per-gpu auto: what the memory model chose, and why
+        print(res.budget_choice.summary())
     print()
     print(rank_table(plan, args.max_ranks))
     baselines: Dict[str, Any] = {}

@@ -25,12 +25,13 @@ def _no_raise_advice(text: str) -> None:
 
 def test_the_planner_says_what_auto_chose_and_the_ways_out():
     opts = PlanOptions(**AUTO)
-    n = opts.max_tokens_per_gpu
+    resolved = opts.resolve()
+    n = resolved.max_tokens_per_gpu
     with pytest.raises(OversizeSampleError) as exc:
         plan_global_batch([100] * 15 + [4 * n], opts)
     text = str(exc.value)
     assert exc.value.field == "max_tokens_per_gpu" and exc.value.value == "auto"
-    assert f"auto chose {n} on this 79.1 GiB card" in text and f"limited by {opts.budget_choice.limited_by}" in text
+    assert f"auto chose {n} on this 79.1 GiB card" in text and f"limited by {resolved.budget_choice.limited_by}" in text
     assert "oversize='alone'" in text and "full recompute" in text and "tp=2" in text
     _no_raise_advice(text)
     # a way out named as one really fits: full recompute's auto budget is at least the sample's need
@@ -58,8 +59,8 @@ def test_a_sample_far_beyond_every_way_out_gets_no_false_promise():
 def test_a_plan_made_with_auto_carries_its_choice():
     opts = PlanOptions(**AUTO)
     plan = plan_global_batch([500] * 16, opts)
-    assert plan.budget_choice is opts.budget_choice
-    assert plan.summary()["budget"].startswith(f"auto, limited by {opts.budget_choice.limited_by} on stage ")
+    assert plan.budget_choice == opts.resolve().budget_choice
+    assert plan.summary()["budget"].startswith(f"auto, limited by {plan.budget_choice.limited_by} on stage ")
     assert plan.budget_words() == plan.summary()["budget"]
     given = plan_global_batch([500] * 16, max_tokens_per_gpu=2048, model="qwen3-8b", parallel={"dp": 8})
     assert given.budget_choice is None and "budget" not in given.summary() and given.budget_words() == "given"
@@ -74,7 +75,7 @@ def test_the_plan_header_says_auto_limited_by(tmp_path, capsys):
     lengths.write_text("\n".join(["500"] * 16))
     assert main(["plan", "--lengths", str(lengths), "--max-tokens-per-gpu", "auto", "--model", "qwen3-8b", "--dp",
                  "8", "--gpu-memory-gb", "79.1"]) == 0
-    n = PlanOptions(**AUTO).max_tokens_per_gpu
+    n = PlanOptions(**AUTO).resolve().max_tokens_per_gpu
     out = capsys.readouterr().out
     assert f"budget: max_tokens_per_gpu={n} (auto, limited by " in out
     assert main(["plan", "--lengths", str(lengths), "--max-tokens-per-gpu", "auto", "--model", "qwen3-8b", "--dp",
@@ -84,7 +85,7 @@ def test_the_plan_header_says_auto_limited_by(tmp_path, capsys):
 
 
 def test_run_config_max_seq_len_against_auto():
-    n = PlanOptions(**AUTO).max_tokens_per_gpu
+    n = PlanOptions(**AUTO).resolve().max_tokens_per_gpu
     with pytest.raises(OversizeSampleError) as exc:
         RunConfig.from_dict({"name": "t", "model": "qwen3-8b", "parallel": {"world_size": 8},
                              "max_tokens_per_gpu": "auto", "gpu_memory_gb": 79.1, "max_seq_len": 4 * n,
@@ -98,7 +99,7 @@ def test_megatron_seq_length_against_an_auto_budget():
     pytest.importorskip("torch")
     from megatron_dynbatch.megatron.args import add_dynamic_batch_args, validate_dynamic_batch_args
 
-    n = PlanOptions(**AUTO).max_tokens_per_gpu
+    n = PlanOptions(**AUTO).resolve().max_tokens_per_gpu
     ns = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "auto", "--dynbatch-gpu-memory-gb", "79.1"])
     spec = ModelSpec.from_any("qwen3-8b")

@@ -147,7 +147,8 @@ def test_a_cpu_run_fits_reports_and_writes_the_file_every_reader_takes(calibrate
     ns.ffn_hidden_size, ns.padded_vocab_size, ns.num_query_groups, ns.swiglu = 1024, 128, 2, True
     args_mod.validate_dynamic_batch_args(ns)
     opts = args_mod.plan_options_from_args(ns)
-    assert opts.resolved_cost_model == resolve_cost_model(path, opts.model, opts.parallel)
+    resolved = opts.resolve()
+    assert resolved.cost_model == resolve_cost_model(path, resolved.model, opts.parallel)
 
 
 @pytest.mark.slow

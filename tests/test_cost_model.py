@@ -184,7 +184,7 @@ def test_calibrated_model_reaches_the_planner_through_args(tmp_path):
         setattr(args, k, v)
     validate_dynamic_batch_args(args, world_size=2)
     opts = plan_options_from_args(args, world_size=2)
-    assert opts.resolved_cost_model == load_cost_model(path)
+    assert opts.resolve().cost_model == load_cost_model(path)
     plan = plan_global_batch(list(range(1, 41)), opts)
     assert plan.num_samples == 40
 

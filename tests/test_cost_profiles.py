@@ -176,7 +176,7 @@ def test_megatron_flags_carry_gpus_per_node_margin_and_profile(monkeypatch):
     ns.num_layers, ns.hidden_size, ns.num_attention_heads, ns.ffn_hidden_size = 2, 64, 4, 128
     ns.padded_vocab_size = 256
     opts = args_mod.plan_options_from_args(ns)
-    assert opts.decision_margin == 0.05 and opts.resolved_cost_model.min_microbatch_s == 0.0  # analytic: no floor
+    assert opts.decision_margin == 0.05 and opts.resolve().cost_model.min_microbatch_s == 0.0  # analytic: no floor
 
 
 # ------------------------------------------------------------------------------------------ margin

@@ -255,11 +255,11 @@ def _launch(flags, **extra):
 
 
 def _fake_step(recorded):
-    from megatron_dynbatch import plan_global_batch
+    from megatron_dynbatch.core.planner.api import plan_resolved
 
-    def run_step(model, samples, options, **kw):
+    def run_step(model, samples, options, **kw):  # the hook's options: resolved once per run
         recorded.append(kw)
-        plan = plan_global_batch([len(s["tokens"]) for s in samples], options)
+        plan = plan_resolved([len(s["tokens"]) for s in samples], options)
         res = SimpleNamespace(loss=1.5, num_microbatches=plan.num_microbatches, iterator=SimpleNamespace(plan=plan))
         from megatron_dynbatch.core.metrics import step_metrics
 
@@ -308,8 +308,8 @@ def test_the_hook_hands_its_guard_to_every_step():
 
     args = _launch(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--dynbatch-memory-guard"])
     opts = plan_options_from_args(args)
-    guard = memory_guard_from_args(args, opts, card_bytes=80 * 2 ** 30, reader=FakeMemoryReader(lambda p: 0.0),
-                                   log=None)
+    guard = memory_guard_from_args(args, opts.resolve(), card_bytes=80 * 2 ** 30,
+                                   reader=FakeMemoryReader(lambda p: 0.0), log=None)
     assert guard.budget == 64 and guard.state.floor == 64  # --seq-length 64 must still fit
     assert guard.state.settings.optimizer == "replicated"  # the launch's flags: no --use-distributed-optimizer
     recorded: list = []
@@ -336,7 +336,7 @@ def test_no_card_size_known_on_a_machine_without_cuda():
     with pytest.raises(DynBatchConfigError, match="no card size is known"):
         card_bytes_of()
     with pytest.raises(DynBatchConfigError, match="no card size is known"):
-        memory_guard_from_args(args, plan_options_from_args(args))
+        memory_guard_from_args(args, plan_options_from_args(args).resolve())
     with pytest.raises(DynBatchConfigError, match="CUDA"):  # a card given, but no CUDA allocator to read
         StepMemoryGuard(64, 80 * 2 ** 30, model="tiny-gpt")
     with pytest.raises(DynBatchConfigError, match="measure"):

@@ -148,7 +148,7 @@ def _worker(rank: int, world_size: int) -> dict:
             return dynamic_forward_backward(model, samples, plan, forward_step_func=probing_step,
                                             reduce_loss=False, memory_probe=False)
 
-        lowered = probe.protect(options, run, model=model)
+        lowered = probe.protect(options.resolve(), run, model=model)
         out = {
             "lines": list(lines), "budget": lowered.max_tokens_per_gpu, "seen_tokens": list(seen_tokens),
             "result": probe.results["train"].to_dict(),
@@ -183,7 +183,7 @@ def _worker(rank: int, world_size: int) -> dict:
             it_box["it"] = it
             if with_probe:  # the probe runs right before the real step, with the same forward step
                 p2 = FirstStepProbe(card, reader=reader(), settings=SETTINGS, multiple=16, log=None)
-                p2.protect(opts, lambda smp, plan: dynamic_forward_backward(
+                p2.protect(opts.resolve(), lambda smp, plan: dynamic_forward_backward(
                     m, smp, plan, forward_step_func=probing_step, reduce_loss=False, memory_probe=False), model=m)
             res = dynamic_forward_backward(m, it, None, forward_step_func=fsf, memory_probe=False)
             grads = {n: p.main_grad.detach().clone() for n, p in m.module.named_parameters()}
@@ -274,7 +274,7 @@ def test_synthetic_samples_fill_one_microbatch_and_touch_no_global_generator():
     from megatron_dynbatch.megatron.probe import synthetic_samples
 
     opts = PlanOptions(max_tokens_per_gpu=1000, model="tiny-gpt", parallel={"dp": 2, "cp": 2, "tp": 2,
-                                                                           "sequence_parallel": True})
+                                                                           "sequence_parallel": True}).resolve()
     before = torch.get_rng_state()
     s = synthetic_samples(opts, 3)
     assert torch.equal(torch.get_rng_state(), before)
@@ -289,7 +289,7 @@ def test_a_probe_that_runs_out_of_memory_says_so_before_the_first_step():
     from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader
     from megatron_dynbatch.megatron.probe import FirstStepProbe
 
-    opts = PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt")
+    opts = PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt").resolve()
     probe = FirstStepProbe(2 ** 30, reader=FakeMemoryReader(lambda p: 1e12, capacity=2 ** 30), log=None, stage=0,
                            merge=lambda v: v, settings=SETTINGS)
     with pytest.raises(DynBatchConfigError, match="ran out of memory") as exc:
@@ -302,7 +302,7 @@ def test_kept_unmeasured_and_floor():
     from megatron_dynbatch.megatron.memory_reader import FakeMemoryReader, MemoryReading
     from megatron_dynbatch.megatron.probe import FirstStepProbe
 
-    opts = PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt")
+    opts = PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt").resolve()
     lines: list = []
     kept = FirstStepProbe(80 * 2 ** 30, reader=FakeMemoryReader(lambda p: 1000.0 * p.tokens), log=lines.append,
                           stage=0, merge=lambda v: v)
@@ -330,7 +330,7 @@ def test_the_switch_and_the_default():
 
     assert probe_enabled(True) and not probe_enabled(False)
     assert probe_enabled(None) == torch.cuda.is_available()
-    opts = PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt", memory_probe=False)
+    opts = PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt", memory_probe=False).resolve()
     ran: list = []
     assert protect_first_step(None, opts, model=object(), forward_only=False, device=None,
                               run=lambda *a: ran.append(a)) is opts and not ran
@@ -364,10 +364,10 @@ def test_the_launch_flag_reaches_the_options_and_the_hook():
     on = _launch(base + ["--dynbatch-memory-probe"])
     opts = plan_options_from_args(on)
     assert opts.memory_probe is True
-    probe = memory_probe_from_args(on, opts, reader=FakeMemoryReader(lambda p: 0.0), card_bytes=2 ** 33, log=None)
+    probe = memory_probe_from_args(on, opts.resolve(), reader=FakeMemoryReader(lambda p: 0.0), card_bytes=2 ** 33, log=None)
     assert isinstance(probe, FirstStepProbe) and probe.floor == 64  # --seq-length 64 must still fit
     assert probe.settings.optimizer == "replicated"  # the launch's own flags
-    assert memory_probe_from_args(_launch(base + ["--no-dynbatch-memory-probe"]), opts.replace(memory_probe=False)) \
+    assert memory_probe_from_args(_launch(base + ["--no-dynbatch-memory-probe"]), opts.replace(memory_probe=False).resolve()) \
         is None
     recorded: list = []
 
@@ -396,14 +396,14 @@ def test_troubleshooting_quotes_the_probes_messages():
     for call in (lambda: _launch(["--dynbatch-memory-probe"]),
                  lambda: PlanOptions(max_tokens_per_gpu=4096, memory_probe="sometimes"),
                  lambda: FirstStepProbe(1e9, reader=FakeMemoryReader(lambda p: 0.0)).run(
-                     PlanOptions(max_tokens_per_gpu=64), lambda smp, plan: None)):
+                     PlanOptions(max_tokens_per_gpu=64).resolve(), lambda smp, plan: None)):
         with pytest.raises(DynBatchConfigError) as exc:
             call()
         got.append(str(exc.value))
     probe = FirstStepProbe(2 ** 30, reader=FakeMemoryReader(lambda p: 1e12, capacity=2 ** 30), log=None, stage=0,
                            merge=lambda v: v, settings=SETTINGS)
     with pytest.raises(DynBatchConfigError) as exc:
-        probe.run(PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt"), lambda smp, plan: None)
+        probe.run(PlanOptions(max_tokens_per_gpu=4096, model="tiny-gpt").resolve(), lambda smp, plan: None)
     oom = str(exc.value)
     got += [oom.split(" (training pass;")[0], oom.split("): ", 1)[1]]
     for message in got:
@@ -443,7 +443,7 @@ def _pp_worker(rank: int, world_size: int) -> dict:
         probe = FirstStepProbe(1e12, reader=FakeMemoryReader(peak_of, base=1 << 20), settings=SETTINGS, multiple=16,
                                log=lines.append)
         options = PlanOptions(model=spec, parallel=parallel, max_tokens_per_gpu=START, memory=SETTINGS)
-        got = probe.protect(options, lambda smp, plan: dynamic_forward_backward(
+        got = probe.protect(options.resolve(), lambda smp, plan: dynamic_forward_backward(
             model, smp, plan, reduce_loss=False, memory_probe=False), model=model)
         return {"lines": lines, "budget": got.max_tokens_per_gpu, "seen": seen,
                 "params_same": all(torch.equal(p, params0[n]) for n, p in model.module.named_parameters()),

@@ -21,6 +21,7 @@ from megatron_dynbatch import (BalanceBy, DynBatchConfigError, ModelSpec, Parall
                                UnknownOptionError, plan_global_batch)
 from megatron_dynbatch.core.memory import MemorySettings, choose_budget
 from megatron_dynbatch.core.planner import api
+from megatron_dynbatch.core.planner.options import ResolvedOptions
 
 BASE = {"max_tokens_per_gpu": 2048, "model": "qwen3-0.6b", "parallel": {"dp": 2}}
 
@@ -137,10 +138,17 @@ def recorder(monkeypatch):
 
 
 def received(recorder, call):
+    """The one resolved options object the planner was called with (every door resolves once, at its boundary)."""
     with pytest.raises(Recorded):
         call()
-    assert len(recorder) == 1 and isinstance(recorder[0], PlanOptions)
+    assert len(recorder) == 1 and isinstance(recorder[0], ResolvedOptions)
     return recorder.pop()
+
+
+def arrived(got, name):
+    """What reached the planner for option ``name``: the field of the options resolved (a preset name stays as
+    given there, so ``model`` is read from the resolution: the ``ModelSpec``)."""
+    return got.model if name == "model" else getattr(got.options, name)
 
 
 def test_every_option_has_a_test_value_and_a_documented_spelling():
@@ -166,10 +174,11 @@ def test_every_option_has_a_test_value_and_a_documented_spelling():
 def test_python_api_and_the_options_object(name, recorder):
     base = {**BASE, **needs(name, "python")}
     got = received(recorder, lambda: plan_global_batch([100] * 8, **{**base, name: VALUES[name]}))
-    assert getattr(got, name) == expected(name)
+    assert arrived(got, name) == expected(name)
     opts = PlanOptions(**{**base, name: VALUES[name]})
-    assert received(recorder, lambda: plan_global_batch([100] * 8, opts)) == opts
-    assert received(recorder, lambda: plan_global_batch([100] * 8, PlanOptions(**base), **{name: VALUES[name]})) == opts
+    assert received(recorder, lambda: plan_global_batch([100] * 8, opts)).options == opts
+    assert received(recorder, lambda: plan_global_batch([100] * 8, PlanOptions(**base),
+                                                        **{name: VALUES[name]})).options == opts
 
 
 @pytest.mark.parametrize("name", sorted(VALUES))
@@ -179,13 +188,13 @@ def test_local_mode(name, recorder):
     base = {**BASE, **needs(name, "python")}
     if name != "num_microbatches":
         got = received(recorder, lambda: local_microbatch_counts([100] * 8, **{**base, name: VALUES[name]}))
-        assert getattr(got, name) == (expected(name) if name != "parallel" else
+        assert arrived(got, name) == (expected(name) if name != "parallel" else
                                       dataclasses.replace(expected(name), dp=1))
     if name != "num_microbatches":
         got = received(recorder,
                        lambda: plan_local_batch([100] * 8, num_microbatches=2, **{**base, name: VALUES[name]}))
         if name != "parallel":
-            assert getattr(got, name) == expected(name)
+            assert arrived(got, name) == expected(name)
 
 
 @pytest.mark.parametrize("name", sorted(VALUES))
@@ -196,9 +205,9 @@ def test_iterator(name, recorder):
     samples = [{"tokens": torch.arange(30 + i)} for i in range(8)]
     base = {**BASE, **needs(name, "python")}
     got = received(recorder, lambda: DynamicBatchIterator(samples, **{**base, name: VALUES[name]}))
-    assert getattr(got, name) == expected(name)
+    assert arrived(got, name) == expected(name)
     opts = PlanOptions(**{**base, name: VALUES[name]})
-    assert received(recorder, lambda: DynamicBatchIterator(samples, options=opts)) == opts
+    assert received(recorder, lambda: DynamicBatchIterator(samples, options=opts)).options == opts
 
 
 @pytest.mark.parametrize("name", sorted(VALUES))
@@ -209,7 +218,7 @@ def test_ray_driver(name, recorder):
     samples = [{"tokens": list(range(30 + i))} for i in range(8)]
     got = received(recorder, lambda: plan_rollout(samples, put=False,
                                                   **{**BASE, **needs(name, "python"), name: VALUES[name]}))
-    assert getattr(got, name) == expected(name)
+    assert arrived(got, name) == expected(name)
 
 
 def launch_args(flags, **megatron):
@@ -275,7 +284,7 @@ def test_megatron_launch_flags_and_the_hook(name, recorder):
                                   memory_probe=False if name == "memory_probe" else None)  # (test_memory_probe.py)
     with pytest.raises(Recorded):
         hook(data_iterator=iter([[{"tokens": [1, 2, 3]}] * 4]), model=None, num_microbatches=1)
-    assert getattr(recorder.pop(), name) == expected(name)
+    assert getattr(recorder.pop().options, name) == expected(name)  # resolved once per run: its options
 
 
 @pytest.mark.parametrize("name", sorted(set(VALUES) - set(NOT_LAUNCH_OPTIONS) - {"memory"}))
@@ -316,7 +325,7 @@ def test_plan_command(name, recorder, tmp_path):
     with pytest.raises(Recorded):
         main(["plan", "--lengths", str(lengths), *tokens])
     got = recorder.pop()
-    assert getattr(got, name) == expected(name)
+    assert arrived(got, name) == expected(name)
 
 
 def test_upstream_packing_seat_reads_the_launch_flags():
@@ -365,13 +374,28 @@ def test_python_errors_name_the_keyword_not_a_flag():
     ("balance_by", "raw"), ("balance_by", 3), ("oversize", "skip"), ("oversize", None), ("decision_margin", 1.5),
     ("decision_margin", float("inf")), ("decision_margin", "0.1"), ("samples_per_step", 0), ("refine_rounds", -1),
     ("num_microbatches", [1, 0]), ("num_microbatches", "3"), ("dynamic_cp", "yes"), ("equal_samples_per_rank", 1),
-    ("fp8_alignment", "fp9"), ("cost_model", "fitted-v2"), ("parallel", {"dp": 0}), ("model", "no-such-model"),
+    ("fp8_alignment", "fp9"), ("parallel", {"dp": 0}), ("cost_model", 3), ("model", 3),
     ("min_num_microbatches", 0), ("sequence_pad_multiple", 2 ** 40),
 ])
 def test_bad_options_are_refused_at_construction_naming_the_field(field, value):
     with pytest.raises(DynBatchConfigError) as info:
         PlanOptions(**{**BASE, field: value})
     assert info.value.field.split(".")[0].split("[")[0] in (field, "parallel", "model") and "Fix:" in str(info.value)
+
+
+@pytest.mark.parametrize("field,value", [("cost_model", "fitted-v2"), ("model", "no-such-model"),
+                                         ("cost_model", "/no/such/cost_model.json")])
+def test_what_must_be_read_is_refused_by_resolve_naming_the_field(field, value):
+    """A name or file is read by ``resolve()``, not by the constructor: the options build, and resolving them
+    raises the error construction raised before (same field, a fix); every door resolves at once, so a user
+    meets it at the same call."""
+    opts = PlanOptions(**{**BASE, field: value})
+    with pytest.raises(DynBatchConfigError) as info:
+        opts.resolve()
+    assert info.value.field == field and "Fix:" in str(info.value)
+    with pytest.raises(DynBatchConfigError) as door:
+        plan_global_batch([100] * 8, **{**BASE, field: value})
+    assert door.value.field == field
 
 
 def test_numpy_scalars_and_tensors_are_plain_values():
@@ -395,20 +419,22 @@ def test_cross_field_rules_live_in_the_options():
 
 
 def test_one_vocabulary_for_balancing():
-    assert PlanOptions(max_tokens_per_gpu=64).balance_by is BalanceBy.TOKENS  # no model: tokens
-    assert PlanOptions(max_tokens_per_gpu=64, model="qwen3-0.6b").balance_by is BalanceBy.TIME
+    assert PlanOptions(max_tokens_per_gpu=64).balance_by is None  # the default, made explicit by resolve():
+    assert PlanOptions(max_tokens_per_gpu=64).resolve().balance_by is BalanceBy.TOKENS  # no model: tokens
+    assert PlanOptions(max_tokens_per_gpu=64, model="qwen3-0.6b").resolve().balance_by is BalanceBy.TIME
     assert PlanOptions.from_kwargs({"max_tokens_per_gpu": 64, "balance_by_flops": False}).balance_by is BalanceBy.TOKENS
     with pytest.raises(DynBatchConfigError, match="balance_by_flops=False"):  # the flag's switch needs a model
         PlanOptions.from_kwargs({"max_tokens_per_gpu": 64, "balance_by_flops": True})
-    assert RunConfig.from_yaml("qwen3-8b-grpo").plan_options().balance_by is BalanceBy.TIME
+    assert RunConfig.from_yaml("qwen3-8b-grpo").plan_options().resolve().balance_by is BalanceBy.TIME
     assert str(BalanceBy.FLOPS) == "flops" and BalanceBy.parse("Tokens") is BalanceBy.TOKENS
 
 
 def test_a_default_balance_stays_the_default_when_the_options_change():
     opts = PlanOptions(max_tokens_per_gpu=4096)
-    assert opts.balance_by is BalanceBy.TOKENS and opts.replace(model="qwen3-0.6b").balance_by is BalanceBy.TIME
+    assert opts.resolve().balance_by is BalanceBy.TOKENS
+    assert opts.replace(model="qwen3-0.6b").resolve().balance_by is BalanceBy.TIME
     chosen = PlanOptions(max_tokens_per_gpu=4096, balance_by="tokens")
-    assert chosen.replace(model="qwen3-0.6b").balance_by is BalanceBy.TOKENS
+    assert chosen.replace(model="qwen3-0.6b").resolve().balance_by is BalanceBy.TOKENS
 
 
 def test_replace_and_forward_only():
@@ -433,24 +459,28 @@ AUTO_BASE = {"model": "qwen3-8b", "parallel": {"dp": 8}, "gpu_memory_gb": 79.1,
 def test_auto_budget_is_the_memory_models_choice_and_the_planner_keeps_it():
     opts = PlanOptions(max_tokens_per_gpu="auto", **AUTO_BASE)
     want = choose_budget("qwen3-8b", {"dp": 8}, 79.1, settings=AUTO_BASE["memory"])
-    assert opts.auto_budget and opts.max_tokens_per_gpu == want.tokens_per_gpu > 0
-    assert "limited by" in opts.budget_choice.summary() and "static" in opts.budget_choice.summary()
+    res = opts.resolve()
+    assert opts.auto_budget and opts.max_tokens_per_gpu == "auto"  # chosen by resolve(), not by the constructor
+    assert res.auto_budget and res.max_tokens_per_gpu == want.tokens_per_gpu > 0
+    assert "limited by" in res.budget_choice.summary() and "static" in res.budget_choice.summary()
     plan = plan_global_batch(np.random.default_rng(0).integers(100, 16000, 64), opts)
-    assert plan.cap == opts.max_tokens_per_gpu and plan.max_microbatch_tokens <= plan.cap
+    assert plan.cap == res.max_tokens_per_gpu and plan.max_microbatch_tokens <= plan.cap
     assert PlanOptions(max_tokens_per_gpu="AUTO ", **AUTO_BASE) == opts  # every rank, every spelling: one budget
     assert PlanOptions(**opts.to_kwargs()) == opts and opts.to_kwargs()["max_tokens_per_gpu"] == "auto"
 
 
 def test_auto_is_chosen_again_when_the_options_change_and_per_pass():
-    opts = PlanOptions(max_tokens_per_gpu="auto", **AUTO_BASE)
-    wider = opts.replace(parallel={"dp": 4, "tp": 2})
-    assert wider.auto_budget and wider.max_tokens_per_gpu > opts.max_tokens_per_gpu  # TP splits the logits
-    bigger = opts.replace(gpu_memory_gb=139.8)
-    assert bigger.max_tokens_per_gpu > opts.max_tokens_per_gpu
-    log_prob = opts.for_forward_only()
-    assert log_prob.forward_only and log_prob.auto_budget and log_prob.max_tokens_per_gpu >= opts.max_tokens_per_gpu
-    assert opts.replace(max_tokens_per_gpu=4096).max_tokens_per_gpu == 4096  # a number stops being automatic
-    assert not opts.replace(max_tokens_per_gpu=4096).auto_budget
+    res = PlanOptions(max_tokens_per_gpu="auto", **AUTO_BASE).resolve()
+    wider = res.replace(parallel={"dp": 4, "tp": 2})
+    assert wider.auto_budget and wider.max_tokens_per_gpu > res.max_tokens_per_gpu  # TP splits the logits
+    bigger = res.replace(gpu_memory_gb=139.8)
+    assert bigger.max_tokens_per_gpu > res.max_tokens_per_gpu
+    log_prob = res.options.for_forward_only().resolve()
+    assert log_prob.options.forward_only and log_prob.auto_budget and log_prob.max_tokens_per_gpu >= \
+        res.max_tokens_per_gpu
+    assert res.replace(max_tokens_per_gpu=4096).max_tokens_per_gpu == 4096  # a number stops being automatic
+    assert not res.replace(max_tokens_per_gpu=4096).auto_budget and not res.options.replace(
+        max_tokens_per_gpu=4096).auto_budget
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -465,13 +495,14 @@ def test_auto_is_chosen_again_when_the_options_change_and_per_pass():
 ])
 def test_auto_budget_hostile_input_is_a_clear_error(kwargs, field):
     with pytest.raises(DynBatchConfigError) as info:
-        PlanOptions(**kwargs)
+        PlanOptions(**kwargs).resolve()  # at construction, or (a card too small: the memory model) at resolve()
     assert info.value.field == field and "Fix:" in str(info.value)
 
 
 def test_a_model_that_cannot_fit_says_what_to_change():
     with pytest.raises(DynBatchConfigError) as info:
-        PlanOptions(max_tokens_per_gpu="auto", model="qwen3-30b-a3b", parallel={"dp": 8, "ep": 8}, gpu_memory_gb=40)
+        PlanOptions(max_tokens_per_gpu="auto", model="qwen3-30b-a3b", parallel={"dp": 8, "ep": 8},
+                    gpu_memory_gb=40).resolve()
     assert "do not fit" in info.value.problem and 'optimizer="cpu_offload"' in info.value.fix  # Python's keywords
 
 
@@ -490,7 +521,7 @@ def test_auto_run_preset_and_its_launch_plan_with_the_same_budget():
     args = validate_dynamic_batch_args(launch_args(flags, **megatron))
     for forward_only in (False, True):
         got = plan_options_from_args(args, forward_only=forward_only)
-        assert got.max_tokens_per_gpu == rc.budget(forward_only=forward_only)
+        assert got.resolve().max_tokens_per_gpu == rc.budget(forward_only=forward_only)
         assert got.memory == rc.memory_settings()
 
 

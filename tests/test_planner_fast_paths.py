@@ -347,7 +347,7 @@ def test_the_longer_polish_reuses_an_ordering_only_for_unchanged_bins(workload):
         warnings.simplefilter("ignore")
         try:
             opts = {k: v for k, v in kw.items() if k != "group_ids"}
-            prep = prepare(lengths, PlanOptions.from_kwargs(opts), group_ids=kw.get("group_ids"))
+            prep = prepare(lengths, PlanOptions.from_kwargs(opts).resolve(), group_ids=kw.get("group_ids"))
         except DynBatchConfigError:
             return
     for step in prep.steps:

@@ -66,7 +66,7 @@ def _plan_and_peers(kwargs, lengths, groups):
         with portfolio.disabled():
             searched = plan_global_batch(lengths, group_ids=groups, **kwargs).microbatches_per_step
         opts = PlanOptions.from_kwargs(kwargs)
-        prep = prepare(lengths, opts, group_ids=groups)
+        prep = prepare(lengths, opts.resolve(), group_ids=groups)
     sets = prep.search_settings()
     peers = []
     for step, count in zip(prep.steps, searched, strict=True):
@@ -95,7 +95,7 @@ def test_never_slower_than_a_peer_heuristic_by_more_than_the_margin(batch):
     plan, peers = _plan_and_peers(kwargs, lengths, groups)
     if plan is None:
         return
-    margin = PlanOptions.from_kwargs(kwargs).margin
+    margin = PlanOptions.from_kwargs(kwargs).resolve().margin
     for s, step_peers in enumerate(peers):
         for name, t, _ in step_peers:
             assert plan.step_time[s] <= t * (1 + margin + 1e-9), (s, name, plan.step_time[s], t)
@@ -110,7 +110,7 @@ def test_every_candidate_is_a_valid_plan_under_our_rules(batch):
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
-        prep = prepare(lengths, PlanOptions.from_kwargs(kwargs), group_ids=groups)
+        prep = prepare(lengths, PlanOptions.from_kwargs(kwargs).resolve(), group_ids=groups)
     for step, count in zip(prep.steps, plan.microbatches_per_step, strict=True):
         ctx = portfolio.StepContext(step.inp, prep.search_settings(), search_count=count)
         for name, bins in portfolio.candidates(ctx):
@@ -121,7 +121,7 @@ def test_every_candidate_is_a_valid_plan_under_our_rules(batch):
 
 def test_the_rules_refuse_a_broken_candidate():
     opts = PlanOptions(parallel=dict(dp=2), max_tokens_per_gpu=100)
-    prep = prepare([60, 60, 30, 30], opts, group_ids=[0, 0, 1, 1])
+    prep = prepare([60, 60, 30, 30], opts.resolve(), group_ids=[0, 0, 1, 1])
     ctx = portfolio.StepContext(prep.steps[0].inp, prep.search_settings())
     assert portfolio.is_valid([[[0], [1]], [[2], [3]]], ctx)
     assert not portfolio.is_valid([[[0, 1]], [[2, 3]]], ctx)          # 120 tokens over the cap of 100

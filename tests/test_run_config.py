@@ -52,7 +52,7 @@ def test_every_preset_loads_and_plans(name):
     plan.validate(num_samples=n)
     assert max(max(t) for t in plan.microbatch_tokens) <= rc.budget() * rc.parallel().cp
     fwd = rc.plan_options(forward_only=True)
-    assert fwd.max_tokens_per_gpu == rc.budget(forward_only=True) >= rc.budget()
+    assert fwd.resolve().max_tokens_per_gpu == rc.budget(forward_only=True) >= rc.budget()
     assert fwd.samples_per_step is None
     plan_global_batch(lengths, fwd).validate(num_samples=n)
     assert RunConfig.from_dict(rc.to_dict()) == rc  # YAML form round-trips

@@ -390,7 +390,7 @@ def test_dynamic_forward_backward_wrapper_with_a_fake_schedule():
              force_all_reduce=False, adjust_tensor_shapes_fn=None)
     assert [d["lm loss"].item() for d in out] == [0.5, 0.5]
     assert calls["samples"] is batch and calls["model"] == ["m"]
-    assert calls["options"] == PlanOptions(max_tokens_per_gpu=64)  # one Megatron iteration = one step
+    assert calls["options"].options == PlanOptions(max_tokens_per_gpu=64)  # one Megatron iteration = one step
     assert calls["kw"]["forward_backward_func"] is inner and calls["kw"]["loss_mode"] == "sample_mean"
     assert "num_microbatches" not in calls["kw"] and calls["kw"]["force_all_reduce"] is False
     with pytest.raises(DynBatchConfigError, match="--eval-iters"):

@@ -33,7 +33,7 @@ def test_a_plans_time_is_the_sum_of_its_steps_slowest_ranks(layout):
     if layout.get("ep", 1) == 1:  # expert-parallel ranks run in lockstep: not one rank at a time
         from megatron_dynbatch.core.planner.options import PlanOptions
 
-        cm = PlanOptions(model="qwen3-8b", parallel=layout, max_tokens_per_gpu=8192).resolved_cost_model
+        cm = PlanOptions(model="qwen3-8b", parallel=layout, max_tokens_per_gpu=8192).resolve().cost_model
         per = _rank_step_times(plan, cm)
         np.testing.assert_allclose(plan.step_time, per.max(axis=1), rtol=1e-12)
         np.testing.assert_allclose(plan.rank_time, per.sum(axis=0), rtol=1e-12)

@@ -256,14 +256,18 @@ class RunConfig:
         auto = AUTO in (self.max_tokens_per_gpu, self.log_probs_max_tokens_per_gpu)
         options = PlanOptions(**{name: getattr(self, name) for name in shared}, model=spec, parallel=par,
                               memory=self.memory_settings() if auto else None)
+        resolved = options.resolve()  # a preset is refused when it is read: its cost-model file, its "auto"
         for name in shared:  # stored as the options hold them: 4096.0 -> 4096, BalanceBy.TIME -> "time"
             value = getattr(options, name)
             if name == "max_tokens_per_gpu" and options.auto_budget:
                 value = AUTO  # the preset says auto: a launch chooses it again for its card
+            if name == "balance_by" and value is None:
+                value = resolved.balance_by  # the default made explicit, as the preset stores it
             object.__setattr__(self, name, str(value) if isinstance(value, BalanceBy) else value)
         if self.log_probs_max_tokens_per_gpu is not None:
             with trainer_terms({"max_tokens_per_gpu": "log_probs_max_tokens_per_gpu"}):
                 forward = options.for_forward_only(self.log_probs_max_tokens_per_gpu)
+                forward.resolve()
             object.__setattr__(self, "log_probs_max_tokens_per_gpu",
                                AUTO if forward.auto_budget else forward.max_tokens_per_gpu)
         return options
@@ -282,7 +286,7 @@ class RunConfig:
     def budget(self, *, forward_only: bool = False) -> int:
         """The token budget of the training pass (or the log-prob pass), as a number: an ``auto`` budget is the
         memory model's choice for ``gpu_memory_gb``."""
-        return self.plan_options(forward_only=forward_only).max_tokens_per_gpu
+        return self.plan_options(forward_only=forward_only).resolve().max_tokens_per_gpu
 
     def _check_max_seq_len(self, par: ParallelConfig) -> None:
         """The start-up check (``core/startup.py``) for both budgets, when ``max_seq_len`` is set."""
@@ -295,11 +299,11 @@ class RunConfig:
             self.max_seq_len, "max_seq_len", minimum=1, fix="set the longest sample the run can produce"))
         for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
             if getattr(self, name) is not None:
-                budget = self.budget(forward_only=name.startswith("log_probs"))
-                check_max_seq_len_fits(self.max_seq_len, max_tokens_per_gpu=budget, parallel=par,
+                resolved = self.plan_options(forward_only=name.startswith("log_probs")).resolve()
+                check_max_seq_len_fits(self.max_seq_len, max_tokens_per_gpu=resolved.max_tokens_per_gpu, parallel=par,
                                        fp8_alignment=self.fp8_alignment, oversize=self.oversize,
                                        length_field="max_seq_len", budget_field=name, dynamic_cp=self.dynamic_cp,
-                                       options=self.plan_options(forward_only=name.startswith("log_probs")))
+                                       options=resolved)
 
     def _check_choices(self) -> None:
         for name, allowed in (("loss_mode", LOSS_MODES), ("group_reduce", GROUP_REDUCE)):

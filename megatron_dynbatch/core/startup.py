@@ -17,21 +17,24 @@ over-budget micro-batches by choice. Pure Python.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .checks import MAX_TOKENS, as_int
 from .errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from .parallel import ParallelConfig
 
+if TYPE_CHECKING:
+    from .planner.options import ResolvedOptions
+
 __all__ = ["check_max_seq_len_fits", "auto_profile"]
 
 
-def auto_profile(options: Any) -> Any:
+def auto_profile(options: "ResolvedOptions") -> Any:
     """The memory profile an automatic budget was chosen with: the cost-model FILE of the options (its ``memory``
-    section), else ``None`` (analytic) -- as ``PlanOptions`` chooses it."""
+    section), else ``None`` (analytic) -- as :meth:`PlanOptions.resolve` chooses it."""
     import os
 
-    cm = getattr(options, "cost_model", None)
+    cm = options.options.cost_model
     return cm if isinstance(cm, (str, os.PathLike)) else None
 
 
@@ -39,14 +42,14 @@ def check_max_seq_len_fits(max_seq_len: int, *, max_tokens_per_gpu: int, paralle
                            fp8_alignment: Union[None, str, int] = None, sequence_pad_multiple: Optional[int] = None,
                            microbatch_pad_multiple: Optional[int] = None, oversize: str = "error",
                            length_field: str = "max_seq_len", budget_field: str = "max_tokens_per_gpu",
-                           dynamic_cp: bool = False, options: Any = None) -> bool:
+                           dynamic_cp: bool = False, options: Optional["ResolvedOptions"] = None) -> bool:
     """``True`` if a sample of ``max_seq_len`` tokens fits one micro-batch of ``max_tokens_per_gpu`` (x cp,
     padding included); else raise (``oversize="error"``) or warn and return ``False`` (``"alone"``).
 
     ``length_field`` / ``budget_field`` name the settings in the message (e.g. ``--seq-length`` and
     ``--max-tokens-per-gpu``, or verl's ``max_token_len``). ``dynamic_cp``: a sample may spread over the whole
     ``dp x cp`` pool of a stage, so the pool is its largest CP group. ``options``: the
-    :class:`~megatron_dynbatch.core.planner.options.PlanOptions` behind the budget -- when its budget is ``auto``
+    :class:`~megatron_dynbatch.core.planner.options.ResolvedOptions` behind the budget -- when its budget is ``auto``
     the error says what ``auto`` chose on this card, what limits it and the ways out that fit
     (:func:`~megatron_dynbatch.core.memory.auto_fit.auto_cannot_place`), never "raise the budget"."""
     import dataclasses
@@ -71,8 +74,8 @@ def check_max_seq_len_fits(max_seq_len: int, *, max_tokens_per_gpu: int, paralle
     where = (f"{length_field}={length} takes {slot} tokens after alignment (per-sequence multiple "
              f"{align.seq_multiple}, micro-batch multiple {align.total_multiple}), but a micro-batch of "
              f"{budget_field}={int(max_tokens_per_gpu)} x cp={par.cp} holds {cap_eff}")
-    choice = getattr(options, "budget_choice", None)
-    if oversize == "error" and choice is not None and getattr(options, "model", None) is not None:
+    choice = options.budget_choice if options is not None else None
+    if oversize == "error" and choice is not None and options.model is not None:
         from .memory.auto_fit import auto_cannot_place
 
         problem, fix = auto_cannot_place(

@@ -80,7 +80,7 @@ from ..core.errors import DynBatchConfigError, trainer_terms
 from ..core.memory.budget import FIX_WORDS
 from ..core.parallel import DEFAULT_GPUS_PER_NODE, MAX_RANKS, ParallelConfig
 from ..core.planner.option_flags import add_option_flags, choice, tokens_or_auto
-from ..core.planner.options import AUTO, BalanceBy, PlanOptions
+from ..core.planner.options import AUTO, BalanceBy, PlanOptions, ResolvedOptions
 from .loss import GROUP_REDUCE, LOSS_MODES
 
 __all__ = [
@@ -92,6 +92,7 @@ __all__ = [
     "parallel_from_args",
     "fp8_alignment_from_args",
     "plan_options_from_args",
+    "resolve_launch_options",
     "MEGATRON_WORDS",
 ]
 
@@ -346,7 +347,8 @@ def validate_dynamic_batch_args(args: Any, world_size: Optional[int] = None) -> 
         opts = plan_options_from_args(args, forward_only=forward_only, world_size=world_size, cost_model=None,
                                       **({} if dynamic_cp else {"balance_by": None}),
                                       **({} if auto else {"model": None}))
-        budgets["log_probs_max_tokens_per_gpu" if forward_only else "max_tokens_per_gpu"] = opts
+        budgets["log_probs_max_tokens_per_gpu" if forward_only else "max_tokens_per_gpu"] = \
+            resolve_launch_options(opts)
     _check_max_seq_length(args, par, resolved, budgets)
 
     if dynamic_cp:
@@ -387,7 +389,7 @@ def _check_online_calibration(args: Any, use: bool) -> None:
 
 
 def _check_max_seq_length(args: Any, par: ParallelConfig, fp8: Union[None, str, int],
-                          budgets: Dict[str, PlanOptions]) -> None:
+                          budgets: Dict[str, ResolvedOptions]) -> None:
     """The start-up check of the module docstring (nothing to check when neither length is set); ``budgets``: each
     pass's options (an ``auto`` budget's miss says what limits it, never "raise it")."""
     from ..core.startup import check_max_seq_len_fits
@@ -494,10 +496,23 @@ def plan_options_from_args(args: Any, *, forward_only: bool = False, world_size:
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None and value is not False:  # store_true flags left off and unset flags: the default
             values[name] = value
-    words = {**FIX_WORDS["megatron"], **MEGATRON_WORDS}  # an auto budget's fixes name the launch's flags too
-    if forward_only:
-        words["max_tokens_per_gpu"] = "--log-probs-max-tokens-per-gpu"
-    with trainer_terms(words):
+    with trainer_terms(launch_words(forward_only)):
         values.update({name: read() for name, read in derived.items() if name not in given})
         values.update(given)
         return PlanOptions(**values)
+
+
+def launch_words(forward_only: bool = False) -> Dict[str, str]:
+    """The words a launch's planning errors are raised in: each option's flag, the pass's budget flag, and the
+    memory model's fixes in flags too (an automatic budget's)."""
+    words = {**FIX_WORDS["megatron"], **MEGATRON_WORDS}
+    if forward_only:
+        words["max_tokens_per_gpu"] = "--log-probs-max-tokens-per-gpu"
+    return words
+
+
+def resolve_launch_options(options: PlanOptions, reuse: Optional[ResolvedOptions] = None) -> ResolvedOptions:
+    """``options.resolve(reuse)`` with its errors in the launch's words (:func:`launch_words` of the options'
+    pass): the one resolution step of a Megatron launch's options."""
+    with trainer_terms(launch_words(options.forward_only)):
+        return options.resolve(reuse)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Hashable, Iterator, List, Mapping, Optional, S
 
 from ..core.errors import DynBatchConfigError
 from ..core.planner.api import options_of
-from ..core.planner.options import PlanOptions
+from ..core.planner.options import PlanOptions, ResolvedOptions
 from ..core.planner.plan_kind import PlanKind
 from . import gather
 from .batch_input import BatchInput, ShardSamples, check_loss_mode, check_sample_dicts
@@ -117,7 +117,8 @@ class DynamicBatchIterator:
                                           "pass plan=Plan, options=PlanOptions(...) or max_tokens_per_gpu=<per-GPU "
                                           "token budget>")
             per_sample = {k: plan_kwargs.pop(k) for k in ("microbatch_group_ids", "rollout_ids") if k in plan_kwargs}
-            plan = plan_batch(batch.lengths, options_of(options, plan_kwargs), batch.group_ids, **per_sample)
+            resolved = options_of(options, plan_kwargs).resolve()  # the door: keywords -> options, resolved once
+            plan = plan_batch(batch.lengths, resolved, batch.group_ids, **per_sample)
         elif plan_kwargs or options is not None:
             given = sorted(plan_kwargs) + (["options"] if options is not None else [])
             raise DynBatchConfigError("plan_kwargs", given, "given together with a plan",
@@ -125,6 +126,23 @@ class DynamicBatchIterator:
         self._setup(batch, plan, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size, loss_mode=loss_mode,
                     group_reduce=group_reduce, pad_token_id=pad_token_id, device=device,
                     uniform_length=uniform_length, cp_groups=cp_groups)
+
+    @classmethod
+    def planned(cls, samples: Sequence[Mapping[str, Any]], options: ResolvedOptions, *,
+                group_ids: Optional[Sequence[Hashable]] = None, group_key: str = "group_id",
+                loss_mode: str = "token_mean", group_reduce: str = "token", pad_token_id: int = 0,
+                device: Any = None) -> "DynamicBatchIterator":
+        """The iterator of the global batch planned with options a caller resolved once
+        (:meth:`PlanOptions.resolve`; :func:`~megatron_dynbatch.megatron.schedule.dynamic_forward_backward` below
+        its door). Other arguments: as for the constructor."""
+        check_sample_dicts(samples, "the global batch")
+        check_loss_mode(loss_mode)
+        batch = BatchInput.whole(samples, group_ids, group_key)
+        self = cls.__new__(cls)
+        self._setup(batch, plan_batch(batch.lengths, options, batch.group_ids), dp_rank=None, cp_rank=None,
+                    cp_size=None, loss_mode=loss_mode, group_reduce=group_reduce, pad_token_id=pad_token_id,
+                    device=device, uniform_length=None, cp_groups=None)
+        return self
 
     @classmethod
     def from_shard(

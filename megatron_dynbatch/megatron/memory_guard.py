@@ -32,6 +32,7 @@ import numpy as np
 
 from ..core.errors import DynBatchConfigError
 from ..core.memory.guard import GuardChange, MemoryGuard, largest_peak, reading_vector, stage_tokens
+from ..core.planner.options import PlanOptions, ResolvedOptions
 from .collectives import all_reduce_vector, rank0_print
 from .model_layers import rank_layers
 
@@ -120,14 +121,13 @@ class StepMemoryGuard:
         self.last_merged: Optional[np.ndarray] = None
 
     @classmethod
-    def for_options(cls, options: Any, card_bytes: Any = None, **kwargs: Any) -> "StepMemoryGuard":
-        """A guard starting from a :class:`~megatron_dynbatch.core.planner.options.PlanOptions`' budget, model and
-        layout."""
-        if getattr(options, "model", None) is None:
+    def for_options(cls, options: ResolvedOptions, card_bytes: Any = None, **kwargs: Any) -> "StepMemoryGuard":
+        """A guard starting from resolved options' budget, model and layout
+        (:class:`~megatron_dynbatch.core.planner.options.ResolvedOptions`)."""
+        if options.model is None:
             raise DynBatchConfigError("model", None, "the memory guard needs the model's shape (its memory model)",
                                       "plan with model=ModelSpec/dict/preset name")
-        return cls(getattr(options, "max_tokens_per_gpu", None), card_bytes, model=options.model,
-                   parallel=options.parallel, **kwargs)
+        return cls(options.max_tokens_per_gpu, card_bytes, model=options.model, parallel=options.parallel, **kwargs)
 
     # ------------------------------------------------------------------ what the planner uses
     @property
@@ -227,24 +227,25 @@ class MemoryRecorder:
         return None
 
 
-def floor_for(options: Any, max_seq_len: Any) -> Optional[int]:
+def floor_for(options: PlanOptions, max_seq_len: Any) -> Optional[int]:
     """The smallest budget a sample of ``max_seq_len`` tokens fits under ``options``' padding (``None`` without a
     length, or when over-budget samples run alone: ``oversize="alone"``) -- the guard's floor."""
-    if not max_seq_len or getattr(options, "oversize", "error") == "alone":
+    if not max_seq_len or options.oversize == "alone":
         return None
     import dataclasses
 
     from ..core.alignment import Alignment
 
     par = options.parallel
-    if getattr(options, "dynamic_cp", False):  # a sample may spread over the whole pool (core/startup.py)
+    if options.dynamic_cp:  # a sample may spread over the whole pool (core/startup.py)
         par = dataclasses.replace(par, dp=1, cp=par.dp * par.cp)
     align = Alignment.for_layout(par, options.fp8_alignment, options.sequence_pad_multiple,
                                  options.microbatch_pad_multiple)
     return int(align.budget_for(int(align.seq_len(int(max_seq_len))), par.cp))
 
 
-def memory_guard_from_args(args: Any, options: Any, *, card_bytes: Any = None, **kwargs: Any) -> StepMemoryGuard:
+def memory_guard_from_args(args: Any, options: ResolvedOptions, *, card_bytes: Any = None,
+                           **kwargs: Any) -> StepMemoryGuard:
     """The guard ``--dynbatch-memory-guard`` runs: it starts from ``options``' budget (the training options of the
     launch, :func:`~megatron_dynbatch.megatron.args.plan_options_from_args`), with the memory settings the launch
     implies (:func:`~megatron_dynbatch.core.memory.settings_from_megatron`: recompute, optimizer, dtypes), the
@@ -255,10 +256,10 @@ def memory_guard_from_args(args: Any, options: Any, *, card_bytes: Any = None, *
     from ..core.memory.megatron_flags import settings_from_megatron
     from ..core.memory.settings import GiB
 
-    if card_bytes is None and getattr(options, "gpu_memory_gb", None):
-        card_bytes = float(options.gpu_memory_gb) * GiB
+    if card_bytes is None and options.options.gpu_memory_gb:
+        card_bytes = float(options.options.gpu_memory_gb) * GiB
     length = getattr(args, "dynbatch_max_seq_length", None) or getattr(args, "seq_length", None)
-    floor = floor_for(options, length)
+    floor = floor_for(options.options, length)
     if floor is not None:
         kwargs.setdefault("floor", min(floor, int(options.max_tokens_per_gpu)))
     kwargs.setdefault("settings", settings_from_megatron(args))

@@ -140,7 +140,7 @@ class OnlineCalibrator:
 
     def end_step(self, plan: Any = None, lengths: Any = None, options: Any = None) -> Optional[RefitLog]:
         """Count the finished optimizer step; refit every ``interval`` steps (a collective: call it on every
-        rank). Returns the refit's log entry, or ``None``; ``options``: the PlanOptions the step was planned
+        rank). Returns the refit's log entry, or ``None``; ``options``: the ResolvedOptions the step was planned
         with (the log's re-planned time)."""
         return self.state.end_step(plan, lengths, options)
 

@@ -64,6 +64,7 @@ from ..core.errors import DynBatchConfigError
 from ..core.memory.budget import DEFAULT_MULTIPLE
 from ..core.memory.guard import MISSING, MemoryGuard, reading_vector, stage_tokens
 from ..core.memory.settings import GiB
+from ..core.planner.options import ResolvedOptions
 from .collectives import all_reduce_vector, rank0_print
 
 __all__ = ["FirstStepProbe", "ProbeResult", "RngSnapshot", "probe_microbatches", "synthetic_samples",
@@ -94,7 +95,7 @@ def probe_microbatches(pp: int, vpp: int = 1) -> int:
     return pp * -(-need // pp)
 
 
-def synthetic_samples(options: Any, count: int, *, seed: int = 0,
+def synthetic_samples(options: ResolvedOptions, count: int, *, seed: int = 0,
                       make_sample: Optional[Callable[[int, Any], Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
     """``count`` samples, each the longest one micro-batch of ``options``' budget holds after padding: token ids
     drawn from a private ``torch.Generator(seed)`` (the global generators are not touched), loss mask all 1.
@@ -108,7 +109,7 @@ def synthetic_samples(options: Any, count: int, *, seed: int = 0,
     if length < 1:
         raise DynBatchConfigError("max_tokens_per_gpu", options.max_tokens_per_gpu, "holds no padded sequence",
                                   "raise the budget")
-    model = getattr(options, "model", None)
+    model = options.model
     vocab = int(getattr(model, "vocab_size", 0) or 0) or 2
     gen = torch.Generator().manual_seed(int(seed))
     out = []
@@ -262,20 +263,20 @@ class FirstStepProbe:
         r = self.results.get(pass_)
         return None if r is None else r.new_budget
 
-    def options(self, options: Any, forward_only: bool = False) -> Any:
+    def options(self, options: ResolvedOptions, forward_only: bool = False) -> ResolvedOptions:
         """``options`` with the pass's budget lowered where its probe lowered it (the lower of the two)."""
-        pass_ = "log_prob" if forward_only or getattr(options, "forward_only", False) else "train"
+        pass_ = "log_prob" if forward_only or options.options.forward_only else "train"
         r = self.results.get(pass_)
         if r is None or not r.lowered or options.max_tokens_per_gpu <= r.new_budget:
             return options
         return options.replace(max_tokens_per_gpu=r.new_budget)
 
     # ------------------------------------------------------------------ the probe
-    def _card(self, options: Any) -> float:
+    def _card(self, options: ResolvedOptions) -> float:
         if self.card_bytes is not None:
             return float(self.card_bytes)
-        if getattr(options, "gpu_memory_gb", None):
-            return float(options.gpu_memory_gb) * GiB
+        if options.options.gpu_memory_gb:
+            return float(options.options.gpu_memory_gb) * GiB
         from .memory_guard import card_bytes_of
 
         return float(card_bytes_of(self.device))
@@ -284,15 +285,15 @@ class FirstStepProbe:
         """The lowered budget's granularity: ``multiple``, or a sixteenth of a budget under four of them."""
         return self.multiple if budget >= 4 * self.multiple else max(1, budget // 16)
 
-    def run(self, options: Any, run: Callable[[List[Dict[str, Any]], Any], Any], *, model: Any = None,
+    def run(self, options: ResolvedOptions, run: Callable[[List[Dict[str, Any]], Any], Any], *, model: Any = None,
             forward_only: bool = False) -> ProbeResult:
         """Probe the pass of ``options`` (``forward_only``: the log-prob pass) once: plan the synthetic samples,
         run ``run(samples, plan)`` under the reader, leave no trace, merge over the ranks, decide and log. Call it
         on every rank (one all-reduce)."""
-        from ..core.planner.api import plan_global_batch
+        from ..core.planner.api import plan_resolved
         from .memory_guard import measured_call, rank_stage
 
-        pass_ = "log_prob" if forward_only or options.forward_only else "train"
+        pass_ = "log_prob" if forward_only or options.options.forward_only else "train"
         if options.model is None:
             raise DynBatchConfigError("model", None, "the first-step memory probe needs the model's shape (its "
                                       "memory model)", "plan with model=ModelSpec/dict/preset name, or turn the "
@@ -304,10 +305,10 @@ class FirstStepProbe:
                                num_microbatches=None, min_num_microbatches=None, num_microbatches_multiple=None,
                                equal_samples_per_rank=False, oversize="error")
         samples = synthetic_samples(opts, par.dp * m, seed=self.seed, make_sample=self.make_sample)
-        plan = plan_global_batch([len(s["tokens"]) for s in samples], opts)
+        plan = plan_resolved([len(s["tokens"]) for s in samples], opts)
         floor = None if self.floor is None else min(int(self.floor), budget)
         guard = MemoryGuard(budget, self._card(options), model=options.model, parallel=par,
-                            settings=self.settings if self.settings is not None else options.memory,
+                            settings=self.settings if self.settings is not None else options.options.memory,
                             profile=self.profile, floor=floor, multiple=self._multiple(budget), prior_steps=0,
                             min_fill=0.0, skip_steps=0, log=None, pass_=pass_)
         predicted = guard.predict_plan(plan)
@@ -326,7 +327,7 @@ class FirstStepProbe:
                 "lower the budget (or use 'auto'), raise settings.headroom, turn on full recompute, or raise tp / "
                 "cp (docs/troubleshooting.md, 'the first-step memory probe ran out of memory')") from exc
         finally:
-            if not forward_only and not options.forward_only:
+            if not forward_only and not options.options.forward_only:
                 zero_gradients(model)
             rng.restore()
         vec, _ = reading_vector(par.pp, stage, getattr(reading, "base", None), getattr(reading, "peak", None))
@@ -353,11 +354,11 @@ class FirstStepProbe:
             self.log(result.line())
         return result
 
-    def protect(self, options: Any, run: Callable[[List[Dict[str, Any]], Any], Any], *, model: Any = None,
+    def protect(self, options: ResolvedOptions, run: Callable[[List[Dict[str, Any]], Any], Any], *, model: Any = None,
                 forward_only: bool = False) -> Any:
         """``options`` for the call about to plan: the pass is probed first if it has not been (every rank), then
         its budget is the probe's (:meth:`options`)."""
-        pass_ = "log_prob" if forward_only or options.forward_only else "train"
+        pass_ = "log_prob" if forward_only or options.options.forward_only else "train"
         if pass_ not in self.results:
             self.run(options, run, model=model, forward_only=forward_only)
         return self.options(options, forward_only=forward_only)
@@ -376,8 +377,8 @@ def probe_enabled(setting: Optional[bool]) -> bool:
     return bool(torch.cuda.is_available())
 
 
-def protect_first_step(memory_probe: Any, options: Any, *, model: Any, forward_only: bool, device: Any,
-                       run: Callable[[List[Dict[str, Any]], Any], Any]) -> Any:
+def protect_first_step(memory_probe: Any, options: ResolvedOptions, *, model: Any, forward_only: bool, device: Any,
+                       run: Callable[[List[Dict[str, Any]], Any], Any]) -> ResolvedOptions:
     """The call site of :func:`~megatron_dynbatch.megatron.schedule.dynamic_forward_backward`: ``memory_probe``
     is a :class:`FirstStepProbe` (used), ``False`` (off) or ``None`` (``options.memory_probe``: on where CUDA is,
     with one probe kept per model and the options' card and memory settings); returns the options to plan with.
@@ -386,7 +387,7 @@ def protect_first_step(memory_probe: Any, options: Any, *, model: Any, forward_o
         return options
     probe = memory_probe
     if probe is None:
-        if not probe_enabled(getattr(options, "memory_probe", None)) or options.model is None:
+        if not probe_enabled(options.options.memory_probe) or options.model is None:
             return options
         key = model[0] if isinstance(model, (list, tuple)) else model
         try:
@@ -399,19 +400,21 @@ def protect_first_step(memory_probe: Any, options: Any, *, model: Any, forward_o
     return probe.protect(options, run, model=model, forward_only=forward_only)
 
 
-def memory_probe_from_args(args: Any, options: Any, *, device: Any = None, **kwargs: Any) -> Optional[FirstStepProbe]:
+def memory_probe_from_args(args: Any, options: ResolvedOptions, *, device: Any = None,
+                           **kwargs: Any) -> Optional[FirstStepProbe]:
     """The probe a Megatron launch runs (``None`` when off: ``--no-dynbatch-memory-probe``, or no CUDA device
     without ``--dynbatch-memory-probe``): the memory settings the launch implies
     (:func:`~megatron_dynbatch.core.memory.settings_from_megatron`), ``--dynbatch-cost-model``'s memory section,
     the floor the longest sample needs (``--dynbatch-max-seq-length``, else ``--seq-length``). ``kwargs``: as for
     :class:`FirstStepProbe`."""
-    if not probe_enabled(getattr(options, "memory_probe", None)):
+    if not probe_enabled(options.options.memory_probe):
         return None
     from .args import memory_settings_from_args
     from .memory_guard import floor_for
 
     length = getattr(args, "dynbatch_max_seq_length", None) or getattr(args, "seq_length", None)
-    kwargs.setdefault("floor", floor_for(options, length))
-    kwargs.setdefault("settings", options.memory if options.memory is not None else memory_settings_from_args(args))
+    kwargs.setdefault("floor", floor_for(options.options, length))
+    memory = options.options.memory
+    kwargs.setdefault("settings", memory if memory is not None else memory_settings_from_args(args))
     kwargs.setdefault("profile", getattr(args, "dynbatch_cost_model", None))
     return FirstStepProbe(device=device, **kwargs)

@@ -19,8 +19,8 @@ import numpy as np
 
 from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
-from ..core.planner import plan_global_batch
-from ..core.planner.options import PlanOptions
+from ..core.planner.api import plan_resolved
+from ..core.planner.options import ResolvedOptions
 from ..core.planner.plan_kind import PlanKind
 
 __all__ = ["RankPlan", "plan_batch", "parallel_state"]
@@ -35,7 +35,7 @@ def parallel_state() -> Any:
     return ps if ps is not None and ps.model_parallel_is_initialized() else None
 
 
-def plan_batch(lengths: np.ndarray, options: PlanOptions, group_ids: Optional[List[Hashable]], *,
+def plan_batch(lengths: np.ndarray, options: ResolvedOptions, group_ids: Optional[List[Hashable]], *,
                microbatch_group_ids: Optional[Sequence[Any]] = None,
                rollout_ids: Optional[Sequence[Any]] = None) -> PlanKind:
     """The plan of the global batch. Under dynamic CP a sample may run on GPUs of several DP ranks, so "a group
@@ -43,7 +43,7 @@ def plan_batch(lengths: np.ndarray, options: PlanOptions, group_ids: Optional[Li
     (the loss), so they are dropped here only."""
     batch = {k: v for k, v in (("microbatch_group_ids", microbatch_group_ids), ("rollout_ids", rollout_ids))
              if v is not None}
-    return plan_global_batch(lengths, options, group_ids=None if options.dynamic_cp else group_ids, **batch)
+    return plan_resolved(lengths, options, group_ids=None if options.options.dynamic_cp else group_ids, **batch)
 
 
 @dataclass(frozen=True)

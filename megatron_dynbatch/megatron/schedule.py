@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Unio
 
 from ..core.errors import DynBatchConfigError
 from ..core.planner.api import options_of
-from ..core.planner.options import PlanOptions
+from ..core.planner.options import PlanOptions, ResolvedOptions
 from ..core.planner.plan_kind import PlanKind
 from .gather import per_microbatch_outputs
 from .iterator import DynamicBatchIterator
@@ -175,18 +175,22 @@ def _config_sp_tp(config: Any) -> tuple:
     return bool(getattr(config, "sequence_parallel", False)) and tp > 1, tp
 
 
-def _options_for_model(plan_or_options: Union[PlanOptions, Mapping[str, Any]], config: Any) -> PlanOptions:
-    """The options this call plans with. Given as keywords, when the model runs sequence-parallel and
-    ``parallel`` is a dict that does not say ``sequence_parallel``, it is added (the packer must then pad
-    micro-batches to a multiple of tp)."""
-    if isinstance(plan_or_options, PlanOptions):
+def _options_for_model(plan_or_options: Union[ResolvedOptions, PlanOptions, Mapping[str, Any]],
+                       config: Any) -> ResolvedOptions:
+    """The door's one conversion: the options this call plans with, resolved (once: options resolved by the
+    caller, as the Megatron-LM hook does once per run, are taken as they are). Given as keywords, when the model
+    runs sequence-parallel and ``parallel`` is a dict that does not say ``sequence_parallel``, it is added (the
+    packer must then pad micro-batches to a multiple of tp)."""
+    if isinstance(plan_or_options, ResolvedOptions):
         return plan_or_options
+    if isinstance(plan_or_options, PlanOptions):
+        return plan_or_options.resolve()
     kw = dict(plan_or_options)
     sp, _ = _config_sp_tp(config)
     par = kw.get("parallel")
     if sp and isinstance(par, Mapping) and "sequence_parallel" not in par:
         kw["parallel"] = dict(par, sequence_parallel=True)
-    return options_of(None, kw)
+    return options_of(None, kw).resolve()
 
 
 def check_sequence_parallel_alignment(plan: PlanKind, config: Any) -> None:
@@ -205,9 +209,10 @@ def check_sequence_parallel_alignment(plan: PlanKind, config: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------- main
-#: what ``dynamic_forward_backward`` plans from: a plan, the planner's options, or those as a dict of
-#: ``plan_global_batch`` keywords -- converted once, at that boundary (:func:`batch_iterator`)
-PlanSource = Union[PlanKind, PlanOptions, Mapping[str, Any], None]
+#: what ``dynamic_forward_backward`` plans from: a plan, the planner's options (resolved already, or to resolve
+#: here), or those as a dict of ``plan_global_batch`` keywords -- converted once, at that boundary
+#: (:func:`batch_iterator`)
+PlanSource = Union[PlanKind, ResolvedOptions, PlanOptions, Mapping[str, Any], None]
 
 
 def dynamic_forward_backward(
@@ -281,8 +286,8 @@ def dynamic_forward_backward(
 def batch_iterator(samples: Union[Sequence[Mapping[str, Any]], DynamicBatchIterator], source: PlanSource,
                    cfg: StepConfig, hooks: StepHooks, config: Any, *, model: Any = None,
                    probe_run: Optional[Callable[[Any, Any], Any]] = None) -> Tuple[DynamicBatchIterator,
-                                                                                   Optional[PlanOptions]]:
-    """The boundary: the iterator of the step and, when it plans here, the one ``PlanOptions`` it planned with
+                                                                                   Optional[ResolvedOptions]]:
+    """The boundary: the iterator of the step and, when it plans here, the resolved options it planned with
     (the model's sequence parallelism filled in, the calibrator's cost model, the memory guard's budget and the
     first-step probe's verdict applied; ``probe_run(samples, plan)`` runs the probe's synthetic micro-batches
     through this call's own step, :mod:`.probe`)."""
@@ -292,7 +297,7 @@ def batch_iterator(samples: Union[Sequence[Mapping[str, Any]], DynamicBatchItera
                    device=cfg.device)
     if isinstance(source, PlanKind):
         return DynamicBatchIterator(samples, source, **packing), None
-    if not isinstance(source, (PlanOptions, Mapping)):
+    if not isinstance(source, (ResolvedOptions, PlanOptions, Mapping)):
         raise DynBatchConfigError("plan_or_options", type(source).__name__,
                                   "needs a Plan, a PlanOptions or a dict of plan_global_batch options",
                                   "pass e.g. {'model': spec, 'parallel': par, 'max_tokens_per_gpu': 8192}")
@@ -306,11 +311,11 @@ def batch_iterator(samples: Union[Sequence[Mapping[str, Any]], DynamicBatchItera
 
         options = protect_first_step(hooks.memory_probe, options, model=model, forward_only=cfg.forward_only,
                                      device=cfg.device, run=probe_run)
-    return DynamicBatchIterator(samples, None, options=options, **packing), options
+    return DynamicBatchIterator.planned(samples, options, **packing), options
 
 
 def run_dynamic_step(model: Any, it: DynamicBatchIterator, cfg: StepConfig, sched: MegatronSchedule,
-                     hooks: StepHooks, options: Optional[PlanOptions] = None) -> DynamicStepResult:
+                     hooks: StepHooks, options: Optional[ResolvedOptions] = None) -> DynamicStepResult:
     """One step of ``it``'s plan through Megatron's schedule (below the boundary: every argument typed;
     ``options``: what the plan was made with here, for the calibration log). ``sched.config`` must be set."""
     from megatron.core import parallel_state

@@ -12,11 +12,14 @@ sample batch of ``calibrate``. Pure Python + NumPy.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 import numpy as np
 
 from ..parallel import ParallelConfig
+
+if TYPE_CHECKING:
+    from ..planner.options import ResolvedOptions
 
 
 @dataclass(frozen=True)
@@ -73,25 +76,25 @@ def rescore(plan: Any, lengths: Sequence[int], *, model: Any, cost_model: Any, m
 
 
 def step_time_change(lengths: Sequence[int], *, old_plan: Any = None, old: Any = None, new: Any,
-                     options: Any = None, model: Any = None,
+                     options: Optional["ResolvedOptions"] = None, model: Any = None,
                      max_tokens_per_gpu: Optional[int] = None) -> StepTimeChange:
-    """:class:`StepTimeChange` of a batch. Give ``options`` (the planner's
-    :class:`~..planner.options.PlanOptions`; their cost model is replaced) to plan with ``old`` and re-plan with
+    """:class:`StepTimeChange` of a batch. Give ``options`` (the planner's resolved options,
+    :class:`~..planner.options.ResolvedOptions`; their cost model is replaced) to plan with ``old`` and re-plan with
     ``new``; or ``old_plan`` (the plan that ran) with ``model`` and ``max_tokens_per_gpu`` to score it under
     ``new`` only (then ``replanned`` is ``None`` unless ``options`` are given too)."""
-    from ..planner import plan_global_batch
+    from ..planner.api import plan_resolved
 
     fp8 = None
     if options is not None:
-        model, max_tokens_per_gpu, fp8 = options.model, options.max_tokens_per_gpu, options.fp8_alignment
+        model, max_tokens_per_gpu, fp8 = options.model, options.max_tokens_per_gpu, options.options.fp8_alignment
     budget = int(max_tokens_per_gpu)
     if old_plan is None:
-        old_plan = plan_global_batch(lengths, options.replace(cost_model=old))
+        old_plan = plan_resolved(lengths, options.replace(cost_model=old))
     old_s = float(old_plan.predicted_step_time)
     same = rescore(old_plan, lengths, model=model, cost_model=new, max_tokens_per_gpu=budget, fp8_alignment=fp8)
     replanned = new_m = None
     if options is not None:
-        new_plan = plan_global_batch(lengths, options.replace(cost_model=new))
+        new_plan = plan_resolved(lengths, options.replace(cost_model=new))
         replanned, new_m = float(new_plan.predicted_step_time), int(new_plan.num_microbatches)
     return StepTimeChange(old_s, same, replanned, int(old_plan.num_microbatches), new_m)
 

@@ -191,7 +191,7 @@ class OnlineCalibration:
                  ) -> Optional[RefitLog]:
         """Count a finished optimizer step; every ``interval`` recorded steps refit (on every rank at the same
         step: the merge is a collective). ``plan`` / ``lengths`` (the step's) give the log's step-time change,
-        ``options`` (the PlanOptions it was planned with) its re-planned time."""
+        ``options`` (the ResolvedOptions it was planned with) its re-planned time."""
         self.steps += 1
         recorded = self.steps - self.skip_steps
         if recorded <= 0 or recorded % self.interval:

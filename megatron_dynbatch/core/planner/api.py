@@ -57,14 +57,15 @@ from ..parallel import ParallelConfig
 from .dyncp import plan_dynamic_cp
 from .fallback import SearchBudget
 from .inputs import check_lengths, flops_coefficients_of, sample_flops
-from .options import BATCH_ARGUMENTS, BalanceBy, PlanOptions, dynamic_cp_knob_error
+from .options import BATCH_ARGUMENTS, BalanceBy, PlanOptions, ResolvedOptions, dynamic_cp_knob_error
 from .ordering import mb_sums
 from .plan import Plan
+from .plan_kind import PlanKind
 from .prepare import Prepared, prepare
 from .search import plan_step
 from .timing import step_times_of
 
-__all__ = ["plan_global_batch", "options_of", "score_assignment"]
+__all__ = ["plan_global_batch", "plan_resolved", "options_of", "score_assignment"]
 
 
 def plan_global_batch(
@@ -99,19 +100,28 @@ def plan_global_batch(
     With ``dynamic_cp=True`` returns a :class:`~.dyncp.plan.DynamicCPPlan` (strategy in :mod:`.dyncp`,
     ``docs/dynamic_cp.md``); it balances the cost model's seconds and refuses ``group_ids``.
     """
-    opts = options_of(options, option_kwargs)
+    return plan_resolved(lengths, options_of(options, option_kwargs).resolve(), group_ids=group_ids,
+                         microbatch_group_ids=microbatch_group_ids, rollout_ids=rollout_ids)
+
+
+def plan_resolved(lengths: Union[Sequence[int], np.ndarray], options: ResolvedOptions, *,
+                  group_ids: Optional[Sequence[Any]] = None, microbatch_group_ids: Optional[Sequence[Any]] = None,
+                  rollout_ids: Optional[Sequence[Any]] = None) -> PlanKind:
+    """:func:`plan_global_batch` below its door: the batch planned with options resolved once by the caller
+    (:meth:`PlanOptions.resolve`), so a run that plans every step reads no preset or cost-model file again."""
+    opts = options.options
     if opts.dynamic_cp:
         given = [k for k, v in (("microbatch_group_ids", microbatch_group_ids), ("rollout_ids", rollout_ids))
                  if v is not None]
         if given:
             raise dynamic_cp_knob_error(given)
-        plan = plan_dynamic_cp(lengths, opts, group_ids=group_ids)
-        plan.budget_choice = opts.budget_choice
+        plan = plan_dynamic_cp(lengths, options, group_ids=group_ids)
+        plan.budget_choice = options.budget_choice
         return plan
     t_start = time.perf_counter()
-    prep = prepare(lengths, opts, group_ids=group_ids, microbatch_group_ids=microbatch_group_ids,
+    prep = prepare(lengths, options, group_ids=group_ids, microbatch_group_ids=microbatch_group_ids,
                    rollout_ids=rollout_ids)
-    par, cm = opts.parallel, opts.resolved_cost_model
+    par, cm = options.parallel, options.cost_model
     settings = prep.search_settings()
     micro_batches: List[List[List[int]]] = [[] for _ in range(par.dp)]
     per_step: List[int] = []
@@ -129,13 +139,13 @@ def plan_global_batch(
         lb_time += cm.lower_bound(float(work.sum()), float(work.max()), par.dp, lb_m, step.items.size // par.dp)
     plan = _assemble(prep, micro_batches, per_step, lb_count, lb_time)
     plan.planning_time_s = time.perf_counter() - t_start
-    plan.budget_choice = opts.budget_choice  # "auto": what chose the budget, and what limits it
+    plan.budget_choice = options.budget_choice  # "auto": what chose the budget, and what limits it
     return plan
 
 
 def options_of(options: Optional[PlanOptions], option_kwargs: Mapping[str, Any]) -> PlanOptions:
-    """The options of a planning call: ``options`` with ``option_kwargs`` replacing fields, or the keywords
-    alone (:meth:`PlanOptions.from_kwargs`)."""
+    """A door's one conversion: ``options`` with ``option_kwargs`` replacing fields, or the keywords alone
+    (:meth:`PlanOptions.from_kwargs`). Only the public entry points that take options as keywords call it."""
     if options is None:
         return PlanOptions.from_kwargs(option_kwargs)
     if not isinstance(options, PlanOptions):
@@ -215,8 +225,9 @@ def score_assignment(
     """
     opts = PlanOptions(model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu,
                        fp8_alignment=fp8_alignment, cost_model=cost_model,
-                       sequence_pad_multiple=sequence_pad_multiple, microbatch_pad_multiple=microbatch_pad_multiple)
-    par, align, cap, cm = opts.parallel, opts.alignment, opts.cap, opts.resolved_cost_model
+                       sequence_pad_multiple=sequence_pad_multiple,
+                       microbatch_pad_multiple=microbatch_pad_multiple).resolve()
+    par, align, cap, cm = opts.parallel, opts.alignment, opts.cap, opts.cost_model
     lens = check_lengths(lengths)
     coeffs = flops_coefficients_of(opts.model)
     mbs = [[[int(i) for i in mb] for mb in rank] for rank in micro_batches]
@@ -240,7 +251,7 @@ def _assemble(prep: Prepared, micro_batches, per_step, lb_count: int, lb_time: f
     sqs = [mb_sums(rank, prep.squared) for rank in micro_batches]
     opts = prep.options
     plan = _build_plan(micro_batches, per_step, tokens, sqs, prep.flops, prep.lengths, opts.parallel, opts.alignment,
-                       opts.cap, opts.resolved_cost_model, balance_by=prep.balance_by, algorithm="dynbatch")
+                       opts.cap, opts.cost_model, balance_by=prep.balance_by, algorithm="dynbatch")
     plan.lower_bound_microbatches = lb_count
     plan.lower_bound_step_time = lb_time
     plan.oversize_samples = prep.oversize_samples

@@ -52,7 +52,7 @@ def local_microbatch_counts(lengths, options: Optional[PlanOptions] = None, *, g
     if opts.num_microbatches is not None:
         raise DynBatchConfigError("num_microbatches", opts.num_microbatches,
                                   "local_microbatch_counts computes the count", "leave num_microbatches out")
-    prep = prepare(lengths, opts, group_ids=group_ids, microbatch_group_ids=microbatch_group_ids,
+    prep = prepare(lengths, opts.resolve(), group_ids=group_ids, microbatch_group_ids=microbatch_group_ids,
                    rollout_ids=rollout_ids)
     settings = prep.search_settings()
     return [first_feasible_count(step.inp, step.sq, settings) for step in prep.steps]

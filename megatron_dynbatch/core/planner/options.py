@@ -1,8 +1,10 @@
-"""``PlanOptions``: every choice a planning call takes, in one typed object validated at construction.
+"""``PlanOptions``: every choice a planning call takes, in one typed object validated at construction, and
+``ResolvedOptions``: the same options with what they name read and computed, by one explicit step.
 
 One path
 --------
-Every entry point builds one ``PlanOptions`` and hands it to the planner whole: the Python API
+Every entry point builds one ``PlanOptions`` at its boundary, once, resolves it once and hands the planner the
+``ResolvedOptions``: the Python API
 (:func:`~megatron_dynbatch.plan_global_batch` builds it from its keywords), run presets
 (:meth:`RunConfig.plan_options <megatron_dynbatch.core.run_config.RunConfig.plan_options>`), Megatron-LM flags
 (:func:`megatron_dynbatch.megatron.args.plan_options_from_args`), the ``plan`` command, Megatron-Core's packing
@@ -10,6 +12,22 @@ seat, the trainer drop-ins, the data iterator and the Ray driver. Nobody copies 
 own: adding an option is one field here (with its docstring and, where a launch can set it, its spellings in
 ``metadata``) plus its use in the planner. ``tests/test_plan_options.py`` sends every field through every entry
 point and checks it arrives.
+
+Resolution
+----------
+Constructing ``PlanOptions`` does no I/O and runs no model: ``__post_init__`` checks types, values and every
+cross-field rule, and normalises (a mapping or Megatron object to a ``ModelSpec``, strings to enums, numbers to
+their types) -- nowhere else is a field set. A preset name or file path in ``model``, a profile or file in
+``cost_model``, ``max_tokens_per_gpu="auto"`` and a default ``balance_by`` (``None``) stay as given.
+:meth:`PlanOptions.resolve` is the one step that turns them into what the planner computes with and returns a
+frozen :class:`ResolvedOptions`: the ``ModelSpec`` (preset YAML / JSON read), the ``CostModel`` on this layout
+(profile applied or file read), the budget in tokens (for ``"auto"`` the memory model's
+:class:`~megatron_dynbatch.core.memory.BudgetChoice`), the padding rules (:class:`Alignment`) and the balancing
+mode in effect. Errors that need what is read (an unknown preset, an unreadable cost-model file, an automatic
+budget the card cannot hold) are raised there, with the same field, problem and fix as before. Below the doors
+everything takes a ``ResolvedOptions``; :meth:`ResolvedOptions.replace` re-resolves only what a change touches (a
+budget lowered by the memory guard or the first-step probe reads no file again), so a Megatron-LM run resolves
+its options once per pass (training, forward-only).
 
 What is not an option: the batch itself -- ``lengths`` and the per-sample ids (``group_ids``,
 ``microbatch_group_ids``, ``rollout_ids``) go to the planning call next to the options.
@@ -66,13 +84,14 @@ from ..alignment import Alignment
 from ..checks import as_bool, as_float, as_int, did_you_mean
 from ..cost_model import CostModel
 from ..cost_files import resolve_cost_model
+from ..cost_profiles import PROFILES
 from ..errors import DynBatchConfigError, UnknownOptionError
 from ..memory import MAX_GPU_MEMORY_GB, BudgetChoice, MemorySettings, choose_budget
 from ..model_spec import ModelSpec
 from ..parallel import MAX_RANKS, ParallelConfig
 from .inputs import check_budget
 
-__all__ = ["AUTO", "BalanceBy", "OVERSIZE_POLICIES", "PlanOptions", "BATCH_ARGUMENTS"]
+__all__ = ["AUTO", "BalanceBy", "OVERSIZE_POLICIES", "PlanOptions", "ResolvedOptions", "BATCH_ARGUMENTS"]
 
 #: the budget that chooses itself: ``max_tokens_per_gpu="auto"``
 AUTO = "auto"
@@ -140,12 +159,14 @@ class PlanOptions:
     call only meets problems of the batch itself."""
 
     #: per-GPU token budget: a micro-batch holds at most ``max_tokens_per_gpu * cp`` tokens, padding included;
-    #: ``"auto"``: the largest the memory model says fits ``gpu_memory_gb`` (:attr:`budget_choice` tells why)
+    #: ``"auto"``: the largest the memory model says fits ``gpu_memory_gb``, chosen by :meth:`resolve`
+    #: (:attr:`ResolvedOptions.budget_choice` tells why)
     max_tokens_per_gpu: Union[int, str] = _option(None, megatron="--max-tokens-per-gpu", cli="--max-tokens-per-gpu",
                                                   kind="budget", metavar="N|auto")
-    #: the model's shape (``ModelSpec``, a dict of Megatron field names or a preset name); FLOPs and the default
-    #: cost model come from it. A Megatron launch reads it from Megatron's own model flags.
-    model: Optional[ModelSpec] = _option(None, megatron="(Megatron's model flags)", cli="--model")
+    #: the model's shape (``ModelSpec``, a dict of Megatron field names or a preset name / file path, which
+    #: :meth:`resolve` reads); FLOPs and the default cost model come from it. A Megatron launch reads it from
+    #: Megatron's own model flags.
+    model: Union[None, str, ModelSpec] = _option(None, megatron="(Megatron's model flags)", cli="--model")
     #: the parallel layout (``ParallelConfig`` or a mapping of ``dp, tp, pp, cp, ep, vpp, ...``; missing = 1)
     parallel: ParallelConfig = _option(megatron="(Megatron's layout flags)", cli="(--dp, --tp, --pp, --cp, ...)",
                                        default_factory=ParallelConfig)
@@ -207,17 +228,10 @@ class PlanOptions:
     #: a trainer's own padding multiple of each GPU's share of a micro-batch (slime: ``tp * pad multiplier``)
     microbatch_pad_multiple: Optional[int] = _option(None)
 
-    #: derived at construction (not options): the padding rules, the cost model resolved for the layout, and
-    #: for ``max_tokens_per_gpu="auto"`` the memory model's choice (its ``summary()`` is the one-screen breakdown)
-    alignment: Alignment = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
-    resolved_cost_model: CostModel = field(init=False, repr=False, compare=False,
-                                           default=None)  # type: ignore[assignment]
-    budget_choice: Optional[BudgetChoice] = field(init=False, repr=False, compare=False, default=None)
-    #: whether ``balance_by`` was left to its default (``time`` with a model, ``tokens`` without)
-    balance_by_default: bool = field(init=False, repr=False, compare=False, default=False)
-
     # ----------------------------------------------------------------------------------------- validation
     def __post_init__(self) -> None:
+        """Types, values and cross-field rules -- no I/O: a preset name or file stays as given until
+        :meth:`resolve`. Normalising (strings to enums, mappings to their dataclasses) happens here only."""
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 -- frozen dataclass
         par = ParallelConfig.from_any(self.parallel)
         set_("parallel", par)
@@ -227,10 +241,15 @@ class PlanOptions:
             if value is not None:
                 low = 0 if name == "refine_rounds" else 1
                 set_(name, as_int(value, name, minimum=low, fix=_INT_FIX[name]))
-        if self.model is not None:
-            set_("model", ModelSpec.from_any(self.model))
-        self._choose_budget(par)
-        set_("alignment", self._check_budget(par))
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            set_("model", ModelSpec.from_any(self.model))  # a mapping or a Megatron object: pure; names wait
+        if self.gpu_memory_gb is not None:
+            set_("gpu_memory_gb", as_float(
+                self.gpu_memory_gb, "gpu_memory_gb", minimum=1e-3, maximum=MAX_GPU_MEMORY_GB,
+                fix="pass the GPU's memory in GiB, e.g. gpu_memory_gb=79.1 for an H100 80GB"))
+        if self.memory is not None:
+            set_("memory", MemorySettings.from_any(self.memory))
+        set_("max_tokens_per_gpu", self._checked_budget(par))
         if self.oversize not in OVERSIZE_POLICIES:  # also a non-str: never equal to a policy name
             raise DynBatchConfigError("oversize", self.oversize, "unknown oversize-sample policy",
                                       f"use one of {OVERSIZE_POLICIES}")
@@ -240,10 +259,9 @@ class PlanOptions:
             set_("memory_probe", as_bool(self.memory_probe, "memory_probe"))
         set_("equal_samples_per_rank", as_bool(self.equal_samples_per_rank, "equal_samples_per_rank"))
         set_("num_microbatches", _check_counts(self.num_microbatches))
-        set_("balance_by_default", self.balance_by is None)
-        set_("balance_by", BalanceBy.parse(self.balance_by) if self.balance_by is not None else
-             BalanceBy.TIME if self.model is not None else BalanceBy.TOKENS)
-        if self.dynamic_cp and not self.balance_by_default and self.balance_by is not BalanceBy.TIME:
+        if self.balance_by is not None:  # None stays None: the default, derived by resolve() (module docstring)
+            set_("balance_by", BalanceBy.parse(self.balance_by))
+        if self.dynamic_cp and self.balance_by not in (None, BalanceBy.TIME):
             raise DynBatchConfigError(
                 "balance_by", str(self.balance_by), f"dynamic_cp always balances the cost model's seconds (time), "
                 f"so balance_by {self.balance_by} would be silently ignored",
@@ -251,7 +269,7 @@ class PlanOptions:
         if self.model is None and self.balance_by is BalanceBy.FLOPS:
             raise DynBatchConfigError("model", None, "balancing by FLOPs needs the model's shape",
                                       "pass model=ModelSpec/dict/preset name, or balance_by='tokens'")
-        set_("resolved_cost_model", resolve_cost_model(self.cost_model, self.model, par))
+        _check_cost_model_kind(self.cost_model, self.model)
         if self.decision_margin is not None:
             set_("decision_margin", as_float(
                 self.decision_margin, "decision_margin", minimum=0.0, maximum=0.999,
@@ -263,43 +281,29 @@ class PlanOptions:
         if self.dynamic_cp:
             self._check_dynamic_cp(par)
         if self.min_cp_size is not None:
-            self._check_min_cp_size(par)
+            set_("min_cp_size", self._checked_min_cp_size(par))
 
-    def _check_budget(self, par: ParallelConfig) -> Alignment:
-        """The budget as an int that holds at least one aligned sequence; returns the padding rules."""
-        if self.max_tokens_per_gpu is None or isinstance(self.max_tokens_per_gpu, str):
-            raise DynBatchConfigError("max_tokens_per_gpu", self.max_tokens_per_gpu,
-                                      "is required (the per-GPU token budget)" if self.max_tokens_per_gpu is None
+    def _checked_budget(self, par: ParallelConfig) -> Union[int, str]:
+        """The budget: an int that holds at least one aligned sequence, or ``"auto"`` with what choosing it needs
+        (the model and the card; the memory model itself runs in :meth:`resolve`)."""
+        budget = self.max_tokens_per_gpu
+        if isinstance(budget, str) and budget.strip().lower() == AUTO:
+            if self.model is None:
+                raise DynBatchConfigError("max_tokens_per_gpu", AUTO, "an automatic budget needs the model's shape",
+                                          "pass model=<preset, dict or ModelSpec>, or a number of tokens")
+            if self.gpu_memory_gb is None:
+                raise DynBatchConfigError("gpu_memory_gb", None, "max_tokens_per_gpu='auto' needs the card's memory",
+                                          "pass gpu_memory_gb=<GiB> (torch.cuda.get_device_properties(0)."
+                                          "total_memory / 2**30; 79.1 for an H100 80GB), or a number of tokens")
+            Alignment.for_layout(par, self.fp8_alignment, self.sequence_pad_multiple, self.microbatch_pad_multiple)
+            return AUTO
+        if budget is None or isinstance(budget, str):
+            raise DynBatchConfigError("max_tokens_per_gpu", budget,
+                                      "is required (the per-GPU token budget)" if budget is None
                                       else "is neither a number of tokens nor 'auto'",
                                       "pass max_tokens_per_gpu=<tokens>, e.g. 16384, or 'auto' with gpu_memory_gb=")
-        _, align, _ = check_budget(self.max_tokens_per_gpu, par, self.fp8_alignment, self.sequence_pad_multiple,
-                                   self.microbatch_pad_multiple)
-        object.__setattr__(self, "max_tokens_per_gpu", as_int(self.max_tokens_per_gpu, "max_tokens_per_gpu"))
-        return align
-
-    def _choose_budget(self, par: ParallelConfig) -> None:
-        """``max_tokens_per_gpu="auto"``: the memory model's largest budget for the card (this pass, these memory
-        settings, the cost-model file's measured ``memory`` section when it has one)."""
-        if self.gpu_memory_gb is not None:
-            object.__setattr__(self, "gpu_memory_gb", as_float(
-                self.gpu_memory_gb, "gpu_memory_gb", minimum=1e-3, maximum=MAX_GPU_MEMORY_GB,
-                fix="pass the GPU's memory in GiB, e.g. gpu_memory_gb=79.1 for an H100 80GB"))
-        if self.memory is not None:
-            object.__setattr__(self, "memory", MemorySettings.from_any(self.memory))
-        if not (isinstance(self.max_tokens_per_gpu, str) and self.max_tokens_per_gpu.strip().lower() == AUTO):
-            return
-        if self.model is None:
-            raise DynBatchConfigError("max_tokens_per_gpu", AUTO, "an automatic budget needs the model's shape",
-                                      "pass model=<preset, dict or ModelSpec>, or a number of tokens")
-        if self.gpu_memory_gb is None:
-            raise DynBatchConfigError("gpu_memory_gb", None, "max_tokens_per_gpu='auto' needs the card's memory",
-                                      "pass gpu_memory_gb=<GiB> (torch.cuda.get_device_properties(0).total_memory / "
-                                      "2**30; 79.1 for an H100 80GB), or a number of tokens")
-        profile = self.cost_model if isinstance(self.cost_model, (str, os.PathLike)) else None
-        choice = choose_budget(self.model, par, self.gpu_memory_gb, pass_="log_prob" if self.forward_only else "train",
-                               settings=self.memory, profile=profile)
-        object.__setattr__(self, "budget_choice", choice)
-        object.__setattr__(self, "max_tokens_per_gpu", choice.tokens_per_gpu)
+        check_budget(budget, par, self.fp8_alignment, self.sequence_pad_multiple, self.microbatch_pad_multiple)
+        return as_int(budget, "max_tokens_per_gpu")
 
     def _check_dynamic_cp(self, par: ParallelConfig) -> None:
         knobs = {"equal_samples_per_rank": self.equal_samples_per_rank or None,
@@ -324,12 +328,11 @@ class PlanOptions:
             raise DynBatchConfigError("num_microbatches", list(self.num_microbatches), "dynamic CP forces one "
                                       "count for every optimizer step", "pass one integer, or dynamic_cp=False")
 
-    def _check_min_cp_size(self, par: ParallelConfig) -> None:
+    def _checked_min_cp_size(self, par: ParallelConfig) -> int:
         """``min_cp_size``: an int, a power of two, at most ``cp`` (the fixed-CP plan -- the planner's
         never-slower-than-fixed-CP candidate -- runs on groups of ``cp`` GPUs), and only with dynamic CP."""
         value = as_int(self.min_cp_size, "min_cp_size", minimum=1,
                        fix="pass a power of two such as 2 or 4 (GPUs), or None for no minimum")
-        object.__setattr__(self, "min_cp_size", value)
         if not self.dynamic_cp:
             raise DynBatchConfigError("min_cp_size", value, "only applies to dynamic CP (with a fixed layout every "
                                       "micro-batch already runs on the layout's cp GPUs)",
@@ -342,6 +345,7 @@ class PlanOptions:
             raise DynBatchConfigError("min_cp_size", value, f"is above the layout's cp={par.cp}: the planner keeps "
                                       "the fixed-CP plan (groups of cp GPUs) as a candidate, so the minimum can be "
                                       "at most cp", f"use at most {par.cp}, or raise cp (--context-parallel-size)")
+        return value
 
     @property
     def min_group_size(self) -> int:
@@ -377,51 +381,70 @@ class PlanOptions:
 
     def replace(self, **changes: Any) -> "PlanOptions":
         """A copy with some options changed (validated again; ``balance_by_flops`` accepted as in
-        :meth:`from_kwargs`). An automatic budget stays automatic -- chosen again for the new options -- unless
-        ``max_tokens_per_gpu`` is given; a default ``balance_by`` stays the default (derived again)."""
+        :meth:`from_kwargs`). An automatic budget stays ``"auto"`` and a default ``balance_by`` stays ``None``
+        unless given: :meth:`resolve` derives both again for the new options."""
         if "balance_by_flops" in changes or any(k not in self.names() for k in changes):
             return PlanOptions.from_kwargs(changes, base=self)
-        if self.auto_budget and "max_tokens_per_gpu" not in changes:
-            changes["max_tokens_per_gpu"] = AUTO
-        if self.balance_by_default and "balance_by" not in changes:
-            changes["balance_by"] = None  # still the default: derived again (a model given now balances time)
         return dataclasses.replace(self, **changes)
 
     def to_kwargs(self) -> Dict[str, Any]:
-        """The options as keywords (``PlanOptions(**o.to_kwargs()) == o``; an automatic budget as ``"auto"``)."""
-        out = {name: getattr(self, name) for name in self.names()}
-        if self.auto_budget:
-            out["max_tokens_per_gpu"] = AUTO
-        if self.balance_by_default:
-            out["balance_by"] = None
-        return out
+        """The options as keywords (``PlanOptions(**o.to_kwargs()) == o``)."""
+        return {name: getattr(self, name) for name in self.names()}
 
     def for_forward_only(self, max_tokens_per_gpu: Union[None, int, str] = None) -> "PlanOptions":
         """The options of a forward-only pass (log-probs, reference model) of the same run: its own budget (default:
         this one; ``"auto"`` -- or an automatic budget here -- sizes it for the forward pass), and no
         optimizer-step split (there is no optimizer step)."""
-        budget = max_tokens_per_gpu if max_tokens_per_gpu is not None else (
-            AUTO if self.auto_budget else self.max_tokens_per_gpu)
+        budget = max_tokens_per_gpu if max_tokens_per_gpu is not None else self.max_tokens_per_gpu
         return self.replace(max_tokens_per_gpu=budget, samples_per_step=None, rollouts_per_step=None,
                             forward_only=True)
 
     @property
     def auto_budget(self) -> bool:
-        """Whether the budget was chosen by the memory model (``max_tokens_per_gpu="auto"``)."""
-        return self.budget_choice is not None
+        """Whether the memory model chooses the budget (``max_tokens_per_gpu="auto"``)."""
+        return self.max_tokens_per_gpu == AUTO
 
-    # ----------------------------------------------------------------------------------------- derived
-    @property
-    def cap(self) -> int:
-        """Tokens one micro-batch may hold (``max_tokens_per_gpu * cp``, before tail-padding rounding)."""
-        return self.max_tokens_per_gpu * self.parallel.cp
+    # ----------------------------------------------------------------------------------------- resolution
+    def resolve(self, reuse: Optional["ResolvedOptions"] = None) -> "ResolvedOptions":
+        """The one step that reads and computes what the options name (module docstring, "Resolution"): the
+        model (a preset name or file -> :class:`ModelSpec`), the cost model (a profile or file -> :class:`CostModel`
+        on this layout), ``"auto"`` (the memory model's :class:`BudgetChoice`), the padding rules and the
+        balancing mode in effect. ``reuse``: a resolution of earlier options of the same run -- whatever these
+        options did not change is taken from it instead of read or computed again (a budget lowered by the
+        memory guard re-resolves nothing but the budget)."""
+        par = self.parallel
+        prev = reuse.options if reuse is not None else None
 
-    @property
-    def margin(self) -> float:
-        """The decision margin in effect: ``decision_margin``, else the cost model's ``uncertainty``."""
-        if self.decision_margin is None:
-            return float(self.resolved_cost_model.uncertainty)
-        return float(self.decision_margin)
+        def same(*names: str) -> bool:
+            return prev is not None and all(_same(getattr(prev, n), getattr(self, n)) for n in names)
+
+        if self.model is None:
+            model = None
+        elif same("model"):
+            model = reuse.model  # type: ignore[union-attr]
+        else:
+            model = ModelSpec.from_any(self.model)
+        choice: Optional[BudgetChoice] = None
+        if self.auto_budget:
+            profile = _memory_profile(self.cost_model)
+            if prev is not None and prev.auto_budget and _same(_memory_profile(prev.cost_model), profile) \
+                    and same("model", "parallel", "gpu_memory_gb", "memory", "forward_only"):
+                choice = reuse.budget_choice  # type: ignore[union-attr]
+            else:
+                choice = choose_budget(model, par, self.gpu_memory_gb, settings=self.memory, profile=profile,
+                                       pass_="log_prob" if self.forward_only else "train")
+            budget = choice.tokens_per_gpu  # type: ignore[union-attr]
+        else:
+            budget = int(self.max_tokens_per_gpu)
+        _, align, _ = check_budget(budget, par, self.fp8_alignment, self.sequence_pad_multiple,
+                                   self.microbatch_pad_multiple)
+        if same("cost_model", "model", "parallel"):
+            cost = reuse.cost_model  # type: ignore[union-attr]
+        else:
+            cost = resolve_cost_model(self.cost_model, model, par)
+        balance = self.balance_by or (BalanceBy.TIME if model is not None else BalanceBy.TOKENS)
+        return ResolvedOptions(options=self, model=model, cost_model=cost, max_tokens_per_gpu=budget,
+                               alignment=align, balance_by=balance, budget_choice=choice)
 
     @classmethod
     def spellings(cls, entry: str) -> Dict[str, str]:
@@ -450,6 +473,95 @@ def _check_counts(value: Any) -> Union[None, int, Tuple[int, ...]]:
     if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim == 1):
         return tuple(as_int(v, "num_microbatches", minimum=1, fix=fix) for v in value)
     return as_int(value, "num_microbatches", minimum=1, fix=fix)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether an option is unchanged between two options objects (identity, or equal plain values)."""
+    if a is b:
+        return True
+    if isinstance(a, CostModel) or isinstance(b, CostModel):
+        return False  # an object of arrays: only the same object is the same
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _memory_profile(cost_model: Any) -> Any:
+    """What an automatic budget reads from ``cost_model``: a file's ``memory`` section (a path), else nothing."""
+    return cost_model if isinstance(cost_model, (str, os.PathLike)) else None
+
+
+def _check_cost_model_kind(choice: Any, model: Any) -> None:
+    """``cost_model``'s kind (``None``, a profile name, a file, a ``CostModel``) and a profile's need of a model;
+    whether a file reads is :meth:`PlanOptions.resolve`'s question."""
+    if choice is None or isinstance(choice, CostModel):
+        return
+    if not isinstance(choice, (str, os.PathLike)):
+        raise DynBatchConfigError("cost_model", type(choice).__name__, "must be a CostModel, a profile name or a "
+                                  "file path", f"use one of {sorted(PROFILES)}, a cost-model JSON file, "
+                                  "or CostModel.from_model(...)")
+    if str(choice) in PROFILES and model is None:
+        raise DynBatchConfigError("cost_model", str(choice), "a cost profile needs the model's shape",
+                                  "pass model=... (a preset name, dict or ModelSpec), or a coefficient file")
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """:class:`PlanOptions` with what they name read and computed (:meth:`PlanOptions.resolve`): what the planner,
+    the plan's report and the Megatron edge work from. Build it with ``options.resolve()``, never by hand."""
+
+    #: the options resolved (every plain option is read from here: ``resolved.options.oversize``)
+    options: PlanOptions
+    #: the model's shape (``None``: no model given)
+    model: Optional[ModelSpec]
+    #: the step-time model, on this layout
+    cost_model: CostModel
+    #: the per-GPU token budget in tokens (``"auto"``: the memory model's choice)
+    max_tokens_per_gpu: int
+    #: the padding rules of this layout and these options
+    alignment: Alignment
+    #: what balancing equalises (the default made explicit: ``time`` with a model, ``tokens`` without)
+    balance_by: BalanceBy
+    #: for ``max_tokens_per_gpu="auto"``: what chose the budget and what limits it (``summary()``: the breakdown)
+    budget_choice: Optional[BudgetChoice] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, PlanOptions):
+            raise DynBatchConfigError("options", type(self.options).__name__, "must be a PlanOptions",
+                                      "build it with PlanOptions(...).resolve()")
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The parallel layout."""
+        return self.options.parallel
+
+    @property
+    def auto_budget(self) -> bool:
+        """Whether the budget was chosen by the memory model (``max_tokens_per_gpu="auto"``)."""
+        return self.budget_choice is not None
+
+    @property
+    def cap(self) -> int:
+        """Tokens one micro-batch may hold (``max_tokens_per_gpu * cp``, before tail-padding rounding)."""
+        return self.max_tokens_per_gpu * self.options.parallel.cp
+
+    @property
+    def margin(self) -> float:
+        """The decision margin in effect: ``decision_margin``, else the cost model's ``uncertainty``."""
+        if self.options.decision_margin is None:
+            return float(self.cost_model.uncertainty)
+        return float(self.options.decision_margin)
+
+    @property
+    def min_group_size(self) -> int:
+        """The smallest CP group dynamic CP may form: ``min_cp_size``, else 1."""
+        return self.options.min_group_size
+
+    def replace(self, **changes: Any) -> "ResolvedOptions":
+        """The options with some changed, resolved again reusing this resolution where nothing it depends on
+        changed (:meth:`PlanOptions.resolve`'s ``reuse``)."""
+        return self.options.replace(**changes).resolve(reuse=self)
 
 
 def dynamic_cp_knob_error(given: Sequence[str]) -> DynBatchConfigError:

@@ -20,7 +20,7 @@ from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .counts import CountRule
 from .inputs import check_lengths, flops_coefficients_of, oversize_mask, sample_flops
-from .options import BalanceBy, PlanOptions
+from .options import BalanceBy, ResolvedOptions
 from .packer import StepInput
 from .search import SearchSettings
 from .steps import Items, build_items, split_steps
@@ -40,7 +40,7 @@ class Step:
 class Prepared:
     """What the planner derives from the options and the batch (see the module docstring)."""
 
-    options: PlanOptions
+    options: ResolvedOptions
     lengths: np.ndarray
     #: tokens one micro-batch may hold after the micro-batch tail padding (``Alignment.effective_cap``)
     effective_cap: int
@@ -67,12 +67,12 @@ class Prepared:
 
     @property
     def cost_model(self) -> CostModel:
-        return self.options.resolved_cost_model
+        return self.options.cost_model
 
     def search_settings(self) -> SearchSettings:
         """The per-batch constants every optimizer step's count search uses (:mod:`.search`)."""
         o = self.options
-        return SearchSettings(parallel=o.parallel, cost_model=o.resolved_cost_model, alignment=o.alignment,
+        return SearchSettings(parallel=o.parallel, cost_model=o.cost_model, alignment=o.alignment,
                               max_tokens_per_gpu=o.max_tokens_per_gpu, count_rule=self.count_rule,
                               refine_rounds=self.refine_rounds, margin=o.margin)
 
@@ -86,7 +86,7 @@ class Prepared:
         return sorted(self.items.samples_of(np.flatnonzero(self.item_oversize).tolist()))
 
 
-def _auto_fit(options: Any):
+def _auto_fit(options: ResolvedOptions):
     """For an automatic budget: ``(slot, name) -> (problem, fix)`` of a sample it cannot place (else ``None``)."""
     if options.budget_choice is None or options.model is None:
         return None
@@ -95,16 +95,16 @@ def _auto_fit(options: Any):
 
     def explain(slot: int, name: str):
         return auto_cannot_place(options.budget_choice, slot, model=options.model, parallel=options.parallel,
-                                 profile=auto_profile(options), fp8_alignment=options.fp8_alignment,
-                                 sequence_pad_multiple=options.sequence_pad_multiple,
-                                 microbatch_pad_multiple=options.microbatch_pad_multiple, what=name)
+                                 profile=auto_profile(options), fp8_alignment=options.options.fp8_alignment,
+                                 sequence_pad_multiple=options.options.sequence_pad_multiple,
+                                 microbatch_pad_multiple=options.options.microbatch_pad_multiple, what=name)
 
     return explain
 
 
-def prepare(lengths, options: PlanOptions, *, group_ids=None, microbatch_group_ids=None,
+def prepare(lengths, options: ResolvedOptions, *, group_ids=None, microbatch_group_ids=None,
             rollout_ids=None) -> Prepared:
-    """Check the batch against the (already validated) options and derive the planner's inputs."""
+    """Check the batch against the (already resolved) options and derive the planner's inputs."""
     par = options.parallel
     lens = check_lengths(lengths)
     align = options.alignment
@@ -112,7 +112,7 @@ def prepare(lengths, options: PlanOptions, *, group_ids=None, microbatch_group_i
     budget = options.max_tokens_per_gpu
     mode = options.balance_by
     coeffs = flops_coefficients_of(options.model)
-    cm = options.resolved_cost_model
+    cm = options.cost_model
 
     aligned = align.seq_len(lens).astype(np.int64)
     sq = lens.astype(np.float64) ** 2
@@ -123,7 +123,7 @@ def prepare(lengths, options: PlanOptions, *, group_ids=None, microbatch_group_i
         def label(k: int) -> str:
             first = int(items.members[k][0])
             return f"micro-batch group {mb_ids[first]!r} ({items.members[k].size} samples from sample {first})"
-    over = oversize_mask(items.reduce(lens), item_aligned, cap_eff, align, par, budget, options.oversize,
+    over = oversize_mask(items.reduce(lens), item_aligned, cap_eff, align, par, budget, options.options.oversize,
                          label=label, auto_fit=_auto_fit(options))
     flops = sample_flops(coeffs, aligned, sq)
     if mode is BalanceBy.FLOPS:
@@ -134,13 +134,13 @@ def prepare(lengths, options: PlanOptions, *, group_ids=None, microbatch_group_i
         weight = cm.work(aligned, sq)
     item_weight, item_sq = items.reduce(weight), items.reduce(sq)
 
-    equal = options.equal_samples_per_rank
-    units_of_step = split_steps(items, par.dp, group_ids=group_ids, samples_per_step=options.samples_per_step,
-                                rollout_ids=rollout_ids, rollouts_per_step=options.rollouts_per_step,
+    equal = options.options.equal_samples_per_rank
+    units_of_step = split_steps(items, par.dp, group_ids=group_ids, samples_per_step=options.options.samples_per_step,
+                                rollout_ids=rollout_ids, rollouts_per_step=options.options.rollouts_per_step,
                                 equal_samples=equal, mb_ids=mb_ids)
-    rule = CountRule.build(par, options.min_num_microbatches, options.num_microbatches_multiple)
-    forced = _forced_counts(options.num_microbatches, rule, len(units_of_step))
-    rounds = 4 * par.dp if options.refine_rounds is None else options.refine_rounds
+    rule = CountRule.build(par, options.options.min_num_microbatches, options.options.num_microbatches_multiple)
+    forced = _forced_counts(options.options.num_microbatches, rule, len(units_of_step))
+    rounds = 4 * par.dp if options.options.refine_rounds is None else options.options.refine_rounds
     sizes = items.sizes()
     steps = []
     for idx, units in units_of_step:

@@ -9,8 +9,10 @@ to every ``train_step``; ``train_step`` calls it with ``num_microbatches=get_num
 ``megatron.training.training.get_forward_backward_func``, by a function that validates the flags
 (:func:`~.flags.validate_megatron_lm_args`) and returns Megatron's real schedule wrapped in
 :class:`DynamicForwardBackward`. The wrapper ignores the fixed count: it takes one global batch from the data
-iterator (:mod:`.sources`), plans it (:func:`megatron_dynbatch.megatron.args.plan_options_from_args`: identical
-plan on every rank, no communication) and runs it through
+iterator (:mod:`.sources`), plans it with the launch's options -- built from the flags
+(:func:`megatron_dynbatch.megatron.args.plan_options_from_args`) and resolved once per run
+(:meth:`DynamicForwardBackward.options`), not every step -- (identical plan on every rank, no communication) and
+runs it through
 :func:`megatron_dynbatch.megatron.schedule.dynamic_forward_backward` with the plan's micro-batch count, THD
 packing and exact loss normalisation. One more attribute is replaced when present:
 ``num_floating_point_operations`` (the FLOPs behind Megatron's TFLOP/s and ``num_floating_point_operations_so_far``),
@@ -153,6 +155,27 @@ class DynamicForwardBackward:
         # step unless given (False: off)
         self.writers = writers  # () -> (TensorBoard writer, W&B writer); default: Megatron-LM's own
         self.last_metrics: Dict[str, float] = {}
+        self.resolved: Dict[bool, Any] = {}  # forward_only -> the pass's ResolvedOptions, built on its first step
+
+    def options(self, *, forward_only: bool = False) -> Any:
+        """The pass's options (:class:`~megatron_dynbatch.core.planner.options.ResolvedOptions`), built from the
+        launch (``plan_options(args)``, default :func:`~megatron_dynbatch.megatron.args.plan_options_from_args`)
+        and resolved ONCE per run -- on the pass's first step -- not every step: the model preset, the cost-model
+        file and an automatic budget are read and chosen once. What changes between steps (the memory guard's
+        and the first-step probe's budget, the online calibrator's cost model) is applied on top by
+        ``dynamic_forward_backward`` (:meth:`ResolvedOptions.replace`, which re-resolves nothing else)."""
+        if forward_only not in self.resolved:
+            from ...core.planner.api import options_of
+            from ...megatron.args import plan_options_from_args, resolve_launch_options
+
+            if self.plan_options is not None:
+                given = self.plan_options(self.args)
+            else:
+                given = plan_options_from_args(self.args, forward_only=forward_only)
+            opts = given if not isinstance(given, Mapping) else options_of(None, given)
+            # one Megatron iteration = one optimizer step = this global batch
+            self.resolved[forward_only] = resolve_launch_options(opts.replace(samples_per_step=None))
+        return self.resolved[forward_only]
 
     def __call__(self, *, data_iterator: Any, model: Any, forward_only: bool = False,
                  **kwargs: Any) -> List[Dict[str, Any]]:
@@ -172,12 +195,7 @@ class DynamicForwardBackward:
                                       "must yield the whole global batch as a list of sample dicts",
                                       "yield [{'tokens': LongTensor, ...}, ...] (the same list on every rank)")
         run_step = self.run_step or _default_run_step
-        from ...core.planner.api import options_of
-        from ...megatron.args import plan_options_from_args
-
-        given = (self.plan_options or plan_options_from_args)(self.args)
-        opts = given if not isinstance(given, Mapping) else options_of(None, given)
-        opts = opts.replace(samples_per_step=None)  # one Megatron iteration = one optimizer step = this global batch
+        opts = self.options(forward_only=False)
         passthrough = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
         if getattr(self.args, "dynbatch_online_calibration", False):
             passthrough["calibrator"] = self._calibrator(opts)

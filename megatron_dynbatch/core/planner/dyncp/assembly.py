@@ -59,11 +59,11 @@ def build_dynamic_cp_plan(
     schedule of your own (or another system's) through the iterator; call ``plan.validate(len(lengths))`` to
     check it. ``microbatches_per_step``: slots of each optimizer step (default: one step)."""
     opts = PlanOptions(model=model, parallel=parallel, max_tokens_per_gpu=max_tokens_per_gpu, cost_model=cost_model,
-                       fp8_alignment=fp8_alignment)
+                       fp8_alignment=fp8_alignment).resolve()
     par, align = opts.parallel, opts.alignment
     lens = check_lengths(lengths)
     coeffs = flops_coefficients_of(opts.model)
-    cm = cp_comm_cost_model(opts.resolved_cost_model, opts.model, par)
+    cm = cp_comm_cost_model(opts.cost_model, opts.model, par)
     tile = fp8_multiple(fp8_alignment)
     per_step = list(microbatches_per_step) if microbatches_per_step is not None else [len(slots)]
     if sum(per_step) != len(slots):

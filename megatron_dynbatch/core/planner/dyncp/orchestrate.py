@@ -76,40 +76,40 @@ from .schedule import Schedule
 from .step import FixedLayout, StepData
 from ..fallback import SearchBudget
 from ..inputs import check_lengths, flops_coefficients_of
-from ..options import BalanceBy, PlanOptions
+from ..options import BalanceBy, ResolvedOptions
 from .pool import PoolTree, group_alignment, pool_tree
 from ..steps import indices_by_step, step_of_sample
 from ..vpp import check_forced_count
 
 
-def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: PlanOptions, *,
+def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: ResolvedOptions, *,
                     group_ids: Optional[Sequence[Any]] = None) -> DynamicCPPlan:
     """The dynamic-CP plan of a global batch (module docstring); called by ``plan_global_batch(...,
-    dynamic_cp=True)`` with its validated options. Balancing is always by the cost model's seconds."""
+    dynamic_cp=True)`` with its resolved options. Balancing is always by the cost model's seconds."""
     t_start = time.perf_counter()
     par = options.parallel
     lens = check_lengths(lengths)
     align = options.alignment
     budget = options.max_tokens_per_gpu
-    oversize = options.oversize
+    oversize = options.options.oversize
     if group_ids is not None:
         raise DynBatchConfigError(
             "group_ids", "given", "dynamic CP spreads a sample over CP groups that span several DP ranks, so "
             "'a group stays on one DP rank' has no meaning there", "drop group_ids, or plan with dynamic_cp=False")
     coeffs = flops_coefficients_of(options.model)
-    cm = cp_comm_cost_model(options.resolved_cost_model, options.model, par)
-    margin = options.decision_margin if options.decision_margin is not None else float(cm.uncertainty)
-    tile = fp8_multiple(options.fp8_alignment)
+    cm = cp_comm_cost_model(options.cost_model, options.model, par)
+    margin = options.options.decision_margin if options.options.decision_margin is not None else float(cm.uncertainty)
+    tile = fp8_multiple(options.options.fp8_alignment)
     tree = pool_tree(par.dp, par.cp)
-    num_microbatches = options.num_microbatches
+    num_microbatches = options.options.num_microbatches
     if num_microbatches is not None:
         num_microbatches = check_forced_count(num_microbatches, par)
-    samples_per_step = options.samples_per_step
-    rounds = 4 * tree.size if options.refine_rounds is None else options.refine_rounds
+    samples_per_step = options.options.samples_per_step
+    rounds = 4 * tree.size if options.options.refine_rounds is None else options.options.refine_rounds
     over = _oversize(lens, tree, par, budget, tile, oversize)
 
     # the fixed-CP candidates plan as plain plan_global_batch would: its rounds, weight and one shared budget
-    fixed_how = FixedLayout(rounds=4 * par.dp if options.refine_rounds is None else rounds,
+    fixed_how = FixedLayout(rounds=4 * par.dp if options.options.refine_rounds is None else rounds,
                             by_tokens=options.balance_by is BalanceBy.TOKENS, search=SearchBudget())
     lb_time, lb_count = 0.0, 0
     picked: List[Tuple[Schedule, Optional[Schedule], np.ndarray]] = []
