@@ -52,11 +52,11 @@ def test_plan_options_from_scheduler_settings():
                                      microbatch_group_size_per_vp_stage=2)
     par = opts.parallel
     assert (par.dp, par.cp, par.tp, par.pp, par.vpp, par.sequence_parallel) == (4, 2, 2, 2, 2, True)
-    assert opts.max_tokens_per_gpu == 4096 and opts.balance_by == "tokens"  # no vocabulary: tokens
+    assert opts.max_tokens_per_gpu == 4096 and opts.resolve().balance_by == "tokens"  # no vocabulary: tokens
     args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                               padded_vocab_size=128, seq_length=128, swiglu=True, dynbatch_oversize="alone")
     opts = mp.scheduler_plan_options(max_seqlen_per_dp_cp_rank=256, dp=2, cp=1, args=args)
-    assert opts.balance_by == "time" and opts.model.padded_vocab_size == 128 and opts.oversize == "alone"
+    assert opts.resolve().balance_by == "time" and opts.model.padded_vocab_size == 128 and opts.oversize == "alone"
     for bad in (None, 0, -3, 1.5):
         with pytest.raises(DynBatchConfigError, match="--max-seqlen-per-dp-cp-rank"):
             mp.scheduler_plan_options(max_seqlen_per_dp_cp_rank=bad, dp=1, cp=1)

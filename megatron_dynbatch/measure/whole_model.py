@@ -160,7 +160,8 @@ class WholeModel:
 
         probe = FirstStepProbe(card_bytes, reader=reader, merge=lambda v: v, log=None, settings=settings,
                                profile=profile, multiple=multiple, stage=0, device=self.device)
-        options = PlanOptions(model=self.spec, parallel={"dp": 1}, max_tokens_per_gpu=int(tokens), memory=settings)
+        options = PlanOptions(model=self.spec, parallel={"dp": 1}, max_tokens_per_gpu=int(tokens),
+                              memory=settings).resolve()
         self.ddp.zero_grad_buffer()
         return probe.run(options, lambda smp, plan: dynamic_forward_backward(
             self.ddp, smp, plan, device=self.device, reduce_loss=False, memory_probe=False), model=self.ddp)

@@ -44,18 +44,19 @@ def plan_local_batch_across_dp(lengths: Sequence[int], options: Any = None, *, g
     ``kwargs``: :func:`~megatron_dynbatch.plan_global_batch`'s."""
     from ..core.errors import DynBatchConfigError
     from ..core.planner.api import options_of
-    from ..core.planner.local import local_microbatch_counts, plan_local_batch
+    from ..core.planner.local import local_counts, plan_local, resolve_local
     from ..core.planner.options import BATCH_ARGUMENTS
 
     batch = {k: kwargs.pop(k) for k in BATCH_ARGUMENTS if k in kwargs}
-    opts = options_of(options, kwargs)
+    opts = options_of(options, kwargs)  # the door: keywords -> options, resolved once for both steps below
+    resolved = resolve_local(opts)
 
     # A rank that cannot plan still joins the collective (a flag in front of the counts), so the others raise
     # instead of hanging. With one optimizer step the vector's length is known to all; with several, every
     # rank must have the same number of steps.
     single = opts.samples_per_step is None and opts.rollouts_per_step is None
     try:
-        counts, failure = local_microbatch_counts(lengths, opts, **batch), None
+        counts, failure = local_counts(lengths, resolved, **batch), None
     except DynBatchConfigError as exc:
         if not single:
             raise
@@ -67,4 +68,4 @@ def plan_local_batch_across_dp(lengths: Sequence[int], options: Any = None, *, g
         raise DynBatchConfigError("lengths", "another DP rank's samples",
                                   "a DP rank could not plan its samples, so no count was agreed",
                                   "see that rank's error (its samples or the budget)")
-    return plan_local_batch(lengths, opts, num_microbatches=agreed[1:], **batch)
+    return plan_local(lengths, resolved, agreed[1:], **batch)

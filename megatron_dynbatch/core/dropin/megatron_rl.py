@@ -30,6 +30,7 @@ from ..checks import as_int
 from ..errors import DynBatchConfigError, OversizeSampleError
 from ..parallel import ParallelConfig
 from ..planner.inputs import check_lengths
+from ..planner.options import PlanOptions
 from .balance import balance_kwargs
 from .sequence_limit import plan_with_sequence_limit
 
@@ -99,8 +100,8 @@ def plan_rl_bins(seq_lengths: Any, *, bin_size: int, dp: int, seq_length_multipl
     kwargs: Any = dict(parallel=ParallelConfig(**base), max_tokens_per_gpu=bin_size // cp,
                        sequence_pad_multiple=mult, microbatch_pad_multiple=bin_size // cp)
     kwargs.update(balance_kwargs(model, cost_model))
-    plan = plan_with_sequence_limit(lens, max_sequences_per_bin, field="--rl-sequence-packing-max-sequences-per-bin",
-                                    **kwargs)
+    plan = plan_with_sequence_limit(lens, max_sequences_per_bin, PlanOptions.from_kwargs(kwargs),
+                                    field="--rl-sequence-packing-max-sequences-per-bin")
     m = plan.num_microbatches
     bins = [list(map(int, plan.micro_batches[r][j])) for r in range(dp) for j in range(m)]
     return RlBinPlan(bins=bins, per_rank=m, dp=dp, plan=plan)

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from ..checks import as_int
 from ..errors import DynBatchConfigError
+from ..planner.options import PlanOptions
 
 __all__ = ["max_sequences_per_microbatch", "plan_with_sequence_limit"]
 
@@ -30,16 +31,17 @@ def max_sequences_per_microbatch(plan: Any) -> int:
     return max((len(mb) for rank in plan.micro_batches for mb in rank), default=0)
 
 
-def plan_with_sequence_limit(lengths: Any, limit: Optional[int], options: Any = None, *,
-                             field: str = "max_sequences", **option_kwargs: Any) -> Any:
-    """``plan_global_batch(lengths, options, **option_kwargs)`` whose micro-batches hold at most ``limit``
-    samples each (``None``: no limit). The options must not force ``num_microbatches`` when a limit is given."""
-    from ..planner import plan_global_batch
-    from ..planner.api import options_of
+def plan_with_sequence_limit(lengths: Any, limit: Optional[int], options: PlanOptions, *,
+                             field: str = "max_sequences") -> Any:
+    """``plan_global_batch(lengths, options)`` whose micro-batches hold at most ``limit`` samples each (``None``:
+    no limit). The options (built by the drop-in's door) are resolved once here; they must not force
+    ``num_microbatches`` when a limit is given."""
+    from ..planner.api import plan_resolved
     from ..planner.counts import CountRule
 
-    opts = options_of(options, option_kwargs)
-    plan = plan_global_batch(lengths, opts)
+    opts = options
+    resolved = options.resolve()
+    plan = plan_resolved(lengths, resolved)
     if limit is None:
         return plan
     limit = as_int(limit, field, minimum=1, fix="pass the most sequences one packed micro-batch may hold, or None")
@@ -54,7 +56,7 @@ def plan_with_sequence_limit(lengths: Any, limit: Optional[int], options: Any = 
         most = max(sum(len(mb) for mb in rank) for rank in plan.micro_batches)
         target = rule.next(max(count + 1, -(-most // limit)))
         try:  # the count rises every round; past a rank's sample count the planner refuses, ending the loop
-            plan = plan_global_batch(lengths, opts, num_microbatches=target)
+            plan = plan_resolved(lengths, resolved.replace(num_microbatches=target))
         except DynBatchConfigError:
             break  # no rank can be split that far
         count = plan.num_microbatches

@@ -26,19 +26,19 @@ import dataclasses
 from typing import Any, List, Optional, Sequence, Union
 
 from ..errors import DynBatchConfigError
-from .api import options_of, plan_global_batch
-from .options import BATCH_ARGUMENTS, PlanOptions
+from .api import options_of, plan_resolved
+from .options import BATCH_ARGUMENTS, PlanOptions, ResolvedOptions
 from .plan import Plan
 from .prepare import prepare
 from .search import first_feasible_count
 
-__all__ = ["local_microbatch_counts", "plan_local_batch"]
+__all__ = ["local_microbatch_counts", "plan_local_batch", "resolve_local", "local_counts", "plan_local"]
 
 
-def _local_options(options: Optional[PlanOptions], option_kwargs: Any) -> PlanOptions:
-    """The call's options with the layout cut to this one rank."""
-    opts = options_of(options, option_kwargs)
-    return opts.replace(parallel=dataclasses.replace(opts.parallel, dp=1))
+def resolve_local(options: PlanOptions) -> ResolvedOptions:
+    """The job's options with the layout cut to this one rank, resolved (once per call: the doors below, and
+    :func:`~megatron_dynbatch.megatron.local.plan_local_batch_across_dp` for both of its steps)."""
+    return options.replace(parallel=dataclasses.replace(options.parallel, dp=1)).resolve()
 
 
 def local_microbatch_counts(lengths, options: Optional[PlanOptions] = None, *, group_ids: Any = None,
@@ -48,11 +48,17 @@ def local_microbatch_counts(lengths, options: Optional[PlanOptions] = None, *, g
 
     Takes :func:`plan_global_batch`'s arguments (``max_tokens_per_gpu``, ``model``, ``samples_per_step``,
     ``min_num_microbatches``, ...); ``num_microbatches`` is refused (the count is what this computes)."""
-    opts = _local_options(options, option_kwargs)
-    if opts.num_microbatches is not None:
-        raise DynBatchConfigError("num_microbatches", opts.num_microbatches,
+    return local_counts(lengths, resolve_local(options_of(options, option_kwargs)), group_ids=group_ids,
+                        microbatch_group_ids=microbatch_group_ids, rollout_ids=rollout_ids)
+
+
+def local_counts(lengths, options: ResolvedOptions, *, group_ids: Any = None, microbatch_group_ids: Any = None,
+                 rollout_ids: Any = None) -> List[int]:
+    """:func:`local_microbatch_counts` below its door (``options``: :func:`resolve_local`'s)."""
+    if options.options.num_microbatches is not None:
+        raise DynBatchConfigError("num_microbatches", options.options.num_microbatches,
                                   "local_microbatch_counts computes the count", "leave num_microbatches out")
-    prep = prepare(lengths, opts.resolve(), group_ids=group_ids, microbatch_group_ids=microbatch_group_ids,
+    prep = prepare(lengths, options, group_ids=group_ids, microbatch_group_ids=microbatch_group_ids,
                    rollout_ids=rollout_ids)
     settings = prep.search_settings()
     return [first_feasible_count(step.inp, step.sq, settings) for step in prep.steps]
@@ -63,9 +69,20 @@ def plan_local_batch(lengths, options: Optional[PlanOptions] = None, *,
     """This rank's plan (``plan.dp == 1``) with the agreed count(s): one int for every step, or one per step
     (the element-wise maximum of every rank's :func:`local_microbatch_counts`); otherwise
     :func:`plan_global_batch`'s arguments."""
+    _check_agreed(num_microbatches)
+    batch = {k: kwargs.pop(k) for k in BATCH_ARGUMENTS if k in kwargs}
+    return plan_local(lengths, resolve_local(options_of(options, kwargs)), num_microbatches, **batch)
+
+
+def plan_local(lengths, options: ResolvedOptions, num_microbatches: Union[int, Sequence[int], None],
+               **batch: Any) -> Plan:
+    """:func:`plan_local_batch` below its door (``options``: :func:`resolve_local`'s; ``batch``: the per-sample
+    ids)."""
+    _check_agreed(num_microbatches)
+    return plan_resolved(lengths, options.replace(num_microbatches=num_microbatches), **batch)
+
+
+def _check_agreed(num_microbatches: Any) -> None:
     if num_microbatches is None:
         raise DynBatchConfigError("num_microbatches", None, "local mode needs the count the ranks agreed on",
                                   "pass the maximum over DP ranks of local_microbatch_counts(...)")
-    batch = {k: kwargs.pop(k) for k in BATCH_ARGUMENTS if k in kwargs}
-    opts = _local_options(options, {**kwargs, "num_microbatches": num_microbatches})
-    return plan_global_batch(lengths, opts, **batch)

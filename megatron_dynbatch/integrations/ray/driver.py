@@ -14,8 +14,8 @@ import numpy as np
 from ...core.checks import hashable_group_id
 from ...core.errors import DynBatchConfigError, trainer_terms
 from ...core.parallel import ParallelConfig
-from ...core.planner import Plan, PlanKind, plan_global_batch, score_assignment
-from ...core.planner.api import options_of
+from ...core.planner import Plan, PlanKind, score_assignment
+from ...core.planner.api import options_of, plan_resolved
 from ...core.planner.options import PlanOptions
 from ...core.planner.inputs import check_group_ids
 from ...core.planner.vpp import is_valid_microbatch_count, next_valid_microbatch_count
@@ -157,7 +157,7 @@ def plan_rollout(
                                   "group_size")
 
     # ------------------------------------------------------------------ the two plans
-    train_plan = plan_global_batch(lens, opts, group_ids=gids)
+    train_plan = plan_resolved(lens, opts.resolve(), group_ids=gids)  # the training pass, resolved once
     _refuse_dynamic_cp(train_plan)
     lp_plan = None
     if log_probs:
@@ -224,16 +224,17 @@ def plan_log_probs(train_plan: PlanKind, lengths: Sequence[int], options: Option
     train_plan.validate(num_samples=int(lens.size))
     if "parallel" not in option_kwargs and options is None:
         option_kwargs["parallel"] = par
-    opts = options_of(options, option_kwargs)
+    opts = options_of(options, option_kwargs).resolve()  # the door: keywords -> options, resolved once
     common = opts.replace(parallel=dataclasses.replace(opts.parallel, dp=1), samples_per_step=None)
-    max_tokens_per_gpu, oversize = opts.max_tokens_per_gpu, opts.oversize
+    max_tokens_per_gpu, oversize = opts.max_tokens_per_gpu, opts.options.oversize
     ranks = [sorted(train_plan.rank_samples(r)) for r in range(par.dp)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        subs = [plan_global_batch(lens[idx], common) for idx in ranks]
+        subs = [plan_resolved(lens[idx], common) for idx in ranks]
         m = _common_count([p.num_microbatches for p in subs], min(len(idx) for idx in ranks), par)
         try:
-            subs = [p if p.num_microbatches == m else plan_global_batch(lens[idx], common, num_microbatches=m)
+            forced = common.replace(num_microbatches=m)
+            subs = [p if p.num_microbatches == m else plan_resolved(lens[idx], forced)
                     for p, idx in zip(subs, ranks, strict=True)]
             micro_batches = [[[idx[k] for k in mb] for mb in p.micro_batches[0]]
                              for p, idx in zip(subs, ranks, strict=True)]
@@ -257,7 +258,8 @@ def plan_log_probs(train_plan: PlanKind, lengths: Sequence[int], options: Option
         micro_batches = [list(map(list, rank)) for rank in train_plan.micro_batches]
         oversize_samples = list(train_plan.oversize_samples)
     plan = score_assignment(micro_batches, lens, model=opts.model, parallel=par, max_tokens_per_gpu=max_tokens_per_gpu,
-                            fp8_alignment=opts.fp8_alignment, cost_model=opts.cost_model, microbatches_per_step=[m],
+                            fp8_alignment=opts.options.fp8_alignment, cost_model=opts.cost_model,
+                            microbatches_per_step=[m],
                             algorithm="dynbatch-log-probs" if not fallback else "dynbatch-log-probs/train-microbatches")
     plan.balance_by = str(opts.balance_by)
     plan.oversize_samples = oversize_samples
