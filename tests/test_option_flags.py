@@ -218,12 +218,13 @@ def _launch(*flags, dynamic=False):
 def test_one_default_for_balance_by_at_every_door():
     """Unset, ``balance_by`` is ``time`` whenever the model is known -- a launch included (it balanced tokens
     before unless --balance-by-flops was given); --balance-by-flops stays the legacy switch for time."""
-    assert PlanOptions(max_tokens_per_gpu=4096, model="qwen3-0.6b").balance_by is BalanceBy.TIME
-    assert PlanOptions(max_tokens_per_gpu=4096).balance_by is BalanceBy.TOKENS
-    assert _launch().balance_by is BalanceBy.TIME and _launch("--balance-by-flops").balance_by is BalanceBy.TIME
-    assert _launch("--dynbatch-balance-by", "tokens").balance_by is BalanceBy.TOKENS
+    assert PlanOptions(max_tokens_per_gpu=4096, model="qwen3-0.6b").resolve().balance_by is BalanceBy.TIME
+    assert PlanOptions(max_tokens_per_gpu=4096).resolve().balance_by is BalanceBy.TOKENS
+    assert _launch().resolve().balance_by is BalanceBy.TIME
+    assert _launch("--balance-by-flops").resolve().balance_by is BalanceBy.TIME
+    assert _launch("--dynbatch-balance-by", "tokens").resolve().balance_by is BalanceBy.TOKENS
     assert RunConfig.from_dict({"name": "t", "model": "qwen3-0.6b", "parallel": {"world_size": 2},
-                                "max_tokens_per_gpu": 4096}).plan_options().balance_by is BalanceBy.TIME
+                                "max_tokens_per_gpu": 4096}).plan_options().resolve().balance_by is BalanceBy.TIME
 
 
 def test_a_token_balanced_preset_launches_token_balanced():
@@ -231,7 +232,7 @@ def test_a_token_balanced_preset_launches_token_balanced():
                               "max_tokens_per_gpu": 4096, "balance_by": "tokens"})
     argv = rc.to_megatron_args()
     assert argv[argv.index("--dynbatch-balance-by") + 1] == "tokens"
-    assert _launch("--dynbatch-balance-by", "tokens").balance_by is rc.plan_options().balance_by
+    assert _launch("--dynbatch-balance-by", "tokens").resolve().balance_by is rc.plan_options().resolve().balance_by
 
 
 @pytest.mark.parametrize("mode", ["flops", "tokens"])
@@ -263,5 +264,5 @@ def test_dynamic_cp_refuses_a_balancing_it_would_ignore_from_every_door(mode, tm
 def test_dynamic_cp_takes_time_or_the_default():
     base = {"max_tokens_per_gpu": 4096, "parallel": {"dp": 2}, "dynamic_cp": True}
     assert PlanOptions(**base, model="qwen3-0.6b", balance_by="time").dynamic_cp
-    assert PlanOptions(**base).balance_by is BalanceBy.TOKENS  # no model: the default, as before
+    assert PlanOptions(**base).resolve().balance_by is BalanceBy.TOKENS  # no model: the default, as before
     assert _launch(dynamic=True).dynamic_cp and _launch("--balance-by-flops", dynamic=True).dynamic_cp
