@@ -44,7 +44,7 @@ def _train(cal, steps, *, true=CPU, noise=0.03, seed=0, rank=None):
                 secs = secs * (1.0 + noise * rng.standard_normal(secs.size))
                 if cal.recording:
                     cal.add([[g, L, float(s)] for (g, L, _), s in zip(recs, secs)], sl)
-        cal.end_step(plan, lengths, PlanOptions(**KW))
+        cal.end_step(plan, lengths, PlanOptions(**KW).resolve())
 
 
 def test_refits_converge_to_the_hardware_and_report_their_error():

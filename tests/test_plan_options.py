@@ -570,3 +570,92 @@ def test_auto_in_a_trainers_own_budget_setting_says_how_to_get_the_number():
         with pytest.raises(DynBatchConfigError) as info:
             call()
         assert info.value.field == field and "megatron-dynbatch budget" in info.value.fix
+
+
+# ------------------------------------------------------------------------------ issue 31.1: one resolution step
+def _no_io(monkeypatch):
+    """Every reader the resolution uses raises: a preset's YAML, a cost-model file, the memory model, any open()."""
+    import builtins
+
+    from megatron_dynbatch.core.planner import options as options_mod
+
+    def refuse(*a, **k):
+        raise AssertionError("constructing PlanOptions read a file or ran a model")
+
+    monkeypatch.setattr(options_mod, "resolve_cost_model", refuse)
+    monkeypatch.setattr(options_mod, "choose_budget", refuse)
+    monkeypatch.setattr(ModelSpec, "from_yaml", classmethod(refuse))
+    monkeypatch.setattr(builtins, "open", refuse)
+
+
+def test_constructing_options_does_no_io(monkeypatch, tmp_path):
+    path = tmp_path / "cost.json"  # never created: nothing may look at it
+    _no_io(monkeypatch)
+    opts = PlanOptions(max_tokens_per_gpu="auto", model="qwen3-8b", parallel={"dp": 8}, gpu_memory_gb=79.1,
+                       cost_model=str(path), memory={"recompute": "full"})
+    assert opts.model == "qwen3-8b" and opts.cost_model == str(path) and opts.max_tokens_per_gpu == "auto"
+    assert opts.balance_by is None and opts.auto_budget
+    changed = opts.replace(parallel={"dp": 4, "tp": 2}).for_forward_only()  # building more options: no I/O either
+    assert changed.forward_only and changed.max_tokens_per_gpu == "auto"
+    assert PlanOptions(**opts.to_kwargs()) == opts
+
+
+def test_resolve_reads_once_and_says_what_it_chose():
+    opts = PlanOptions(max_tokens_per_gpu="auto", **AUTO_BASE)
+    res = opts.resolve()
+    assert isinstance(res, ResolvedOptions) and res.options is opts
+    assert res.model == ModelSpec.from_any("qwen3-8b") and res.balance_by is BalanceBy.TIME
+    assert res.max_tokens_per_gpu == choose_budget("qwen3-8b", {"dp": 8}, 79.1,
+                                                   settings=AUTO_BASE["memory"]).tokens_per_gpu
+    assert res.cap == res.max_tokens_per_gpu and res.margin == res.cost_model.uncertainty
+    assert res.alignment.seq_multiple >= 1 and res.parallel is opts.parallel
+    with pytest.raises(DynBatchConfigError, match="PlanOptions"):
+        ResolvedOptions(options="not options", model=None, cost_model=res.cost_model, max_tokens_per_gpu=64,
+                        alignment=res.alignment, balance_by=BalanceBy.TOKENS)
+
+
+def test_a_lowered_budget_reresolves_nothing_else(monkeypatch):
+    """The memory guard and the first-step probe lower the budget of resolved options every step: the model,
+    the cost model (file) and the memory model are not read or run again."""
+    res = PlanOptions(max_tokens_per_gpu="auto", **AUTO_BASE).resolve()
+    _no_io(monkeypatch)
+    monkeypatch.setattr(ModelSpec, "from_any", classmethod(lambda *a: (_ for _ in ()).throw(AssertionError())))
+    lower = res.replace(max_tokens_per_gpu=res.max_tokens_per_gpu // 2)
+    assert lower.max_tokens_per_gpu == res.max_tokens_per_gpu // 2 and not lower.auto_budget
+    assert lower.model is res.model and lower.cost_model is res.cost_model
+    again = res.replace(decision_margin=0.1)  # an automatic budget stays the same choice, not chosen again
+    assert again.budget_choice is res.budget_choice and again.margin == 0.1
+
+
+def test_the_hook_resolves_its_options_once_per_run(monkeypatch):
+    pytest.importorskip("torch")
+    import types
+
+    from megatron_dynbatch.integrations.megatron_lm import DynamicForwardBackward
+
+    calls = {"resolve": 0, "build": 0}
+    real = PlanOptions.resolve
+
+    def counting(self, reuse=None):
+        calls["resolve"] += reuse is None  # a fresh resolution (reuse: a change applied on top, nothing re-read)
+        return real(self, reuse)
+
+    monkeypatch.setattr(PlanOptions, "resolve", counting)
+    seen = []
+
+    def run_step(model, samples, options, **kw):
+        seen.append(options)
+        return types.SimpleNamespace(loss=0.5, num_microbatches=1)
+
+    def build(args):
+        calls["build"] += 1
+        return {"max_tokens_per_gpu": 64, "model": "tiny-gpt", "samples_per_step": 2}
+
+    args = types.SimpleNamespace(eval_iters=0)
+    hook = DynamicForwardBackward(object(), args, run_step=run_step, plan_options=build, memory_probe=False)
+    batch = [{"tokens": [1, 2, 3]}] * 2
+    for _ in range(3):
+        hook(data_iterator=iter([batch]), model=None, num_microbatches=1)
+    assert calls == {"resolve": 1, "build": 1} and len(seen) == 3
+    assert seen[0] is seen[1] is seen[2] and isinstance(seen[0], ResolvedOptions)
+    assert seen[0].model == ModelSpec.from_any("tiny-gpt") and seen[0].options.samples_per_step is None
