@@ -364,11 +364,12 @@ def test_the_launch_flag_reaches_the_options_and_the_hook():
     on = _launch(base + ["--dynbatch-memory-probe"])
     opts = plan_options_from_args(on)
     assert opts.memory_probe is True
-    probe = memory_probe_from_args(on, opts.resolve(), reader=FakeMemoryReader(lambda p: 0.0), card_bytes=2 ** 33, log=None)
+    probe = memory_probe_from_args(on, opts.resolve(), reader=FakeMemoryReader(lambda p: 0.0), card_bytes=2 ** 33,
+                                   log=None)
     assert isinstance(probe, FirstStepProbe) and probe.floor == 64  # --seq-length 64 must still fit
     assert probe.settings.optimizer == "replicated"  # the launch's own flags
-    assert memory_probe_from_args(_launch(base + ["--no-dynbatch-memory-probe"]), opts.replace(memory_probe=False).resolve()) \
-        is None
+    off = opts.replace(memory_probe=False).resolve()
+    assert memory_probe_from_args(_launch(base + ["--no-dynbatch-memory-probe"]), off) is None
     recorded: list = []
 
     def run_step(model, samples, options, **kw):
