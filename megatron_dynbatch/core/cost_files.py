@@ -25,6 +25,21 @@ from .errors import DynBatchConfigError
 from .parallel import ParallelConfig
 
 
+def check_cost_model_choice(choice: Any, has_model: bool, *, field: str = "cost_model") -> None:
+    """What can be said of a cost-model choice without reading anything: its kind (``None``, a profile name, a
+    file path, a ``CostModel``) and a profile's need of the model's shape (whether a file reads is
+    :func:`resolve_cost_model`'s question)."""
+    if choice is None or isinstance(choice, CostModel):
+        return
+    if not isinstance(choice, (str, os.PathLike)):
+        raise DynBatchConfigError(field, type(choice).__name__, "must be a CostModel, a profile name or a file path",
+                                  f"use one of {sorted(PROFILES)}, a cost-model JSON file, "
+                                  "or CostModel.from_model(...)")
+    if str(choice) in PROFILES and not has_model:
+        raise DynBatchConfigError(field, str(choice), "a cost profile needs the model's shape",
+                                  "pass model=... (a preset name, dict or ModelSpec), or a coefficient file")
+
+
 def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, field: str = "cost_model") -> "CostModel":
     """The cost model a planner call uses: a :class:`CostModel` (placed on ``parallel``), a profile name
     (:data:`~.cost_profiles.PROFILES`: ``"fitted"``, ``"analytic"``) or a cost-model JSON file -- its
@@ -34,15 +49,9 @@ def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, fie
         return choice.with_layout(parallel)
     if choice is None:
         return CostModel.from_model(model, parallel) if model is not None else CostModel.tokens_only(parallel)
-    if not isinstance(choice, (str, os.PathLike)):
-        raise DynBatchConfigError(field, type(choice).__name__, "must be a CostModel, a profile name or a file path",
-                                  f"use one of {sorted(PROFILES)}, a cost-model JSON file, "
-                                  "or CostModel.from_model(...)")
+    check_cost_model_choice(choice, model is not None, field=field)
     key = str(choice)
     if key in PROFILES:
-        if model is None:
-            raise DynBatchConfigError(field, key, "a cost profile needs the model's shape",
-                                      "pass model=... (a preset name, dict or ModelSpec), or a coefficient file")
         return CostModel.from_model(model, parallel, profile=key)
     # a file is parsed once: its "profile" section applies to the model when both are there, else its coefficients
     data = unreadable = None

@@ -83,8 +83,7 @@ import numpy as np
 from ..alignment import Alignment
 from ..checks import as_bool, as_float, as_int, did_you_mean
 from ..cost_model import CostModel
-from ..cost_files import resolve_cost_model
-from ..cost_profiles import PROFILES
+from ..cost_files import check_cost_model_choice, resolve_cost_model
 from ..errors import DynBatchConfigError, UnknownOptionError
 from ..memory import MAX_GPU_MEMORY_GB, BudgetChoice, MemorySettings, choose_budget
 from ..model_spec import ModelSpec
@@ -269,7 +268,7 @@ class PlanOptions:
         if self.model is None and self.balance_by is BalanceBy.FLOPS:
             raise DynBatchConfigError("model", None, "balancing by FLOPs needs the model's shape",
                                       "pass model=ModelSpec/dict/preset name, or balance_by='tokens'")
-        _check_cost_model_kind(self.cost_model, self.model)
+        check_cost_model_choice(self.cost_model, self.model is not None)  # the file itself: resolve()
         if self.decision_margin is not None:
             set_("decision_margin", as_float(
                 self.decision_margin, "decision_margin", minimum=0.0, maximum=0.999,
@@ -490,20 +489,6 @@ def _same(a: Any, b: Any) -> bool:
 def _memory_profile(cost_model: Any) -> Any:
     """What an automatic budget reads from ``cost_model``: a file's ``memory`` section (a path), else nothing."""
     return cost_model if isinstance(cost_model, (str, os.PathLike)) else None
-
-
-def _check_cost_model_kind(choice: Any, model: Any) -> None:
-    """``cost_model``'s kind (``None``, a profile name, a file, a ``CostModel``) and a profile's need of a model;
-    whether a file reads is :meth:`PlanOptions.resolve`'s question."""
-    if choice is None or isinstance(choice, CostModel):
-        return
-    if not isinstance(choice, (str, os.PathLike)):
-        raise DynBatchConfigError("cost_model", type(choice).__name__, "must be a CostModel, a profile name or a "
-                                  "file path", f"use one of {sorted(PROFILES)}, a cost-model JSON file, "
-                                  "or CostModel.from_model(...)")
-    if str(choice) in PROFILES and model is None:
-        raise DynBatchConfigError("cost_model", str(choice), "a cost profile needs the model's shape",
-                                  "pass model=... (a preset name, dict or ModelSpec), or a coefficient file")
 
 
 @dataclass(frozen=True)
