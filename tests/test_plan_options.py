@@ -659,3 +659,17 @@ def test_the_hook_resolves_its_options_once_per_run(monkeypatch):
     assert calls == {"resolve": 1, "build": 1} and len(seen) == 3
     assert seen[0] is seen[1] is seen[2] and isinstance(seen[0], ResolvedOptions)
     assert seen[0].model == ModelSpec.from_any("tiny-gpt") and seen[0].options.samples_per_step is None
+
+
+def test_dynamic_forward_backward_plans_with_resolved_options_as_given(monkeypatch):
+    """The hook hands its once-resolved options to ``dynamic_forward_backward``: its door takes them as they are
+    (no second resolution) and the iterator plans with exactly them."""
+    torch = pytest.importorskip("torch")
+    from megatron_dynbatch.megatron.schedule import batch_iterator
+    from megatron_dynbatch.megatron.step_config import StepConfig, StepHooks
+
+    res = PlanOptions(max_tokens_per_gpu=64, model="tiny-gpt", parallel={"dp": 1}).resolve()
+    monkeypatch.setattr(PlanOptions, "resolve", lambda *a, **k: (_ for _ in ()).throw(AssertionError("resolved")))
+    samples = [{"tokens": torch.arange(10 + 3 * i)} for i in range(6)]
+    it, used = batch_iterator(samples, res, StepConfig(device=torch.device("cpu")), StepHooks(), None)
+    assert used is res and it.plan.cap == res.cap and it.plan.num_samples == 6
