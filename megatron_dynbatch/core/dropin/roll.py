@@ -51,7 +51,7 @@ from .words import ROLL_WORDS, speaks
 __all__ = ["RollShard", "roll_count_rule", "roll_shard"]
 
 #: (counts x rows) the dynamic programme may evaluate; beyond it, the greedy cut plus splits
-DP_BUDGET = 60_000
+DP_CELLS = 60_000
 
 
 @dataclass
@@ -152,7 +152,7 @@ def _cut(rounded: np.ndarray, rnd: int, cap: int, rule: CountRule, cm: CostModel
         raise DynBatchConfigError("pipeline_model_parallel_size", rule.parallel.pp,
                                   f"the interleaved pipeline needs {target} micro-batches but a shard has {rows} "
                                   "samples", "pass more samples per DP rank, or lower pp / vpp")
-    hi = target if ga_steps is None else min(rows, -(-target // ga_steps) * ga_steps, max(target, DP_BUDGET // rows))
+    hi = target if ga_steps is None else min(rows, -(-target // ga_steps) * ga_steps, max(target, DP_CELLS // rows))
     s = np.maximum(rounded, rnd)
     lo = max(target, rule.next(len(_greedy(s, cap)) - 1))
     if lo <= hi:  # every micro-batch at least one round long
@@ -169,7 +169,7 @@ def _cheapest(s: np.ndarray, cap: int, cands: List[int], cm: CostModel) -> List[
     among the counts ``cands`` (each at least the greedy count and at most the rows): dynamic programming, or the
     greedy cut plus splits where that would cost too much."""
     rows = s.size
-    if min(cands) * rows > DP_BUDGET:
+    if min(cands) * rows > DP_CELLS:
         return _split(_greedy(s, cap), s, min(cands))
     width = np.maximum(cap // s, 1)                # rows a micro-batch ending at row j-1 may hold
     best = None

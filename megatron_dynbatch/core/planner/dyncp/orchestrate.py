@@ -74,7 +74,7 @@ from .candidates import FIXED_CP, candidates
 from .plan import DynamicCPPlan
 from .schedule import Schedule
 from .step import FixedLayout, StepData
-from ..fallback import SearchBudget
+from ..fallback import SearchWork
 from ..inputs import check_lengths, flops_coefficients_of
 from ..options import BalanceBy, PlanOptions
 from .pool import PoolTree, group_alignment, pool_tree
@@ -108,9 +108,9 @@ def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: PlanOpti
     rounds = 4 * tree.size if options.refine_rounds is None else options.refine_rounds
     over = _oversize(lens, tree, par, budget, tile, oversize)
 
-    # the fixed-CP candidates plan as plain plan_global_batch would: its rounds, weight and one shared budget
+    # the fixed-CP candidates plan as plain plan_global_batch would: its rounds, weight and one shared search work
     fixed_how = FixedLayout(rounds=4 * par.dp if options.refine_rounds is None else rounds,
-                            by_tokens=options.balance_by is BalanceBy.TOKENS, search=SearchBudget())
+                            by_tokens=options.balance_by is BalanceBy.TOKENS, search=SearchWork())
     lb_time, lb_count = 0.0, 0
     picked: List[Tuple[Schedule, Optional[Schedule], np.ndarray]] = []
     step_of, n_steps = step_of_sample(int(lens.size), samples_per_step)
