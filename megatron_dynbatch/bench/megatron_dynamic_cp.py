@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -60,6 +60,10 @@ from ..core.planner.dyncp import build_dynamic_cp_plan
 from ..core.planner.dyncp.plan import DynamicCPPlan
 from ..core.planner.dyncp.pool import group_alignment
 from .partitioning import BaselineInfeasible
+
+if TYPE_CHECKING:
+    from ..core.cost_model import CostModelLike
+    from ..core.model_spec import ModelLike
 
 NAME = "megatron-dynamic-cp"
 PROVENANCE = ("Megatron-LM dev DefaultDynamicCPScheduler (d48bd6b): power-of-two CP groups per sequence, larger "
@@ -269,7 +273,7 @@ def dynamic_cp_microbatches(lengths: Sequence[int], parallel: ParallelConfig, ma
 
 
 def plan_megatron_dynamic_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_per_gpu: int, *,
-                             model: Any = None, cost_model: Any = None, min_cp_size: int = 1,
+                             model: Optional[ModelLike] = None, cost_model: CostModelLike = None, min_cp_size: int = 1,
                              fp8_alignment: Any = None) -> DynamicCPPlan:
     """Upstream's schedule (:func:`dynamic_cp_microbatches`) as a :class:`DynamicCPPlan`, scored exactly like the
     dynamic-CP planner's plans (module docstring). ``planning_time_s`` is the scheduler's time, scoring excluded."""

@@ -29,7 +29,7 @@ from .hybrid_cp import NAME as HYBRID_CP, plan_hybrid_cp
 from .megatron_dynamic_cp import NAME as MEGATRON_DYNCP, plan_megatron_dynamic_cp
 from .partitioning import BaselineInfeasible
 from .speed import SpeedResult
-from ..core.cost_model import CostModel
+from ..core.cost_model import CostModel, CostModelLike
 from ..core.cost_files import resolve_cost_model
 from ..core.cost_profiles import DEFAULT_PROFILE
 from ..core.checks import is_int
@@ -176,7 +176,7 @@ def _row_from_plan(w: Workload, seed: int, name: str, family: str, plan: Any, pl
 
 
 def run_workload(w: Workload, seed: int = 0, algorithms: Optional[Sequence[str]] = None,
-                 keep_plans: bool = False, cost_model: Any = None, gpus_per_node: Optional[int] = None,
+                 keep_plans: bool = False, cost_model: CostModelLike = None, gpus_per_node: Optional[int] = None,
                  decision_margin: Optional[float] = None, documents: Optional[Sequence[int]] = None,
                  ) -> Tuple[List[Row], Dict[Tuple[str, int, str], Any]]:
     """Plan and score one workload's batch of ``seed`` with every requested algorithm. ``cost_model``: a
@@ -371,7 +371,8 @@ def run_speed_dyncp(case: Tuple[int, int, int, float] = DYNCP_SPEED_CASE, repeat
 def run_bench(workloads: Sequence[Workload], seeds: int = 1, algorithms: Optional[Sequence[str]] = None,
               speed: bool = True, speed_repeats: int = 3, progress: Optional[bool] = None,
               keep_plans: bool = False, argv: Optional[Sequence[str]] = None,
-              adversarial_sizes: Sequence[int] = (), cost_model: Any = None, gpus_per_node: Optional[int] = None,
+              adversarial_sizes: Sequence[int] = (), cost_model: CostModelLike = None,
+              gpus_per_node: Optional[int] = None,
               decision_margin: Optional[float] = None) -> BenchResult:
     """Run every workload for seeds ``0..seeds-1`` (and the speed micro-benchmark when ``speed``, with the
     adversarial input shapes of :mod:`.adversarial` at ``adversarial_sizes`` samples). ``cost_model``,

@@ -36,7 +36,7 @@ same padded work, so the cap and the count are what balance means here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from ..parallel import ParallelConfig
 from ..planner.counts import CountRule
 from ..planner.inputs import check_lengths
 from .words import ROLL_WORDS, speaks
+
+if TYPE_CHECKING:
+    from ..model_spec import ModelLike
 
 __all__ = ["RollShard", "roll_count_rule", "roll_shard"]
 
@@ -85,7 +88,7 @@ def roll_count_rule(pp: int, vpp: Optional[int], microbatch_group_size_per_vp_st
 def roll_shard(lengths, dp: int, max_tokens_per_microbatch: int, sequence_length_round: int,
                pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: Optional[int] = None,
                microbatch_group_size_per_vp_stage: Optional[int] = None, *, ga_steps: Optional[int] = None,
-               model: Any = None, cost_model: Optional[CostModel] = None) -> RollShard:
+               model: Optional[ModelLike] = None, cost_model: Optional[CostModel] = None) -> RollShard:
     """See the module docstring. ``ga_steps``: ROLL's ``gradient_accumulation_steps`` for a training batch --
     lets the count grow while ``ceil(M / ga_steps)`` (the optimizer steps) stays ROLL's; ``None``: ROLL's count."""
     lens = check_lengths(lengths)

@@ -17,15 +17,18 @@ limit's lower bound.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..checks import as_int
 from ..errors import DynBatchConfigError
 
+if TYPE_CHECKING:
+    from ..planner.plan_kind import PlanKind
+
 __all__ = ["max_sequences_per_microbatch", "plan_with_sequence_limit"]
 
 
-def max_sequences_per_microbatch(plan: Any) -> int:
+def max_sequences_per_microbatch(plan: PlanKind) -> int:
     """The most samples any micro-batch of ``plan`` holds (0 for an empty plan)."""
     return max((len(mb) for rank in plan.micro_batches for mb in rank), default=0)
 

@@ -35,7 +35,7 @@ the trained model (``model=``) to balance its real FLOPs at kernel efficiency. E
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -48,6 +48,10 @@ from ..partitioning import karmarkar_karp
 from ..planner import Plan, local_microbatch_counts, plan_global_batch, plan_local_batch
 from ..planner.inputs import check_group_ids, check_lengths
 from .words import VERL_WORDS, speaks, trainer_terms
+
+if TYPE_CHECKING:
+    from ..cost_model import CostModelLike
+    from ..model_spec import ModelLike
 
 __all__ = ["VERL_WORKLOAD_LINEAR", "balance_partitions", "group_balanced_partitions", "local_count",
            "local_partitions", "local_plan", "seqlen_balanced_partitions", "verl_cost_model",
@@ -125,7 +129,7 @@ def _values(seqlen_list: Any) -> np.ndarray:
 
 @speaks(VERL_WORDS, assertion=True)
 def group_balanced_partitions(seqlen_list: Sequence[int], uid_list: Sequence[Any], k_partitions: int,
-                              model: Any = None) -> List[List[int]]:
+                              model: Optional[ModelLike] = None) -> List[List[int]]:
     """verl's ``get_group_balanced_partitions``: runs of equal consecutive uids stay together; groups are dealt
     to ``k`` partitions with equal group counts, balanced by verl's workload (or the model's time)."""
     lens = check_lengths(seqlen_list, field="seqlen_list")
@@ -217,7 +221,7 @@ def _quiet_plan(fn, lens: np.ndarray, **kw):
 @speaks(VERL_WORDS, assertion=True)
 def local_count(lengths: Sequence[int], max_token_len: int, *, num_batches_divided_by: Optional[int] = None,
                 min_num_micro_batch: Optional[int] = None, force_group_size: Optional[int] = None, tp: int = 1,
-                cp: int = 1, pp: int = 1, model: Any = None, cost_model: Any = None,
+                cp: int = 1, pp: int = 1, model: Optional[ModelLike] = None, cost_model: CostModelLike = None,
                 sequence_pad_multiple: Optional[int] = None) -> int:
     """The micro-batches this rank needs (before the MAX over DP): the first count, at least
     ``min_num_micro_batch`` and a multiple of ``num_batches_divided_by``, at which its samples pack under
@@ -233,7 +237,7 @@ def local_count(lengths: Sequence[int], max_token_len: int, *, num_batches_divid
 @speaks(VERL_WORDS, assertion=True)
 def local_plan(lengths: Sequence[int], max_token_len: int, num_micro_batches: int, *,
                num_batches_divided_by: Optional[int] = None, force_group_size: Optional[int] = None, tp: int = 1,
-               cp: int = 1, pp: int = 1, model: Any = None, cost_model: Any = None,
+               cp: int = 1, pp: int = 1, model: Optional[ModelLike] = None, cost_model: CostModelLike = None,
                sequence_pad_multiple: Optional[int] = None) -> Plan:
     """This rank's :class:`~megatron_dynbatch.core.planner.Plan` for the agreed ``num_micro_batches``: no
     micro-batch over ``max_token_len`` except a ``force_group_size`` group that alone is over it (verl runs such
@@ -269,7 +273,8 @@ def local_partitions(lengths: Sequence[int], max_token_len: int, num_micro_batch
 @speaks(VERL_WORDS, assertion=True)
 def balance_partitions(lengths: Sequence[int], dp: int, *, minibatch_size: Optional[int] = None,
                        uids: Optional[Sequence[Any]] = None, max_token_len: Optional[int] = None, tp: int = 1,
-                       cp: int = 1, pp: int = 1, model: Any = None, cost_model: Any = None) -> List[List[int]]:
+                       cp: int = 1, pp: int = 1, model: Optional[ModelLike] = None,
+                       cost_model: CostModelLike = None) -> List[List[int]]:
     """The DP-level balance of verl's ``_balance_batch``: ``dp`` partitions of global indices with equal sample
     counts (per mini-batch of ``minibatch_size`` samples, in mini-batch order, with ``keep_minibatch``), uid groups
     kept on one rank when ``uids`` is given, balanced by time under the budget ``max_token_len`` (when given)."""

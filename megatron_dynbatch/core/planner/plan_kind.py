@@ -32,13 +32,16 @@ from __future__ import annotations
 import abc
 import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..alignment import Alignment
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+
+if TYPE_CHECKING:
+    from ..memory.budget import BudgetChoice
 
 #: ``to_dict()["kind"]`` -> the :class:`PlanKind` that reads it back (filled by ``__init_subclass__``, so this
 #: module never imports the kinds)
@@ -74,7 +77,7 @@ class PlanKind(abc.ABC):
     step_time: List[float] = field(default_factory=list)
     #: ``max_tokens_per_gpu="auto"``: the memory model's :class:`~megatron_dynbatch.core.memory.BudgetChoice` (what
     #: limits the budget; :meth:`summary` says it in words); ``None`` for a budget given as a number
-    budget_choice: Any = field(default=None, repr=False, compare=False)
+    budget_choice: Optional[BudgetChoice] = field(default=None, repr=False, compare=False)
 
     #: the ``"kind"`` of :meth:`to_dict` (``None``: a plain plan, whose dict carries no kind)
     kind: ClassVar[Optional[str]] = None
