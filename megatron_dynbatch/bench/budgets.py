@@ -32,7 +32,8 @@ from ..core.memory import TRAINER_DEFAULTS, GiB, MemorySettings, choose_budget, 
 from .workloads import Workload
 
 if TYPE_CHECKING:
-    from ..core.cost_model import CostModelLike
+    from ..core.cost_model import CostModel, CostModelLike
+    from ..core.planner.plan_kind import PlanKind
 
 #: the memory settings the comparison assumes (stated in the report)
 BENCH_SETTINGS = MemorySettings(recompute="full", optimizer="cpu_offload")
@@ -67,7 +68,7 @@ def hand_set_budgets(w: Workload) -> List[Tuple[str, int]]:
     return out
 
 
-def _plan(w: Workload, lengths: np.ndarray, tokens: int, cm: Any) -> Any:
+def _plan(w: Workload, lengths: np.ndarray, tokens: int, cm: CostModel) -> PlanKind:
     from ..core.planner import plan_global_batch
 
     plan = plan_global_batch(lengths, model=w.model, parallel=w.parallel, max_tokens_per_gpu=tokens, cost_model=cm)

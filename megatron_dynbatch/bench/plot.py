@@ -79,7 +79,7 @@ def require_matplotlib(path: str, flag: str = "--plot") -> None:
                                   f"or drop {flag}")
 
 
-def _over_budget(plan: Any, r: int) -> List[bool]:
+def _over_budget(plan: PlanKind, r: int) -> List[bool]:
     tokens, cap = getattr(plan, "microbatch_tokens", None), getattr(plan, "cap", None)
     if tokens is None or not cap:
         return [False] * len(plan.microbatch_time[r])

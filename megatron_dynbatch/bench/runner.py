@@ -19,7 +19,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from ..core.checks import is_int
 from ..core.errors import DynBatchConfigError
 from ..core.parallel import ParallelConfig
 from .workloads import Workload, grpo_lengths
+
+if TYPE_CHECKING:
+    from ..core.planner.plan_kind import PlanKind
 
 #: Planner variants benchmarked next to the baselines: name -> (plan_global_batch kwargs, needs group ids).
 #: ``dynbatch`` is the default call (with a model it balances FLOPs as the cost model's seconds);
@@ -161,7 +164,7 @@ def _json_safe(obj: Any) -> Any:
 
 
 # ============================================================================================ one workload
-def _row_from_plan(w: Workload, seed: int, name: str, family: str, plan: Any, planning_s: float,
+def _row_from_plan(w: Workload, seed: int, name: str, family: str, plan: PlanKind, planning_s: float,
                    notes: List[str]) -> Row:
     counts = [len(r) for r in plan.micro_batches]
     total = plan.real_tokens + plan.padding_tokens

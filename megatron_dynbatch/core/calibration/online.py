@@ -59,10 +59,11 @@ from .report import fit_line
 from .shared import merged_profile, profile_vector, scale_profile
 
 if TYPE_CHECKING:
-    from ..model_spec import ModelLike
+    from ..model_spec import ModelLike, ModelSpec
     from ..parallel import ParallelLike
     from ..planner.options import PlanOptions
     from ..planner.plan_kind import PlanKind
+    from .compare import StepTimeChange
 
 #: records the first fit misses by more than this (relative) are dropped before the final fit
 OUTLIER = 1.0
@@ -306,7 +307,8 @@ def _shape_of(base: Any) -> CostProfile:
         raise
 
 
-def _change(plan: Any, lengths: Any, new: CostModel, model: Any, options: Any) -> Any:
+def _change(plan: PlanKind, lengths: Any, new: CostModel, model: ModelSpec, options: Optional[PlanOptions]
+            ) -> Optional[StepTimeChange]:
     from .compare import step_time_change
 
     budget = int(plan.max_tokens_per_gpu)

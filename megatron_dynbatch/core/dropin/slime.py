@@ -157,7 +157,8 @@ def slime_schedule(total_lengths: Sequence[int], *, rollout_indices: Sequence[An
     return SlimeSchedule(partitions, mbi, list(plan.microbatches_per_step), [gbs] * steps, plan)
 
 
-def _static(lens, by_rollout, order, steps, gbs, par: ParallelConfig, micro_batch_size, balance_data, model):
+def _static(lens, by_rollout, order, steps, gbs, par: ParallelConfig, micro_batch_size, balance_data,
+            model: Optional[ModelLike]):
     """slime's static path: fixed-size chunks in sample order, dealt round-robin or by KK on FLOPs."""
     mbs = as_int(micro_batch_size, "micro_batch_size", minimum=1, fix="pass --micro-batch-size")
     dp = par.dp
@@ -190,7 +191,7 @@ def _static(lens, by_rollout, order, steps, gbs, par: ParallelConfig, micro_batc
     return SlimeSchedule(partitions, mbi, counts, [gbs] * steps, None)
 
 
-def _fwd_flops(lens: np.ndarray, model: Any) -> np.ndarray:
+def _fwd_flops(lens: np.ndarray, model: Optional[ModelLike]) -> np.ndarray:
     if model is None:
         return lens.astype(np.float64)
     from ..flops import flops_coefficients

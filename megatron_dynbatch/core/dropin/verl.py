@@ -75,7 +75,7 @@ def verl_cost_model(parallel: Optional[ParallelConfig] = None) -> CostModel:
     return CostModel.from_flops(VERL_WORKLOAD_LINEAR * _VERL_FLOPS_PER_UNIT, float(_VERL_FLOPS_PER_UNIT), parallel)
 
 
-def _balance_kwargs(model: Any, cost_model: Optional[CostModel], par: ParallelConfig) -> dict:
+def _balance_kwargs(model: Optional[ModelLike], cost_model: Optional[CostModel], par: ParallelConfig) -> dict:
     """What the drop-ins balance by: the model's time when it is given, else verl's own workload estimate
     (:func:`verl_cost_model`) as time -- so an import-only switch balances what verl balances."""
     if model is not None:
@@ -150,14 +150,15 @@ def group_balanced_partitions(seqlen_list: Sequence[int], uid_list: Sequence[Any
     return [sorted(i for gi in part for i in groups[gi]) for part in parts]
 
 
-def _work(lens: np.ndarray, model: Any) -> np.ndarray:
+def _work(lens: np.ndarray, model: Optional[ModelLike]) -> np.ndarray:
     if model is None:
         return verl_workload(lens)
     cm = CostModel.from_model(model)
     return cm.work(lens, lens.astype(np.float64) ** 2)
 
 
-def _planner_kwargs(lens: np.ndarray, max_token_len: int, *, tp: int, cp: int, pp: int, model: Any, cost_model: Any,
+def _planner_kwargs(lens: np.ndarray, max_token_len: int, *, tp: int, cp: int, pp: int, model: Optional[ModelLike],
+                    cost_model: CostModelLike,
                     num_batches_divided_by: Optional[int], min_num_micro_batch: Optional[int],
                     force_group_size: Optional[int], sequence_pad_multiple: Optional[int]) -> dict:
     """``plan_global_batch`` arguments for one rank's micro-batches under verl's semantics, after checking that
@@ -198,7 +199,7 @@ def _check_samples_fit(lens: np.ndarray, cap: int, par: ParallelConfig, pad: int
             f"(ppo_max_token_len_per_gpu x cp) >= {need}, or lower max_prompt_length + max_response_length")
 
 
-def _group_warning(plan: Any, fgs: int, cap: int) -> None:
+def _group_warning(plan: Plan, fgs: int, cap: int) -> None:
     """verl's policy for a ``force_group_size`` group over ``max_token_len``: it runs as a micro-batch of its
     own (over the budget), with this warning; ``plan.oversize_samples`` / ``plan.cap_violations`` count it."""
     if not plan.oversize_samples:
