@@ -1344,8 +1344,6 @@ FIGURES: List[Figure] = [
            lambda r, p: (lambda n, _, k: [n, n, f1(100 * p.uncertainty), k, n])(*_dyncp_gain_stats(r))),
     Figure("docs/benchmarks.md", "the model's error ({}%, its decision margin)", "profile",
            lambda p: [f1(100 * p.uncertainty)]),
-    Figure("docs/benchmarks.md", "the candidate with the smallest widest group among those within\n{}% of the fastest",
-           "profile", lambda p: [f1(100 * p.uncertainty)]),
     Figure("docs/benchmarks.md", "`dyncp-longdoc-8b-1mb` up to **{}x** (target >= 1.8x", "dyncp",
            lambda r: [_dyncp_longdoc_speedups(r)[0]]),
     Figure("docs/benchmarks.md", "Measured on an H100: {}-{}x for the plan of project\ncommit `e7fb6ba`", "h100",
