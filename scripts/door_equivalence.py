@@ -438,7 +438,9 @@ def launch_namespace(case: Dict[str, Any]) -> Optional[argparse.Namespace]:
     ns.world_size = par["dp"] * ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size * \
         ns.context_parallel_size
     memory = kw.get("memory") or {}
-    if "recompute" in memory:
+    if memory.get("recompute") not in (None, "none", "full", "selective"):
+        return None  # Megatron's own parser refuses it (--recompute-granularity {full,selective})
+    if memory.get("recompute") in ("full", "selective"):
         ns.recompute_granularity = memory["recompute"]
     if memory.get("optimizer") in ("distributed", "cpu_offload"):
         ns.use_distributed_optimizer = True
@@ -727,26 +729,47 @@ def compare(base: Dict[str, Any], results: Dict[str, Dict[str, str]], doors: Lis
     return 1 if any(diff.values()) else 0
 
 
-def agreement(results: Dict[str, Dict[str, str]], show: int = 8) -> None:
-    """Where two option doors given the same case disagree (both answered: neither ``-``)."""
-    pairs: Dict[Tuple[str, str], List[str]] = {}
+def _said_field(fp: str) -> str:
+    """A refusal's field in the Python keyword's words (a door names it by its own flag)."""
+    from megatron_dynbatch import PlanOptions
+
+    field = fp.split(":", 2)[2] if fp.count(":") >= 2 else ""
+    words = {flag: name for door in ("cli", "megatron") for name, flag in PlanOptions.spellings(door).items()}
+    words.update({"--dp": "parallel.dp", "--balance-by-flops": "balance_by", "samples": "lengths",
+                  "len(lengths)": "lengths", "--log-probs-max-tokens-per-gpu": "max_tokens_per_gpu"})
+    field = words.get(field, field)
+    return "lengths" if field.startswith("lengths[") else field.split(".")[0] if field.startswith("parallel") \
+        else field
+
+
+def agreement(results: Dict[str, Dict[str, str]], show: int = 6) -> None:
+    """Where two option doors given the same case answer differently (both answer: neither ``-``), by kind:
+    different plans; one plans and the other refuses; both refuse but name different fields (in the Python
+    keyword's words, so a door's own flag names agree with the keyword)."""
+    kinds = ("different plans", "plan vs refusal", "refusals naming different fields")
+    pairs: Dict[Tuple[str, str], Dict[str, List[str]]] = {}
     for key, row in results.items():
         for a_i, a in enumerate(OPTION_DOORS):
             for b in OPTION_DOORS[a_i + 1:]:
-                fa, fb = row.get(a, NA), row.get(b, NA)
+                fa, fb = row.get(a, NA).split("+")[0], row.get(b, NA).split("+")[0]  # ray: the training plan
                 if NA in (fa, fb) or fa == fb:
                     continue
-                if b == "ray":  # the training plan only
-                    fb = fb.split("+")[0]
-                    if fa == fb:
-                        continue
-                pairs.setdefault((a, b), []).append(f"{key}: {fa} vs {fb}")
+                if fa[0] == fb[0] == "P":
+                    kind = kinds[0]
+                elif fa[0] != fb[0]:
+                    kind = kinds[1]
+                elif _said_field(fa) != _said_field(fb):
+                    kind = kinds[2]
+                else:
+                    continue
+                pairs.setdefault((a, b), {}).setdefault(kind, []).append(f"{key}: {fa} vs {fb}")
     if not pairs:
         print("every option door agrees wherever two answer")
-    for (a, b), rows in sorted(pairs.items()):
-        print(f"{a} vs {b}: {len(rows)} case(s) differ")
-        for line in rows[:show]:
-            print("   ", line)
+    for (a, b), by_kind in sorted(pairs.items()):
+        print(f"{a} vs {b}: " + ", ".join(f"{len(by_kind[k])} {k}" for k in kinds if k in by_kind))
+        for k in kinds:
+            for line in by_kind.get(k, [])[:show]:
+                print(f"    [{k}] {line}")
 
 
 def show_case(key: str, doors: List[str]) -> None:
