@@ -75,6 +75,8 @@ class StepData:
                  tile: int, oversize: np.ndarray, forced: Optional[int] = None, rounds: int = 0,
                  margin: float = 0.0, fixed: Optional[FixedLayout] = None, min_size: int = 1) -> None:
         self.lens, self.tree, self.cm, self.par, self.budget = lens, tree, cm, par, budget
+        #: the FP8 token multiple every group's alignment includes
+        self.tile = int(tile)
         #: the smallest group a candidate may form (``min_cp_size``; a power of two <= cp, so a tree size)
         self.min_size = int(min_size)
         self.forced, self.rounds, self.margin = forced, rounds, margin
