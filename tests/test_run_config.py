@@ -46,7 +46,7 @@ def test_every_preset_loads_and_plans(name):
     assert rc.name == name
     assert rc.model_spec().num_layers > 0
     assert rc.parallel().world_size == rc.parallel().dp * rc.parallel().tp * rc.parallel().pp * rc.parallel().cp
-    n = rc.samples_per_step or 8 * rc.parallel().dp
+    n = rc.options.samples_per_step or 8 * rc.parallel().dp
     lengths = _lengths(rc, n)
     plan = plan_global_batch(lengths, rc.plan_options(), group_ids=rc.group_ids(n))
     plan.validate(num_samples=n)
@@ -75,7 +75,7 @@ def test_tiny_preset_matches_the_demo_defaults():
     demo = pytest.importorskip("megatron_dynbatch.demo")
     rc = RunConfig.from_yaml("tiny-cpu-demo")
     parser = demo._parser()
-    assert rc.max_tokens_per_gpu == parser.get_default("max_tokens_per_gpu")
+    assert rc.budget_as_written() == parser.get_default("max_tokens_per_gpu")
     assert rc.parallel().dp == parser.get_default("dp")
     assert rc.model_spec().padded_vocab_size == demo.VOCAB
 
@@ -156,7 +156,7 @@ def test_group_ids_and_replace():
     with pytest.raises(DynBatchConfigError, match="multiple of group_size"):
         rc.group_ids(12)
     small = rc.replace(parallel={"world_size": 4}, samples_per_step=32)
-    assert (small.parallel().dp, small.samples_per_step) == (4, 32)
+    assert (small.parallel().dp, small.options.samples_per_step) == (4, 32)
     with pytest.raises(DynBatchConfigError, match="32 groups per step for dp=64"):
         rc.replace(parallel={"world_size": 64})
 
@@ -449,11 +449,11 @@ def test_every_preset_fits_every_trainer_it_names(name):
     from megatron_dynbatch.core.memory import choose_budget, peak_memory
 
     rc = RunConfig.from_yaml(name)
-    card = rc.gpu_memory_gb or H100_GIB
+    card = rc.options.gpu_memory_gb or H100_GIB
     st = rc.memory_settings()
     for trainer in rc.named_trainers():
         mine = st.replace(trainer=trainer)
-        for pass_, value in (("train", rc.max_tokens_per_gpu), ("log_prob", rc.effective_log_probs_max_tokens_per_gpu)):
+        for pass_, value in (("train", rc.budget_as_written()), ("log_prob", rc.budget_as_written(forward_only=True))):
             choice = choose_budget(rc.model_spec(), rc.parallel(), card, pass_=pass_, settings=mine)
             tokens = choice.tokens_per_gpu if value == "auto" else value
             peak = peak_memory(rc.model_spec(), rc.parallel(), tokens, pass_=pass_, settings=mine)
