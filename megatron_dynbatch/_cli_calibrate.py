@@ -6,7 +6,7 @@ bad flag is a ``DynBatchConfigError`` naming the flag, its value and the fix), p
 (:func:`~megatron_dynbatch.measure.calibrate.run_calibration`; or refits saved records, ``--from-records``), prints
 the fit error per group size and what the calibrated model changes on a sample batch (the default model's plan
 re-scored, and the batch re-planned: :func:`~megatron_dynbatch.core.calibration.compare.step_time_change`), and
-writes the cost-model file (``--output``) that ``plan|bench --cost-model``, ``RunConfig.cost_model`` and
+writes the cost-model file (``--output``) that ``plan|bench --cost-model``, ``RunConfig.options`` and
 ``--dynbatch-cost-model`` read. ``--run PRESET`` takes the model, layout, budget and dynamic CP from a run preset
 (a flag that contradicts it is refused). Progress goes to stderr: on a terminal one line updated per grid point,
 elsewhere (a log, a pipe) a line every :data:`PROGRESS_EVERY_S` seconds. megatron-core's notices that it falls back

@@ -1,6 +1,6 @@
 """``megatron-dynbatch calibrate`` (issue 18 item 4): every bad flag is a ``DynBatchConfigError`` naming the flag, the
 value and the fix; ``--dry-run`` times nothing (and imports no torch); a real CPU run writes the cost-model file that
-``plan --cost-model``, ``bench --cost-model``, ``RunConfig.cost_model`` and ``--dynbatch-cost-model`` read; saved
+``plan --cost-model``, ``bench --cost-model``, ``RunConfig.options`` and ``--dynbatch-cost-model`` read; saved
 records refit without timing. No wall-clock assertion."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_a_cpu_run_fits_reports_and_writes_the_file_every_reader_takes(calibrate
     assert main(["bench", "--workloads", "smoke", "--algorithms", "dynbatch", "--no-speed",
                  "--cost-model", path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)
-    # RunConfig.cost_model and --dynbatch-cost-model
+    # RunConfig.options.cost_model and --dynbatch-cost-model
     rc = RunConfig.from_dict({"name": "t", "model": CPU_MODEL, "parallel": {"dp": 2, "pp": 2},
                               "max_tokens_per_gpu": 512, "cost_model": path})
     plan = plan_global_batch([40, 200, 90, 250, 17, 130, 60, 75], rc.plan_options())

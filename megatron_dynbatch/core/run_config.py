@@ -1,22 +1,38 @@
 """Run presets: one typed, validated object for everything a dynamic-batching training run decides.
 
 A :class:`RunConfig` names the model (a preset such as ``"qwen3-8b"`` or an inline mapping of
-:class:`~megatron_dynbatch.core.model_spec.ModelSpec` fields), the parallel layout, the token budgets, the
-balancing mode, the oversize policy, FP8 alignment, the loss normalisation, the optimizer-step size and whether
-the ``dp x cp`` GPUs are planned as one dynamic-CP pool (``docs/dynamic_cp.md``). It is
-the single source for three consumers that must agree with each other:
+:class:`~megatron_dynbatch.core.model_spec.ModelSpec` fields), holds the planning options -- the layout, the token
+budget, the balancing, the oversize policy, FP8 alignment, the optimizer-step size, whether the ``dp x cp`` GPUs
+are planned as one dynamic-CP pool (``docs/dynamic_cp.md``), ... -- as one
+:class:`~megatron_dynbatch.core.planner.options.PlanOptions` (:attr:`RunConfig.options`), and adds what is the
+run's own: the log-prob pass's budget, the loss normalisation, GRPO groups, the trainers, the MoE dispatcher, online
+calibration, the longest sample and extra Megatron flags. It is the single source for three consumers that must
+agree with each other:
 
-* the planner -- :meth:`RunConfig.plan_options` gives the planner's
-  :class:`~megatron_dynbatch.core.planner.options.PlanOptions` (training, or the forward-only log-prob pass),
-  built once at construction, so the preset's planning fields are checked by the planner's own rules;
+* the planner -- :meth:`RunConfig.plan_options` gives the options (training, or the forward-only log-prob pass),
+  built once at construction, so the preset's planning keys are checked by the planner's own rules;
 * Megatron -- :meth:`RunConfig.to_megatron_args` gives the command-line flags the preset implies (layout,
-  dispatcher, batching flags); model-shape flags stay in the launch script;
+  dispatcher, batching flags: each option under its field's launch spelling); model-shape flags stay in the launch
+  script;
 * people -- ``configs/runs/<name>.yaml`` is readable and is checked at load time.
+
+One list of options
+-------------------
+No field of :class:`RunConfig` mirrors an option. The YAML form keeps the options as flat keys; the keys that go
+into the options (:data:`OPTION_KEYS`) are read from the ``PlanOptions`` field metadata -- every option a Megatron
+launch sets by a flag of its own (``PlanOptions.spellings("megatron")``), plus ``parallel`` -- so a new option
+with a launch flag is a preset key, a ``to_megatron_args`` flag and a ``plan --run`` flag checked against the
+preset (``_cli_run.py``) with nothing written here. Two keys are the run's own on purpose: ``model`` (a preset
+name or mapping, with ``megatron_args``' dropout / QK-norm on top) and ``memory`` (settings on top of what
+``megatron_args`` imply) are the preset's source forms, which the options hold resolved (a ``ModelSpec``, a
+``MemorySettings``). Where this module reads a value ``PlanOptions`` derives (the number an ``auto`` budget
+became, the as-written form), it goes through one small function (``_written``, ``_budget_tokens``).
 
 Every problem raises :class:`~megatron_dynbatch.core.errors.DynBatchConfigError` at construction, naming the field,
 its value and the fix; unknown keys are rejected with close-match suggestions. Bare names resolve in the
 ``runs/`` sibling of every model-preset directory (:func:`run_preset_dirs`), so ``$MEGATRON_DYNBATCH_CONFIGS``
-works for both kinds of preset.
+works for both kinds of preset. The dataclass is frozen and normalises only in ``__post_init__`` (its helpers
+return the values it stores).
 
 This module is pure Python (+ PyYAML): it never imports torch or megatron.
 """
