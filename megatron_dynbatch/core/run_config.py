@@ -227,11 +227,7 @@ class RunConfig:
                     raise DynBatchConfigError(f"options.{key}", written[key], "is not a run preset option (a Megatron "
                                               "launch has no flag for it)", f"plan with PlanOptions directly, or "
                                               f"use only {', '.join(OPTION_KEYS)}")
-            for key in ("model", "memory"):  # the preset's own fields give them
-                if written[key] is not None:
-                    raise DynBatchConfigError(f"options.{key}", written[key], f"is given by the run's own '{key}'",
-                                              f"drop it from the options and write {key}: ... at the top level")
-            given = {key: written[key] for key in OPTION_KEYS}
+            given = {key: written[key] for key in OPTION_KEYS + ("model", "memory")}  # the two: _build_options
         elif isinstance(self.options, Mapping):
             unknown = [k for k in self.options if k not in OPTION_KEYS]
             if unknown:
@@ -304,9 +300,17 @@ class RunConfig:
 
     def _build_options(self, given: Dict[str, Any], spec: ModelSpec, par: ParallelConfig) -> PlanOptions:
         """The planner's options from the preset's keys, the resolved model and layout (``memory``:
-        :meth:`memory_settings`, which only an ``auto`` budget reads) -- checked by the planner's own rules."""
+        :meth:`memory_settings`, which only an ``auto`` budget reads) -- checked by the planner's own rules. Options
+        given whole may hold the model and memory only as the run's own ``model`` / ``memory`` give them."""
         auto = AUTO in (given.get("max_tokens_per_gpu"), self.log_probs_max_tokens_per_gpu)
-        return PlanOptions(**given, model=spec, parallel=par, memory=self.memory_settings() if auto else None)
+        own = {"model": spec, "memory": self.memory_settings() if auto else None}
+        for key, mine in own.items():
+            theirs = given.pop(key, None)
+            if theirs is not None and theirs != mine:
+                raise DynBatchConfigError(f"options.{key}", getattr(theirs, "name", None) or type(theirs).__name__,
+                                          f"differs from what the run's own '{key}' gives",
+                                          f"drop it from the options and write {key}: ... at the top level")
+        return PlanOptions(**given, parallel=par, **own)
 
     def _checked_log_probs_budget(self, options: PlanOptions) -> Union[None, int, str]:
         """The log-prob budget, checked as the budget of the forward-only options; stored as ``"auto"`` or the
