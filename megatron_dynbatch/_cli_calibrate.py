@@ -142,7 +142,7 @@ def _target(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any
         if mine is not None and mine != theirs:
             raise DynBatchConfigError(flag, mine, f"the run preset {run.name!r} says {theirs}",
                                       f"drop {flag} to calibrate the preset's setting, or drop --run")
-    return {"model": run.model_spec(), "parallel": par, "dynamic_cp": run.dynamic_cp or args.dynamic_cp,
+    return {"model": run.model_spec(), "parallel": par, "dynamic_cp": run.options.dynamic_cp or args.dynamic_cp,
             "max_tokens_per_gpu": run.budget(), "run": run}
 
 

@@ -289,11 +289,11 @@ def test_the_cpu_demo_model_separates_its_costs_on_a_busy_machine():
     from megatron_dynbatch.core.run_config import RunConfig
 
     demo = RunConfig.from_yaml("cpu-calibrate-demo")
-    assert demo.model == CPU_MODEL and demo.max_tokens_per_gpu == 1024
-    assert _fits_under_load(CPU_MODEL, demo.max_tokens_per_gpu, range(16)) == 0
+    assert demo.model == CPU_MODEL and demo.budget() == 1024
+    assert _fits_under_load(CPU_MODEL, demo.budget(), range(16)) == 0
     assert _fits_under_load(CPU_MODEL, 512, range(16)) == 0  # the fixture's budget too
     tiny = RunConfig.from_yaml("tiny-cpu-demo")
-    assert _fits_under_load(tiny.model, tiny.max_tokens_per_gpu, range(16)) >= 3
+    assert _fits_under_load(tiny.model, tiny.budget(), range(16)) >= 3
 
 
 def test_quickstart_runs_the_cpu_demo_calibration():

@@ -94,7 +94,7 @@ def _launch_flag(name: str, value: Any) -> List[str]:
     """The Megatron flag (and value) of preset option ``name``; nothing for a value at the option's default."""
     if name == "balance_by" and value == BalanceBy.TIME:
         return ["--balance-by-flops"]  # the peers' name for balancing compute (the default, said outright)
-    if value is None or (name in _OPTION_DEFAULTS and value == _OPTION_DEFAULTS[name] and name != "balance_by"):
+    if value is None or value == _OPTION_DEFAULTS.get(name):
         return []
     flag = _LAUNCH_FLAGS[name]
     if isinstance(value, bool):  # a switch; --no-... says off where the option's default is "decide for me"
