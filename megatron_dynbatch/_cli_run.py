@@ -19,13 +19,17 @@ them). A flag equal to the preset's value is no contradiction.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .core.errors import DynBatchConfigError
+from .core.parallel import ParallelConfig
 
 OVERRIDE_FLAG = "--override-run"
-LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage", "gpus_per_node")
+#: the layout flags of ``plan`` that take a number: one per ``ParallelConfig`` field (``--sequence-parallel``, the
+#: one switch, is checked on its own)
+LAYOUT_FLAGS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name != "sequence_parallel")
 
 
 @functools.lru_cache(maxsize=None)
