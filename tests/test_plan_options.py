@@ -153,7 +153,7 @@ def test_every_option_has_a_test_value_and_a_documented_spelling():
     # a preset's key is the field's own name: every option a launch sets by a flag is a preset key, routed into
     # RunConfig.options -- and RunConfig mirrors no option in a field of its own (model and memory are the
     # preset's source forms, which the options hold resolved)
-    assert set(PlanOptions.spellings("megatron")) | {"parallel"} == set(OPTION_KEYS) <= set(RunConfig.keys())
+    assert set(PlanOptions.spellings("megatron")) | {"parallel"} == set(OPTION_KEYS) <= set(RunConfig.yaml_keys())
     assert {f.name for f in dataclasses.fields(RunConfig)} & set(names) == {"model", "memory"}
     # ... and every field states its spelling at each door: a flag, the door's own words "(...)", or a reason above
     for door, exempt in (("megatron", NOT_LAUNCH_OPTIONS), ("cli", NOT_CLI_OPTIONS)):

@@ -613,7 +613,7 @@ class RunConfig:
         return _parallel_from_mapping(merged)
 
     @classmethod
-    def keys(cls) -> Tuple[str, ...]:
+    def yaml_keys(cls) -> Tuple[str, ...]:
         """Every key of the YAML form: the run's own fields (``parallel`` for the layout) and the preset
         options (:data:`OPTION_KEYS`)."""
         own = [f.name for f in fields(cls) if f.init and f.name != "options"]
@@ -629,7 +629,7 @@ class RunConfig:
             raise DynBatchConfigError("run", type(data).__name__, "must be a mapping of run fields",
                                       "write 'model: ...', 'parallel: {...}', 'max_tokens_per_gpu: ...' "
                                       "at the top level")
-        known = cls.keys()
+        known = cls.yaml_keys()
         kwargs: Dict[str, Any] = {}
         for key, value in data.items():
             if key not in known:
