@@ -25,8 +25,9 @@ with a launch flag is a preset key, a ``to_megatron_args`` flag and a ``plan --r
 preset (``_cli_run.py``) with nothing written here. Two keys are the run's own on purpose: ``model`` (a preset
 name or mapping, with ``megatron_args``' dropout / QK-norm on top) and ``memory`` (settings on top of what
 ``megatron_args`` imply) are the preset's source forms, which the options hold resolved (a ``ModelSpec``, a
-``MemorySettings``). Where this module reads a value ``PlanOptions`` derives (the number an ``auto`` budget
-became, the as-written form), it goes through one small function (``_written``, ``_budget_tokens``).
+``MemorySettings``). Where this module reads a value ``PlanOptions`` derives -- the checks that read files and run
+the memory model, the number an ``auto`` budget becomes, the balancing in effect, the as-written form -- it goes
+through one small function each (``_resolved``, ``_budget_tokens``, ``_balancing``, ``_written``).
 
 Every problem raises :class:`~megatron_dynbatch.core.errors.DynBatchConfigError` at construction, naming the field,
 its value and the fix; unknown keys are rejected with close-match suggestions. Bare names resolve in the
@@ -78,16 +79,28 @@ _OPTION_DEFAULTS: Dict[str, Any] = {f.name: f.default for f in fields(PlanOption
 
 
 # -------------------------------------------------------------- the reads of values PlanOptions derives
-# (one place to adapt when resolving the options becomes a step of its own)
+# One place to adapt when resolving the options becomes a step of its own (``PlanOptions.resolve()``): today
+# constructing the options reads and checks everything, so ``_resolved`` is the options themselves.
+def _resolved(options: PlanOptions) -> PlanOptions:
+    """The options with what they name read and computed (the model, the cost model, an ``auto`` budget's number,
+    the balancing in effect); a preset is refused at load time when this fails."""
+    return options
+
+
 def _written(options: PlanOptions) -> Dict[str, Any]:
-    """The options as a preset writes them: ``"auto"`` for a budget the memory model chose, ``None`` for a
+    """The options as a preset writes them: ``"auto"`` for a budget the memory model chooses, ``None`` for a
     ``balance_by`` left to its default (:meth:`PlanOptions.to_kwargs`)."""
     return options.to_kwargs()
 
 
 def _budget_tokens(options: PlanOptions) -> int:
     """The budget as a number of tokens (for ``"auto"``: the memory model's choice)."""
-    return int(options.max_tokens_per_gpu)
+    return int(_resolved(options).max_tokens_per_gpu)
+
+
+def _balancing(options: PlanOptions) -> BalanceBy:
+    """What the options balance, the default made explicit (``time`` with a model)."""
+    return BalanceBy.parse(_resolved(options).balance_by)
 
 
 def _launch_flag(name: str, value: Any) -> List[str]:
@@ -206,6 +219,7 @@ class RunConfig:
         par = ParallelConfig.from_any(given.pop("parallel", ParallelConfig()))
         self._check_dynamic_cp(par, given.get("dynamic_cp", False))  # before the options: it names dynamic_cp
         options = self._build_options(given, spec, par)
+        _resolved(options)  # read and checked now: a preset is refused when it is loaded, not when it is used
         set_("options", options)
         set_("log_probs_max_tokens_per_gpu", self._checked_log_probs_budget(options))
         self._check_choices()
@@ -319,6 +333,7 @@ class RunConfig:
             return None
         with trainer_terms({"max_tokens_per_gpu": "log_probs_max_tokens_per_gpu"}):
             forward = options.for_forward_only(self.log_probs_max_tokens_per_gpu)
+            _resolved(forward)
         return _written(forward)["max_tokens_per_gpu"]
 
     def memory_settings(self) -> Any:
@@ -357,7 +372,7 @@ class RunConfig:
             check_max_seq_len_fits(longest, max_tokens_per_gpu=self.budget(forward_only=forward_only), parallel=par,
                                    fp8_alignment=opts.fp8_alignment, oversize=opts.oversize,
                                    length_field="max_seq_len", budget_field=name, dynamic_cp=opts.dynamic_cp,
-                                   options=self.plan_options(forward_only=forward_only))
+                                   options=_resolved(self.plan_options(forward_only=forward_only)))
         return longest
 
     def _check_choices(self) -> None:
@@ -558,7 +573,7 @@ class RunConfig:
         """``(key, value)`` of every preset option but the layout, as the YAML form writes it (a budget ``"auto"``
         or a number; ``balance_by`` the plain string of the balancing in effect), in the options' field order."""
         written = _written(self.options)
-        written["balance_by"] = self.options.balance_by.value
+        written["balance_by"] = _balancing(self.options).value
         return [(key, written[key]) for key in OPTION_KEYS if key != "parallel"]
 
     def to_dict(self) -> Dict[str, Any]:
