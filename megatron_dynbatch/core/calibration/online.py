@@ -177,7 +177,7 @@ class OnlineCalibration:
                                       "write online_calibration: true in the preset (or build OnlineCalibration "
                                       "yourself)")
         kwargs.setdefault("interval", rc.calibration_interval or DEFAULT_INTERVAL)
-        kwargs.setdefault("base", rc.cost_model)
+        kwargs.setdefault("base", rc.options.cost_model)
         return cls(rc.model_spec(), rc.parallel(), **kwargs)
 
     @property

@@ -39,6 +39,7 @@ import numpy as np
 from ..alignment import Alignment
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from .options import BalanceBy
 
 if TYPE_CHECKING:
     from ..memory.budget import BudgetChoice
@@ -58,8 +59,9 @@ class PlanKind(abc.ABC):
     alignment: Alignment
     #: the budget of one ``microbatch_tokens`` entry (module docstring)
     cap: int
-    #: what the plan balanced: ``"time"``, ``"flops"`` or ``"tokens"`` (:class:`~.options.BalanceBy`)
-    balance_by: str
+    #: what the plan balanced: a :class:`~.options.BalanceBy` (a ``str`` enum: ``plan.balance_by == "time"`` holds;
+    #: a plain string given here is parsed, and :meth:`to_dict` writes the plain value)
+    balance_by: BalanceBy
     microbatch_tokens: List[List[int]]
     microbatch_time: List[List[float]]
     rank_tokens: np.ndarray
@@ -83,6 +85,9 @@ class PlanKind(abc.ABC):
     kind: ClassVar[Optional[str]] = None
     #: whether running a micro-batch needs a CP group of its own (module docstring)
     dynamic_cp: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        self.balance_by = BalanceBy.parse(self.balance_by)  # one type whoever built the plan ("time" or the member)
 
     def __init_subclass__(cls, kind: Optional[str] = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -243,7 +248,7 @@ class PlanKind(abc.ABC):
             "alignment": {"seq_multiple": self.alignment.seq_multiple,
                           "total_multiple": self.alignment.total_multiple},
             "cap": self.cap,
-            "balance_by": self.balance_by,
+            "balance_by": self.balance_by.value,
             "microbatch_tokens": self.microbatch_tokens,
             "microbatch_time": self.microbatch_time,
             "rank_tokens": self.rank_tokens.tolist(),
@@ -272,7 +277,7 @@ class PlanKind(abc.ABC):
             parallel=ParallelConfig.from_any(d["parallel"]),
             alignment=Alignment(**d["alignment"]),
             cap=int(d["cap"]),
-            balance_by=str(d["balance_by"]),
+            balance_by=BalanceBy.parse(d["balance_by"]),
             microbatch_tokens=d["microbatch_tokens"],
             microbatch_time=d["microbatch_time"],
             rank_tokens=np.asarray(d["rank_tokens"]),

@@ -259,7 +259,7 @@ def plan_log_probs(train_plan: PlanKind, lengths: Sequence[int], options: Option
     plan = score_assignment(micro_batches, lens, model=opts.model, parallel=par, max_tokens_per_gpu=max_tokens_per_gpu,
                             fp8_alignment=opts.fp8_alignment, cost_model=opts.cost_model, microbatches_per_step=[m],
                             algorithm="dynbatch-log-probs" if not fallback else "dynbatch-log-probs/train-microbatches")
-    plan.balance_by = str(opts.balance_by)
+    plan.balance_by = opts.balance_by
     plan.oversize_samples = oversize_samples
     plan.planning_time_s = time.perf_counter() - t0
     plan.validate(num_samples=int(lens.size))
