@@ -317,7 +317,8 @@ class RunConfig:
         :meth:`memory_settings`, which only an ``auto`` budget reads) -- checked by the planner's own rules. Options
         given whole may hold the model and memory only as the run's own ``model`` / ``memory`` give them."""
         auto = AUTO in (given.get("max_tokens_per_gpu"), self.log_probs_max_tokens_per_gpu)
-        own = {"model": spec, "memory": self.memory_settings() if auto else None}
+        settings = self.memory_settings()  # checked whatever the budget (a bad key fails here, as from Python)
+        own = {"model": spec, "memory": settings if auto else None}
         for key, mine in own.items():
             theirs = given.pop(key, None)
             if theirs is not None and theirs != mine:
