@@ -43,7 +43,7 @@ from megatron_dynbatch.core.planner.dyncp.assembly import score_with_cp_comm  # 
 
 def shapes(rc: RunConfig) -> Dict[str, Callable[[np.random.Generator], np.ndarray]]:
     """The batch generators of the module docstring for this preset's step size and cap."""
-    n = rc.samples_per_step or 8 * rc.parallel().dp
+    n = rc.options.samples_per_step or 8 * rc.parallel().dp
     prompts = max(1, n // 8)
     cap = rc.budget() * rc.parallel().cp
     top = max(1024, cap - 2048)

@@ -6,7 +6,13 @@ The package's folders are its architecture (``docs/architecture.md``):
 * :mod:`megatron_dynbatch.megatron` -- the torch / megatron-core edge: THD packing, CP slicing, the data
   iterator, loss normalisation, the ``forward_backward_func`` wrapper, launch flags;
 * :mod:`megatron_dynbatch.integrations` -- trainers: the Megatron-LM hook, Ray, and drop-ins for RL trainers;
-* :mod:`megatron_dynbatch.bench` -- the benchmark and the baselines it compares against.
+* :mod:`megatron_dynbatch.bench` -- the benchmark and the baselines it compares against;
+* :mod:`megatron_dynbatch.measure` -- measured times and memory on a real device (``calibrate``'s timing and
+  memory grids, the GPU benchmarks' whole model);
+* :mod:`megatron_dynbatch.testing` -- test support (references and stand-ins), never imported by the library;
+* :mod:`megatron_dynbatch.cli` (with ``_cli_*``, ``_argparse``, :mod:`megatron_dynbatch.demo`) -- the
+  ``megatron-dynbatch`` command on top of them all; :mod:`megatron_dynbatch.requirements` says why an optional
+  dependency cannot be used, with the fix.
 
 ``import megatron_dynbatch`` stays light: the planning names below are imported eagerly, the edge names
 (``DynamicBatchIterator``, ``dynamic_forward_backward``, ...) on first use, so planning works without torch.

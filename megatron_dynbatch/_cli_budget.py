@@ -141,12 +141,13 @@ def _target(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any
             raise DynBatchConfigError(flag, mine, f"the run preset {run.name!r} says {theirs}",
                                       f"drop {flag} to use the preset's setting, or drop --run")
     if card is None:
-        if run.gpu_memory_gb is None:
+        if run.options.gpu_memory_gb is None:
             raise DynBatchConfigError("--gpu-memory-gb", None, f"is required: the run preset {run.name!r} names no "
                                       "card", "pass the GPU's memory in GiB, e.g. --gpu-memory-gb "
                                       "79.1 for an H100 80GB")
-        card = float(run.gpu_memory_gb)
-    profile = args.cost_model or (run.cost_model if run.cost_model and run.cost_model.endswith(".json") else None)
+        card = float(run.options.gpu_memory_gb)
+    cost_model = run.options.cost_model
+    profile = args.cost_model or (cost_model if cost_model and cost_model.endswith(".json") else None)
     return {"model": run.model_spec(), "parallel": par, "settings": implied.replace(**given), "profile": profile,
             "run": run, "card": card}
 
@@ -254,7 +255,7 @@ def _budget(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any
     configured: Dict[str, Any] = {}
     run = t["run"]
     if run is not None:
-        for name, tokens, pass_ in (("max_tokens_per_gpu", run.max_tokens_per_gpu, "train"),
+        for name, tokens, pass_ in (("max_tokens_per_gpu", run.budget_as_written(), "train"),
                                     ("log_probs_max_tokens_per_gpu", run.effective_log_probs_max_tokens_per_gpu,
                                      "log_prob")):
             if tokens == "auto":  # the preset lets the memory model choose: each trainer's own choice, printed below

@@ -6,7 +6,7 @@ bad flag is a ``DynBatchConfigError`` naming the flag, its value and the fix), p
 (:func:`~megatron_dynbatch.measure.calibrate.run_calibration`; or refits saved records, ``--from-records``), prints
 the fit error per group size and what the calibrated model changes on a sample batch (the default model's plan
 re-scored, and the batch re-planned: :func:`~megatron_dynbatch.core.calibration.compare.step_time_change`), and
-writes the cost-model file (``--output``) that ``plan|bench --cost-model``, ``RunConfig.cost_model`` and
+writes the cost-model file (``--output``) that ``plan|bench --cost-model``, ``RunConfig.options`` and
 ``--dynbatch-cost-model`` read. ``--run PRESET`` takes the model, layout, budget and dynamic CP from a run preset
 (a flag that contradicts it is refused). Progress goes to stderr: on a terminal one line updated per grid point,
 elsewhere (a log, a pipe) a line every :data:`PROGRESS_EVERY_S` seconds. megatron-core's notices that it falls back
@@ -142,7 +142,7 @@ def _target(args: argparse.Namespace, layout: Callable[[argparse.Namespace], Any
         if mine is not None and mine != theirs:
             raise DynBatchConfigError(flag, mine, f"the run preset {run.name!r} says {theirs}",
                                       f"drop {flag} to calibrate the preset's setting, or drop --run")
-    return {"model": run.model_spec(), "parallel": par, "dynamic_cp": run.dynamic_cp or args.dynamic_cp,
+    return {"model": run.model_spec(), "parallel": par, "dynamic_cp": run.options.dynamic_cp or args.dynamic_cp,
             "max_tokens_per_gpu": run.budget(), "run": run}
 
 

@@ -140,7 +140,7 @@ def pool_summary(plan: Any, args: argparse.Namespace, n: int) -> str:
 
 def describe_candidates(names: str, pool: int, cp: int) -> str:
     """One line on the winning candidate(s) (``plan.candidate``, one name per optimizer step): which of the
-    schedules dynamic CP scores (``core/planner/dyncp_candidates.py``) was fastest, in words."""
+    schedules dynamic CP scores (``core/planner/dyncp/candidates.py``) was fastest, in words."""
     said = []
     for name in dict.fromkeys(n for n in names.split(",") if n):
         if name == "fixed-cp":

@@ -1,8 +1,10 @@
 """``megatron-dynbatch plan --run PRESET`` with flags: one meaning per flag.
 
 A flag of ``plan`` that names something a run preset also decides -- the model, the layout (``--dp`` ...
-``--sequence-parallel``, ``--gpus-per-node``), the budget, the balancing, the oversize policy, FP8 alignment,
-samples per step, the cost model and its decision margin, GRPO groups (``--group-ids`` against ``group_size``) --
+``--sequence-parallel``, ``--gpus-per-node``), every planning option that has both a ``plan`` flag and a preset key
+(:func:`preset_option_flags`, read from the :class:`~megatron_dynbatch.core.planner.options.PlanOptions` field
+metadata: the budget, the balancing, the cost model and its decision margin, the oversize policy, FP8 alignment,
+samples per step, the minimum CP group, the card's memory), GRPO groups (``--group-ids`` against ``group_size``) --
 must agree with the preset. A flag that contradicts it is a :class:`~megatron_dynbatch.core.errors.DynBatchConfigError`
 naming the flag, the preset's value and both ways out: drop the flag (plan the preset as written), or add
 ``--override-run`` (plan the preset with the flag's value instead). Overridden values go through
@@ -17,20 +19,39 @@ them). A flag equal to the preset's value is no contradiction.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .core.errors import DynBatchConfigError
+from .core.parallel import ParallelConfig
 
 OVERRIDE_FLAG = "--override-run"
-LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "vpp", "microbatch_group_size_per_vp_stage", "gpus_per_node")
-#: flags named like the preset field they set (``--fp8`` sets ``fp8_alignment``)
-_SAME_NAME_FLAGS = ("balance_by", "oversize", "samples_per_step", "cost_model", "decision_margin", "min_cp_size")
-#: preset fields that ``plan`` has a flag for (named in the fix when the overridden preset fails its checks)
-_FLAG_OF_FIELD = ("model", "max_tokens_per_gpu") + _SAME_NAME_FLAGS + LAYOUT_FLAGS
+#: the layout flags of ``plan`` that take a number: one per ``ParallelConfig`` field (``--sequence-parallel``, the
+#: one switch, is checked on its own)
+LAYOUT_FLAGS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name != "sequence_parallel")
+
+
+@functools.lru_cache(maxsize=None)
+def preset_option_flags() -> Tuple[Any, ...]:
+    """The ``plan`` flags (:class:`~megatron_dynbatch.core.planner.option_flags.OptionFlag`) of the options a run
+    preset also holds -- the fields with a ``cli`` and a launch spelling (a preset key is an option a launch
+    sets) -- except ``--dynamic-cp``, an override by definition (module docstring)."""
+    from .core.planner.option_flags import option_flags
+    from .core.run_config import OPTION_KEYS
+
+    return tuple(f for f in option_flags("cli") if f.field in OPTION_KEYS and f.field != "dynamic_cp")
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _flag_of_field(name: str) -> Optional[str]:
+    """The ``plan`` flag that sets preset field ``name`` (named in the fix when the overridden preset fails)."""
+    if name == "model" or name in LAYOUT_FLAGS:
+        return _flag(name)
+    return next((f.flag for f in preset_option_flags() if f.field == name), None)
 
 
 def _same_model(flag_value: str, run: Any) -> bool:
@@ -47,12 +68,14 @@ def _same_model(flag_value: str, run: Any) -> bool:
 def _contradictions(args: argparse.Namespace, run: Any) -> List[Tuple[str, Any, str, Dict[str, Any]]]:
     """``(flag, value, what the preset says, the change that would apply it)`` for every flag that differs."""
     out: List[Tuple[str, Any, str, Dict[str, Any]]] = []
-    par = run.layout
+    par = run.parallel()
+    preset = run.to_dict()  # what the preset says, in its own form (a budget "auto", balance_by "time")
+    budget = [f for f in preset_option_flags() if f.field == "max_tokens_per_gpu"]
+    others = [f for f in preset_option_flags() if f.field != "max_tokens_per_gpu"]
     if args.model and not _same_model(args.model, run):
         out.append(("--model", args.model, f"model {run.model!r}", {"model": args.model}))
-    if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu != run.max_tokens_per_gpu:
-        out.append(("--max-tokens-per-gpu", args.max_tokens_per_gpu, f"max_tokens_per_gpu={run.max_tokens_per_gpu}",
-                    {"max_tokens_per_gpu": args.max_tokens_per_gpu}))
+    for spec in budget:  # the budget first, then the layout, then the other options (in field order)
+        out += _option_contradiction(args, spec, preset, repr_=False)
     for name in LAYOUT_FLAGS:
         value = getattr(args, name, None)
         if name == "microbatch_group_size_per_vp_stage":
@@ -68,11 +91,18 @@ def _contradictions(args: argparse.Namespace, run: Any) -> List[Tuple[str, Any, 
             out.append((_flag(name), value, said, {"parallel": {name: value}}))
     if args.sequence_parallel and not par.sequence_parallel:
         out.append(("--sequence-parallel", True, "sequence_parallel=false", {"parallel": {"sequence_parallel": True}}))
-    for flag, field in (("fp8", "fp8_alignment"),) + tuple((f, f) for f in _SAME_NAME_FLAGS):
-        value = getattr(args, flag)
-        if value is not None and value != getattr(run, field):
-            out.append((_flag(flag), value, f"{field}={getattr(run, field)!r}", {field: value}))
+    for spec in others:
+        out += _option_contradiction(args, spec, preset)
     return out
+
+
+def _option_contradiction(args: argparse.Namespace, spec: Any, preset: Dict[str, Any],
+                          repr_: bool = True) -> List[Tuple[str, Any, str, Dict[str, Any]]]:
+    value = getattr(args, spec.dest, None)
+    mine = preset[spec.field]
+    if value is None or value == mine:
+        return []
+    return [(spec.flag, value, f"{spec.field}={mine!r}" if repr_ else f"{spec.field}={mine}", {spec.field: value})]
 
 
 def resolve_run(args: argparse.Namespace, run: Any) -> Any:
@@ -100,8 +130,7 @@ def resolve_run(args: argparse.Namespace, run: Any) -> Any:
     try:
         return run.replace(**changes)
     except DynBatchConfigError as exc:  # say that it is the preset with the flags' values that fails the check
-        name = exc.field.split(".")[-1]
-        flag = _flag(name) if name in _FLAG_OF_FIELD else None
+        flag = _flag_of_field(exc.field.split(".")[-1])
         raise DynBatchConfigError(
             exc.field, exc.value, f"{exc.problem} (the run preset {run.name!r} with the values of "
             f"{' '.join(f for f, _, _, _ in found)}, {OVERRIDE_FLAG})",
@@ -126,4 +155,4 @@ def _partition(ids: Sequence[Any]) -> List[int]:
     return [first.setdefault(g if isinstance(g, (int, str, float)) else repr(g), len(first)) for g in ids]
 
 
-__all__ = ["OVERRIDE_FLAG", "LAYOUT_FLAGS", "check_group_ids", "resolve_run"]
+__all__ = ["OVERRIDE_FLAG", "LAYOUT_FLAGS", "check_group_ids", "preset_option_flags", "resolve_run"]

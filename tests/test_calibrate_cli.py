@@ -1,6 +1,6 @@
 """``megatron-dynbatch calibrate`` (issue 18 item 4): every bad flag is a ``DynBatchConfigError`` naming the flag, the
 value and the fix; ``--dry-run`` times nothing (and imports no torch); a real CPU run writes the cost-model file that
-``plan --cost-model``, ``bench --cost-model``, ``RunConfig.cost_model`` and ``--dynbatch-cost-model`` read; saved
+``plan --cost-model``, ``bench --cost-model``, ``RunConfig.options`` and ``--dynbatch-cost-model`` read; saved
 records refit without timing. No wall-clock assertion."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_a_cpu_run_fits_reports_and_writes_the_file_every_reader_takes(calibrate
     assert main(["bench", "--workloads", "smoke", "--algorithms", "dynbatch", "--no-speed",
                  "--cost-model", path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)
-    # RunConfig.cost_model and --dynbatch-cost-model
+    # RunConfig.options.cost_model and --dynbatch-cost-model
     rc = RunConfig.from_dict({"name": "t", "model": CPU_MODEL, "parallel": {"dp": 2, "pp": 2},
                               "max_tokens_per_gpu": 512, "cost_model": path})
     plan = plan_global_batch([40, 200, 90, 250, 17, 130, 60, 75], rc.plan_options())
@@ -290,11 +290,11 @@ def test_the_cpu_demo_model_separates_its_costs_on_a_busy_machine():
     from megatron_dynbatch.core.run_config import RunConfig
 
     demo = RunConfig.from_yaml("cpu-calibrate-demo")
-    assert demo.model == CPU_MODEL and demo.max_tokens_per_gpu == 1024
-    assert _fits_under_load(CPU_MODEL, demo.max_tokens_per_gpu, range(16)) == 0
+    assert demo.model == CPU_MODEL and demo.budget() == 1024
+    assert _fits_under_load(CPU_MODEL, demo.budget(), range(16)) == 0
     assert _fits_under_load(CPU_MODEL, 512, range(16)) == 0  # the fixture's budget too
     tiny = RunConfig.from_yaml("tiny-cpu-demo")
-    assert _fits_under_load(tiny.model, tiny.max_tokens_per_gpu, range(16)) >= 3
+    assert _fits_under_load(tiny.model, tiny.budget(), range(16)) >= 3
 
 
 def test_quickstart_runs_the_cpu_demo_calibration():

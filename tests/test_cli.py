@@ -11,6 +11,7 @@ import pytest
 
 from megatron_dynbatch.cli import main
 from megatron_dynbatch.core.planner import Plan
+from megatron_dynbatch.core.planner.options import PlanOptions
 
 LENGTHS = [300, 1200, 40, 800, 2000, 75, 640, 900, 1500, 60, 333, 1024]
 
@@ -200,8 +201,23 @@ CONTRADICTIONS = [
     (["--oversize", "alone"], "--oversize", "oversize='error'"),
     (["--fp8", "fp8"], "--fp8", "fp8_alignment=None"),
     (["--samples-per-step", "32"], "--samples-per-step", "samples_per_step=16"),
+    (["--cost-model", "analytic"], "--cost-model", "cost_model=None"),
+    (["--decision-margin", "0.1"], "--decision-margin", "decision_margin=None"),
+    (["--min-cp-size", "2"], "--min-cp-size", "min_cp_size=None"),
+    (["--gpu-memory-gb", "80"], "--gpu-memory-gb", "gpu_memory_gb=None"),  # before: ignored under --run
     (["--group-ids", "GROUPS"], "--group-ids", "group_size=4"),
 ]
+
+
+def test_every_preset_option_flag_is_checked_against_the_preset():
+    """The flags checked against a --run preset come from the PlanOptions field metadata (_cli_run.py): every
+    option with a plan flag and a preset key, so a new one joins with no list to edit -- and has a row above."""
+    from megatron_dynbatch._cli_run import preset_option_flags
+    from megatron_dynbatch.core.run_config import OPTION_KEYS
+
+    checked = {f.field for f in preset_option_flags()}
+    assert checked == (set(PlanOptions.spellings("cli")) & set(OPTION_KEYS)) - {"dynamic_cp"}
+    assert {f.flag for f in preset_option_flags()} <= {c[1] for c in CONTRADICTIONS}
 
 
 @pytest.mark.parametrize("flags,flag,preset", CONTRADICTIONS, ids=[c[1] for c in CONTRADICTIONS])

@@ -332,17 +332,17 @@ def dyncp_never_slower(res: Any) -> Dict[Tuple[str, int], float]:
     return s
 
 
-def dyncp_vs_megatron(res: Any) -> Tuple[str, str, str, str, str]:
-    """Dynamic CP against Megatron-LM dev's scheduler: (slowest ratio theirs / ours, fastest, batches where ours is
-    slower, batches, the most it is slower in %). The bench's own check (``runner.dyncp_slower_than``) notes a
-    batch where ours is slower beyond the decision margin: none may be (else the docs' words are wrong)."""
+def dyncp_vs_megatron(res: Any) -> Tuple[str, str, str]:
+    """Dynamic CP against Megatron-LM dev's scheduler: (slowest ratio theirs / ours, fastest, batches). Upstream's
+    schedule is one of the planner's candidates, so ours is never slower on these batches (each keeps its fixed-CP
+    plan or leaves it for a candidate at least as fast as upstream's): the docs say so, and a batch where ours is
+    slower -- or that the bench's own check notes (``runner.dyncp_slower_than``) -- breaks the claim."""
     s = dyncp_speedups(res, other="megatron-dynamic-cp")
     noted = [(r.workload, r.seed, r.notes) for r in res.rows if r.algorithm == "dynbatch-dyncp" and r.notes]
-    if noted:
-        raise ClaimBroken(f"dynamic CP is slower than megatron-dynamic-cp beyond the decision margin: {noted}")
-    behind = [v for v in s.values() if v < 1 - TOLERANCE]
-    worst = f"{100 * (1 / min(behind) - 1):.2f}" if behind else "0"
-    return f3(min(s.values())), f3(max(s.values())), str(len(behind)), str(len(s)), worst
+    behind = [k for k, v in s.items() if v < 1 - 1e-9]
+    if noted or behind:
+        raise ClaimBroken(f"dynamic CP is slower than megatron-dynamic-cp: {noted or behind}")
+    return f3(min(s.values())), f3(max(s.values())), str(len(s))
 
 
 def strict_range(values: Sequence[float], fmt: Callable[[float], str] = f3) -> Tuple[str, str]:
@@ -1226,8 +1226,8 @@ FIGURES: List[Figure] = [
     Figure("README.md", "never slower, up to {}x; ahead of upstream's hybrid CP on all", "dyncp",
            lambda r: [f3(max(dyncp_never_slower(r).values()))]),
     Figure("README.md", "| `" + DYNCP_COMMAND + "` |", "dyncp", lambda r: []),
-    Figure("README.md", "Megatron-LM dev's dynamic CP {}-{}x (behind on {} of {} batches, by up to {}%, within the "
-                        "decision margin)", "dyncp", lambda r: list(dyncp_vs_megatron(r))),
+    Figure("README.md", "Megatron-LM dev's dynamic CP {}-{}x (never slower on {} of them)", "dyncp",
+           lambda r: list(dyncp_vs_megatron(r))),
     Figure("README.md", "the trainer's own batching, {} batches | modelled | the same | {}-{}x (with `model=` {}-{}x), "
                         "none over the budget", "dropins", lambda r: [str(dropin_batches(r)), *dropin_ranges(r)]),
     Figure("README.md", "(external; plans of commit `e7fb6ba`) | {}-{}x |", "h100",
@@ -1344,8 +1344,6 @@ FIGURES: List[Figure] = [
            lambda r, p: (lambda n, _, k: [n, n, f1(100 * p.uncertainty), k, n])(*_dyncp_gain_stats(r))),
     Figure("docs/benchmarks.md", "the model's error ({}%, its decision margin)", "profile",
            lambda p: [f1(100 * p.uncertainty)]),
-    Figure("docs/benchmarks.md", "the candidate with the smallest widest group among those within\n{}% of the fastest",
-           "profile", lambda p: [f1(100 * p.uncertainty)]),
     Figure("docs/benchmarks.md", "`dyncp-longdoc-8b-1mb` up to **{}x** (target >= 1.8x", "dyncp",
            lambda r: [_dyncp_longdoc_speedups(r)[0]]),
     Figure("docs/benchmarks.md", "Measured on an H100: {}-{}x for the plan of project\ncommit `e7fb6ba`", "h100",
@@ -1363,9 +1361,8 @@ FIGURES: List[Figure] = [
            lambda r: _dyncp_fixed_counts(r, "dyncp-longcot-64k-32b-pp4")),
     Figure("docs/benchmarks.md", "yes, on every batch, {}x to {}x.", "dyncp",
            lambda r: strict_range(list(dyncp_speedups(r, other="megatron-hybrid-cp").values()))),
-    Figure("docs/benchmarks.md", "*Never slower than `megatron-dynamic-cp` beyond the decision margin*: {}x to {}x; "
-                                 "behind on {} of {} batches, by at most {}%", "dyncp",
-           lambda r: list(dyncp_vs_megatron(r))),
+    Figure("docs/benchmarks.md", "*Never slower than `megatron-dynamic-cp`*: {}x to {}x, ahead or level on all {} "
+                                 "batches", "dyncp", lambda r: list(dyncp_vs_megatron(r))),
     Figure("docs/benchmarks.md", "*Zero micro-batches over the budget*: {} in {} batches.", "dyncp",
            lambda r: [str(planner_breaks(r)), str(len(dyncp_never_slower(r)))]),
     Figure("docs/benchmarks.md", "trail `verl` by {}% on\n`dyncp-longcot-64k-8b` seed 0 (`verl` puts {} micro-batches "
@@ -1451,8 +1448,8 @@ FIGURES: List[Figure] = [
                       f3(max(dyncp_speedups(r, ["dyncp-longcot-64k-32b-pp4"]).values()))]),
     Figure("docs/dynamic_cp.md", "Against `megatron-hybrid-cp`: ahead on every\nworkload and seed, {}-{}x.", "dyncp",
            lambda r: strict_range(list(dyncp_speedups(r, other="megatron-hybrid-cp").values()))),
-    Figure("docs/dynamic_cp.md", "Against `megatron-dynamic-cp` (Megatron-LM dev): {}-{}x, behind on {} of\n{} batches "
-                                 "by up to {}%", "dyncp", lambda r: list(dyncp_vs_megatron(r))),
+    Figure("docs/dynamic_cp.md", "Against `megatron-dynamic-cp` (Megatron-LM dev): {}-{}x, never slower\n(ahead or "
+                                 "level on all {} batches)", "dyncp", lambda r: list(dyncp_vs_megatron(r))),
     Figure("docs/dynamic_cp.md", "took {} ms of CPU time on one core", "records", lambda rec: [rec["pool_ms"]]),
     Figure("docs/dynamic_cp.md", "took {}-{} s and {}-{} s of CPU in the record of 2026-11-25", "records",
            lambda rec: rec["issue20"]),

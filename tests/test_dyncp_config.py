@@ -30,7 +30,7 @@ def _run(**overrides):
 # ---------------------------------------------------------------------------------------------- RunConfig
 def test_run_config_dynamic_cp_reaches_the_planner_and_megatron():
     rc = RunConfig.from_dict(_run(samples_per_step=8))
-    assert rc.dynamic_cp is True
+    assert rc.options.dynamic_cp is True
     assert rc.plan_options().dynamic_cp is True
     assert rc.plan_options(forward_only=True).dynamic_cp is True  # as the Megatron flag: log-probs too
     args = rc.to_megatron_args()
@@ -52,7 +52,7 @@ def test_run_config_dynamic_cp_from_yaml_and_runs_args(tmp_path, monkeypatch, ca
     (runs / "pool.yaml").write_text("model: qwen3-8b\nparallel: {dp: 4, cp: 2}\nmax_tokens_per_gpu: 8192\n"
                                     "dynamic_cp: true\n")
     monkeypatch.setenv("MEGATRON_DYNBATCH_CONFIGS", str(tmp_path))
-    assert RunConfig.from_yaml("pool").dynamic_cp is True
+    assert RunConfig.from_yaml("pool").options.dynamic_cp is True
     assert main(["runs", "args", "pool"]) == 0
     assert "--dynbatch-dynamic-cp" in shlex.split(capsys.readouterr().out)
     assert main(["runs", "show", "pool"]) == 0
@@ -83,10 +83,10 @@ def test_run_config_refuses_dynamic_cp_where_the_run_cannot_use_it(overrides, fi
 
 def test_run_config_replace_rechecks_dynamic_cp():
     rc = RunConfig.from_yaml("qwen3-8b-grpo")  # GRPO groups stay on one DP rank
-    assert rc.dynamic_cp is False
+    assert rc.options.dynamic_cp is False
     with pytest.raises(DynBatchConfigError, match="group_size"):
         rc.replace(dynamic_cp=True)
-    assert rc.replace(dynamic_cp=True, group_size=None, loss_mode="token_mean").dynamic_cp
+    assert rc.replace(dynamic_cp=True, group_size=None, loss_mode="token_mean").options.dynamic_cp
 
 
 def test_dynamic_cp_problem_agrees_with_the_planner():
@@ -101,7 +101,7 @@ def test_dynamic_cp_problem_agrees_with_the_planner():
 
 def test_long_context_preset_states_its_dynamic_cp_choice():
     rc = RunConfig.from_yaml("llama-3.1-70b-longcot")
-    assert rc.dynamic_cp is False  # why: docs/dynamic_cp.md "Run presets"
+    assert rc.options.dynamic_cp is False  # why: docs/dynamic_cp.md "Run presets"
     on = rc.replace(dynamic_cp=True)  # the layout can use it: a pool of 2 x 8 GPUs, pp=2 without vpp
     assert "--dynbatch-dynamic-cp" in on.to_megatron_args()
 

@@ -243,8 +243,8 @@ def test_run_config_dynamic_cp_plans_or_explains(layout, dynamic_cp, conflict, l
     rc = _check_plan_or_error(lambda: RunConfig.from_dict(data))
     if rc is None:
         return
-    assert type(rc.dynamic_cp) is bool
-    assert ("--dynbatch-dynamic-cp" in rc.to_megatron_args()) == rc.dynamic_cp
+    assert type(rc.options.dynamic_cp) is bool
+    assert ("--dynbatch-dynamic-cp" in rc.to_megatron_args()) == rc.options.dynamic_cp
     n = len(lengths) - len(lengths) % (group_size or 1)
     if n == 0:
         return
@@ -253,7 +253,7 @@ def test_run_config_dynamic_cp_plans_or_explains(layout, dynamic_cp, conflict, l
     if plan is not None:
         from megatron_dynbatch import DynamicCPPlan
 
-        assert isinstance(plan, DynamicCPPlan) == rc.dynamic_cp
+        assert isinstance(plan, DynamicCPPlan) == rc.options.dynamic_cp
         plan.validate(n)
 
 

@@ -207,3 +207,63 @@ def test_min_cp_size_end_to_end_through_a_run_preset_and_its_megatron_flags():
     with pytest.raises(DynBatchConfigError, match="only applies to dynamic CP") as err:
         plan_options_from_args(launch(flags))
     assert "--dynbatch-min-cp-size" in str(err.value)  # the launch's error names the launch flag
+
+
+# ------------------------------------------------------------------------------------ upstream as our candidate
+def _random_dyncp_case(seed):
+    rng = np.random.default_rng(1000 + seed)
+    dp, cp, pp = (int(rng.choice(v)) for v in ([1, 2, 4, 8], [2, 4, 8], [1, 1, 2, 4]))
+    budget = int(rng.choice([8192, 16384, 32768]))
+    n = int(rng.integers(4, 160))
+    lens = np.minimum(rng.lognormal(np.log(budget * cp / 6), 1.2, n).astype(int) + 1, budget * dp * cp // 2)
+    return lens, ParallelConfig(dp=dp, cp=cp, pp=pp, tp=2), budget, str(rng.choice(["llama-3.1-8b", "qwen3-8b"]))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_never_slower_than_upstream_on_random_batches(seed):
+    """Upstream's schedule is one of our candidates (``dyncp/upstream.py``), so with no decision margin our plan is
+    never slower than it in our model; with the default margin only where the plan kept fixed CP, and then by less
+    than the margin."""
+    from megatron_dynbatch.bench.partitioning import BaselineInfeasible as Infeasible
+
+    lens, par, budget, model = _random_dyncp_case(seed)
+    try:
+        theirs = plan_megatron_dynamic_cp(lens, par, budget, model=model).predicted_step_time
+    except Infeasible:
+        theirs = float("inf")
+    for margin in (0.0, None):
+        plan = plan_global_batch(lens, model=model, parallel=par, max_tokens_per_gpu=budget, dynamic_cp=True,
+                                 decision_margin=margin)
+        plan.validate(lens.size)
+        slack = 0.0 if margin == 0.0 or set(plan.candidate.split(",")) != {"fixed-cp"} else 0.032
+        assert plan.predicted_step_time <= theirs * (1 + slack + 1e-9), (seed, margin, plan.candidate)
+
+
+def test_upstreams_schedule_is_taken_where_it_is_fastest_and_keeps_every_rule():
+    wins = 0
+    for seed in range(24):
+        lens, par, budget, model = _random_dyncp_case(seed)
+        plan = plan_global_batch(lens, model=model, parallel=par, max_tokens_per_gpu=budget, dynamic_cp=True,
+                                 decision_margin=0.0)
+        if "megatron-dcp" in plan.candidate.split(","):
+            wins += 1
+            plan.validate(lens.size)  # every sample once, every GPU the same slot count, within the budget
+            assert plan.cap_violations == 0
+    assert wins >= 1  # (these seeds include batches where upstream's greedy rounds beat our family)
+
+
+def test_upstream_candidate_is_skipped_where_it_would_break_a_rule():
+    from megatron_dynbatch.core.planner.dyncp import upstream
+
+    lens = _batch(3, 64)
+    kw = dict(model="qwen3-8b", max_tokens_per_gpu=12288, dynamic_cp=True, decision_margin=0.0)
+    # a pool that is not a power of two (upstream's groups are powers of two tiling the pool)
+    assert "megatron-dcp" not in plan_global_batch(lens, parallel={"dp": 3, "cp": 2, "tp": 2}, **kw).candidate
+    # a forced slot count it does not meet
+    forced = plan_global_batch(lens, parallel={"dp": 2, "cp": 4, "tp": 2}, num_microbatches=9, **kw)
+    assert forced.num_microbatches == 9 and "megatron-dcp" not in forced.candidate
+    # a step whose scheduling would take too long (hundreds of rounds over thousands of samples)
+    many = np.full(2048, 3000)
+    assert upstream.scheduling_work(many, 2, 4096) > upstream.UPSTREAM_MAX_WORK
+    plan = plan_global_batch(many, parallel={"dp": 1, "cp": 2, "tp": 2}, **{**kw, "max_tokens_per_gpu": 4096})
+    assert "megatron-dcp" not in plan.candidate

@@ -86,6 +86,13 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
         budget = 24 if layout == "pool" else 48
         plans["planner"] = plan_global_batch(lengths, model=spec, parallel=parallel, max_tokens_per_gpu=budget,
                                              dynamic_cp=True)
+        if layout == "pool":  # Megatron-LM dev's schedule (one of the planner's candidates) runs on our groups too
+            from megatron_dynbatch.core.parallel import ParallelConfig
+            from megatron_dynbatch.core.planner.dyncp.upstream import upstream_microbatches
+
+            ups = upstream_microbatches(lengths, ParallelConfig(**parallel), budget)
+            plans["upstream"] = build_dynamic_cp_plan(lengths, ups, parallel=parallel, max_tokens_per_gpu=budget,
+                                                      model=spec)
         for plan in plans.values():
             plan.validate(n)
         groups = get_dynamic_cp_groups()
@@ -161,7 +168,7 @@ def dyncp_pp_results():
     return run_ranks(_worker, 4, "pp", timeout=300)
 
 
-def _check(results, plans=("hand", "planner")):
+def _check(results, plans=("hand", "planner", "upstream")):
     for r in results:
         for (name, mode, per_token), run in r["runs"].items():
             assert name in plans
@@ -177,6 +184,7 @@ def test_dyncp_pool_dp2_cp2_matches_unpacked_reference(dyncp_pool_results):
     assert [r["pool_rank"] for r in res] == [0, 1, 2, 3] == [r["ps_pool_rank"] for r in res] == [r["row"] for r in res]
     assert res[0]["group_sizes"]["hand"] == [1, 2, 4]
     assert max(res[0]["group_sizes"]["planner"]) > 1  # the planner spread the long samples
+    assert len(res[0]["group_sizes"]["upstream"]) > 1  # upstream's schedule mixes group sizes in a slot
     for r in res:  # each GPU holds its share of its group's micro-batch
         for size, cp_rank, local, full in r["local"]["hand"]:
             assert local * size == full and 0 <= cp_rank < size

@@ -361,7 +361,7 @@ def test_shipped_presets_budgets_fit_the_card_they_were_written_for(name):
 
     rc = RunConfig.from_yaml(name)
     for pass_, forward_only in (("train", False), ("log_prob", True)):
-        fits = choose_budget(rc.model_spec(), rc.parallel(), rc.gpu_memory_gb or 79.1, pass_=pass_,
+        fits = choose_budget(rc.model_spec(), rc.parallel(), rc.options.gpu_memory_gb or 79.1, pass_=pass_,
                              settings=rc.memory_settings()).tokens_per_gpu
         assert rc.budget(forward_only=forward_only) <= fits, (name, pass_)
 

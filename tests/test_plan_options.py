@@ -22,6 +22,7 @@ from megatron_dynbatch import (BalanceBy, DynBatchConfigError, ModelSpec, Parall
 from megatron_dynbatch.core.memory import MemorySettings, choose_budget
 from megatron_dynbatch.core.planner import api
 from megatron_dynbatch.core.planner.options import ResolvedOptions
+from megatron_dynbatch.core.run_config import OPTION_KEYS
 
 BASE = {"max_tokens_per_gpu": 2048, "model": "qwen3-0.6b", "parallel": {"dp": 2}}
 
@@ -157,8 +158,11 @@ def test_every_option_has_a_test_value_and_a_documented_spelling():
     assert set(PlanOptions.spellings("megatron")) == names - set(NOT_LAUNCH_OPTIONS) - set(FROM_MEGATRONS_FLAGS)
     assert set(CLI_TOKENS) == {f.name for f in dataclasses.fields(PlanOptions) if f.init and f.metadata["cli"]}
     assert set(CLI_TOKENS) == names - set(NOT_CLI_OPTIONS)
-    # a preset's key is the field's own name: every option a launch sets by a flag is a RunConfig field too
-    assert set(PlanOptions.spellings("megatron")) <= {f.name for f in dataclasses.fields(RunConfig)}
+    # a preset's key is the field's own name: every option a launch sets by a flag is a preset key, routed into
+    # RunConfig.options -- and RunConfig mirrors no option in a field of its own (model and memory are the
+    # preset's source forms, which the options hold resolved)
+    assert set(PlanOptions.spellings("megatron")) | {"parallel"} == set(OPTION_KEYS) <= set(RunConfig.yaml_keys())
+    assert {f.name for f in dataclasses.fields(RunConfig)} & set(names) == {"model", "memory"}
     # ... and every field states its spelling at each door: a flag, the door's own words "(...)", or a reason above
     for door, exempt in (("megatron", NOT_LAUNCH_OPTIONS), ("cli", NOT_CLI_OPTIONS)):
         for f in dataclasses.fields(PlanOptions):
@@ -511,7 +515,7 @@ def test_auto_run_preset_and_its_launch_plan_with_the_same_budget():
     from megatron_dynbatch.megatron.args import plan_options_from_args, validate_dynamic_batch_args
 
     rc = RunConfig.from_yaml("qwen3-8b-grpo")
-    assert rc.max_tokens_per_gpu == "auto" and rc.plan_options().auto_budget
+    assert rc.budget_as_written() == "auto" and rc.plan_options().auto_budget
     argv = rc.to_megatron_args()
     assert argv[argv.index("--max-tokens-per-gpu") + 1] == "auto"
     megatron = {"recompute_granularity": "full", "use_distributed_optimizer": True, "optimizer_cpu_offload": True,

@@ -586,13 +586,13 @@ def test_a_grouped_batch_that_packs_is_never_refused(dp, m, cap, seed, balance):
     spent = {"units": 0, "bins": 0}
     search = fallback.units_search
 
-    def counted(inp, dp_, m_, budget):
-        units, bins = budget.units_left, budget.left
+    def counted(inp, dp_, m_, work):
+        units, bins = work.units_left, work.left
         try:
-            return search(inp, dp_, m_, budget)
+            return search(inp, dp_, m_, work)
         finally:
-            spent["units"] += units - budget.units_left
-            spent["bins"] += bins - budget.left
+            spent["units"] += units - work.units_left
+            spent["bins"] += bins - work.left
 
     with mock.patch.object(fallback, "units_search", counted):
         plan = plan_global_batch(lengths, parallel=layout, max_tokens_per_gpu=cap, group_ids=ids, **kw)

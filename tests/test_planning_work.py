@@ -25,19 +25,19 @@ def _shape(name: str):
 
 
 def _count_search(monkeypatch) -> Dict[str, int]:
-    """Counters of the unit search's spending: its work units and bin-search units (from the shared budget) and
+    """Counters of the unit search's spending: its work units and bin-search units (from the shared search work) and
     the ranks it hands to the packers."""
     seen = {"unit_work": 0, "bin_work": 0, "rank_packings": 0, "searches": 0}
     search, pack = fallback.units_search, packer.pack_rank
 
-    def counted_search(inp, dp, m, budget):
-        units, bins = budget.units_left, budget.left
+    def counted_search(inp, dp, m, work):
+        units, bins = work.units_left, work.left
         try:
-            return search(inp, dp, m, budget)
+            return search(inp, dp, m, work)
         finally:
             seen["searches"] += 1
-            seen["unit_work"] += units - budget.units_left
-            seen["bin_work"] += bins - budget.left
+            seen["unit_work"] += units - work.units_left
+            seen["bin_work"] += bins - work.left
 
     def counted_pack(members, inp, m):
         if inp.units is not None and len(members) < inp.aligned.size:  # one rank of a grouped step
@@ -53,11 +53,11 @@ def _assert_search_bounded(seen: Dict[str, int]) -> None:
     assert seen["searches"] >= 1  # the hostile step does reach the unit search
     assert seen["unit_work"] <= fallback.PLAN_UNIT_SEARCH_WORK
     assert seen["bin_work"] <= fallback.PLAN_SEARCH_WORK
-    # every rank it packs is charged at least PACK_UNITS: the work budget bounds the packings too
+    # every rank it packs is charged at least PACK_UNITS: the search work bounds the packings too
     assert seen["rank_packings"] <= fallback.PLAN_UNIT_SEARCH_WORK // fallback.PACK_UNITS
 
 
-def test_tight_grouped_step_plans_within_the_unit_search_budget(monkeypatch):
+def test_tight_grouped_step_plans_within_the_unit_search_work(monkeypatch):
     """Issue 33's 1,455 grouped samples (pp=8, vpp=4: only M=16 is valid): planned, within the search's work."""
     lengths, kwargs = _shape(TIGHT_GROUPS).build(0)
     seen = _count_search(monkeypatch)
@@ -68,7 +68,7 @@ def test_tight_grouped_step_plans_within_the_unit_search_budget(monkeypatch):
 
 
 def test_a_tighter_budget_is_refused_within_the_same_work(monkeypatch):
-    """100 tokens less: no packing is found; the refusal spends the whole budget and no more (the old unit
+    """100 tokens less: no packing is found; the refusal spends the whole search work and no more (the old unit
     search packed ~43,000 ranks on this input: 9 s of CPU)."""
     lengths, kwargs = _shape(TIGHT_GROUPS).build(0)
     budget = kwargs["max_tokens_per_gpu"] - 100

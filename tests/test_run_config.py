@@ -46,7 +46,7 @@ def test_every_preset_loads_and_plans(name):
     assert rc.name == name
     assert rc.model_spec().num_layers > 0
     assert rc.parallel().world_size == rc.parallel().dp * rc.parallel().tp * rc.parallel().pp * rc.parallel().cp
-    n = rc.samples_per_step or 8 * rc.parallel().dp
+    n = rc.options.samples_per_step or 8 * rc.parallel().dp
     lengths = _lengths(rc, n)
     plan = plan_global_batch(lengths, rc.plan_options(), group_ids=rc.group_ids(n))
     plan.validate(num_samples=n)
@@ -75,7 +75,7 @@ def test_tiny_preset_matches_the_demo_defaults():
     demo = pytest.importorskip("megatron_dynbatch.demo")
     rc = RunConfig.from_yaml("tiny-cpu-demo")
     parser = demo._parser()
-    assert rc.max_tokens_per_gpu == parser.get_default("max_tokens_per_gpu")
+    assert rc.budget_as_written() == parser.get_default("max_tokens_per_gpu")
     assert rc.parallel().dp == parser.get_default("dp")
     assert rc.model_spec().padded_vocab_size == demo.VOCAB
 
@@ -156,7 +156,7 @@ def test_group_ids_and_replace():
     with pytest.raises(DynBatchConfigError, match="multiple of group_size"):
         rc.group_ids(12)
     small = rc.replace(parallel={"world_size": 4}, samples_per_step=32)
-    assert (small.parallel().dp, small.samples_per_step) == (4, 32)
+    assert (small.parallel().dp, small.options.samples_per_step) == (4, 32)
     with pytest.raises(DynBatchConfigError, match="32 groups per step for dp=64"):
         rc.replace(parallel={"world_size": 64})
 
@@ -230,8 +230,11 @@ def test_megatron_args_parse_back_to_the_same_plan(name):
     args_mod.validate_dynamic_batch_args(ns)
     got = args_mod.plan_options_from_args(ns)
     want = rc.plan_options()
-    # A preset's "time" and a launch's --balance-by-flops select the same mode; every option arrives equal.
-    assert got == want  # Megatron's flags carry the model's shape (ModelSpec equality ignores the name)
+    # A preset's "time" (or its default, balance_by None until resolved) and a launch's --balance-by-flops select
+    # the same mode; every other option arrives equal.
+    assert got.resolve().balance_by is want.resolve().balance_by
+    assert got.replace(balance_by=None) == want.replace(balance_by=None)  # Megatron's flags carry the model's shape
+    # (ModelSpec equality ignores the name)
     assert ns.log_probs_max_tokens_per_gpu == rc.effective_log_probs_max_tokens_per_gpu
     assert ns.dynbatch_loss_mode == rc.loss_mode
 
@@ -449,11 +452,11 @@ def test_every_preset_fits_every_trainer_it_names(name):
     from megatron_dynbatch.core.memory import choose_budget, peak_memory
 
     rc = RunConfig.from_yaml(name)
-    card = rc.gpu_memory_gb or H100_GIB
+    card = rc.options.gpu_memory_gb or H100_GIB
     st = rc.memory_settings()
     for trainer in rc.named_trainers():
         mine = st.replace(trainer=trainer)
-        for pass_, value in (("train", rc.max_tokens_per_gpu), ("log_prob", rc.effective_log_probs_max_tokens_per_gpu)):
+        for pass_, value in (("train", rc.budget_as_written()), ("log_prob", rc.budget_as_written(forward_only=True))):
             choice = choose_budget(rc.model_spec(), rc.parallel(), card, pass_=pass_, settings=mine)
             tokens = choice.tokens_per_gpu if value == "auto" else value
             peak = peak_memory(rc.model_spec(), rc.parallel(), tokens, pass_=pass_, settings=mine)
@@ -472,3 +475,45 @@ def test_the_trainers_a_preset_names_are_checked():
     with pytest.raises(DynBatchConfigError) as exc:
         RunConfig.from_dict({**base, "trainers": "slime"})
     assert exc.value.field == "trainers"
+
+
+def test_the_options_are_one_plan_options_and_the_yaml_keys_stay_flat():
+    """Issue 31.6: no RunConfig field mirrors an option; the YAML form's flat keys route into ``options``."""
+    import dataclasses
+
+    import yaml
+
+    from megatron_dynbatch import BalanceBy, PlanOptions
+    from megatron_dynbatch.core.run_config import OPTION_KEYS
+
+    assert set(OPTION_KEYS) == set(PlanOptions.spellings("megatron")) | {"parallel"}  # from the field metadata
+    assert {f.name for f in dataclasses.fields(RunConfig)} & set(OPTION_KEYS) == set()
+    data = {"name": "t", "model": "qwen3-0.6b", "parallel": {"dp": 2}, "max_tokens_per_gpu": 4096,
+            "balance_by": "tokens", "samples_per_step": np.int64(8), "loss_mode": "sample_mean"}
+    rc = RunConfig.from_dict(data)
+    assert isinstance(rc.options, PlanOptions) and rc.options is rc.plan_options()
+    assert rc.options.balance_by is BalanceBy.TOKENS and rc.options.samples_per_step == 8
+    assert rc.loss_mode == "sample_mean"
+    d = rc.to_dict()
+    assert d["balance_by"] == "tokens" and type(d["balance_by"]) is str and type(d["samples_per_step"]) is int
+    assert RunConfig.from_dict(yaml.safe_load(yaml.safe_dump(d))) == rc
+    # Python construction: the options whole, or as the preset's keys; replace routes keys the same way
+    direct = RunConfig(name="t", model="qwen3-0.6b", loss_mode="sample_mean",
+                       options=PlanOptions(max_tokens_per_gpu=4096, parallel={"dp": 2}, balance_by="tokens",
+                                           samples_per_step=8))
+    assert direct == rc == RunConfig(name="t", model="qwen3-0.6b", loss_mode="sample_mean",
+                                     options={k: v for k, v in data.items() if k in OPTION_KEYS})
+    wider = rc.replace(parallel={"dp": 4}, balance_by="time", group_size=2)
+    assert (wider.parallel().dp, wider.options.balance_by, wider.group_size) == (4, BalanceBy.TIME, 2)
+    assert wider.options.samples_per_step == 8 and rc.parallel().dp == 2
+    assert rc.replace(options=rc.options.replace(samples_per_step=16)).options.samples_per_step == 16
+    for bad, field in (({"refine_rounds": 3}, "refine_rounds"),):  # no launch flag: not a preset key
+        with pytest.raises(DynBatchConfigError) as exc:
+            RunConfig.from_dict({**data, **bad})
+        assert exc.value.field == field
+    with pytest.raises(DynBatchConfigError) as exc:
+        RunConfig(name="t", model="qwen3-0.6b", options=PlanOptions(max_tokens_per_gpu=4096, refine_rounds=3))
+    assert exc.value.field == "options.refine_rounds"
+    with pytest.raises(DynBatchConfigError) as exc:
+        RunConfig(name="t", model="qwen3-0.6b", options=PlanOptions(max_tokens_per_gpu=4096, model="qwen3-8b"))
+    assert exc.value.field == "options.model"

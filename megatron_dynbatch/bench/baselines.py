@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -44,6 +44,11 @@ from ..core.parallel import ParallelConfig
 from .megatron_upstream import megatron_dp_balanced, megatron_rl_packing, megatron_rl_packing_rr
 from .partitioning import (BaselineInfeasible, adjust_bin_count, first_fit, karmarkar_karp,
                            modified_first_fit_decreasing, split_largest_bins)
+
+if TYPE_CHECKING:
+    from ..core.model_spec import ModelLike
+    from ..core.parallel import ParallelLike
+    from ..core.planner.plan_kind import PlanKind
 
 MicroBatches = List[List[List[int]]]
 
@@ -67,7 +72,7 @@ class BaselineContext:
     fp8_alignment: Union[None, str, int] = None
 
     @classmethod
-    def build(cls, parallel: Any, max_tokens_per_gpu: int, model: Any = None,
+    def build(cls, parallel: ParallelLike, max_tokens_per_gpu: int, model: Optional[ModelLike] = None,
               fp8_alignment: Union[None, str, int] = None) -> "BaselineContext":
         par = ParallelConfig.from_any(parallel)
         spec = None
@@ -450,7 +455,7 @@ def run_baseline(name: str, lengths: Union[Sequence[int], np.ndarray], ctx: Base
     return BaselineRun(name, plan=plan, planning_time_s=elapsed, notes=notes)
 
 
-def structural_problems(plan: Any, num_samples: int) -> List[str]:
+def structural_problems(plan: PlanKind, num_samples: int) -> List[str]:
     """What Megatron (or the training loop) would reject in a plan: ranks with different micro-batch counts,
     empty micro-batches, an interleaved-pipeline count Megatron refuses, or samples lost / duplicated."""
     from ..core.planner.vpp import is_valid_microbatch_count

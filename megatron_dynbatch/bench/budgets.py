@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as _dt
 import platform
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,6 +30,10 @@ from ..core.cost_files import resolve_cost_model
 from ..core.errors import DynBatchConfigError, OversizeSampleError
 from ..core.memory import TRAINER_DEFAULTS, GiB, MemorySettings, choose_budget, peak_memory
 from .workloads import Workload
+
+if TYPE_CHECKING:
+    from ..core.cost_model import CostModel, CostModelLike
+    from ..core.planner.plan_kind import PlanKind
 
 #: the memory settings the comparison assumes (stated in the report)
 BENCH_SETTINGS = MemorySettings(recompute="full", optimizer="cpu_offload")
@@ -64,7 +68,7 @@ def hand_set_budgets(w: Workload) -> List[Tuple[str, int]]:
     return out
 
 
-def _plan(w: Workload, lengths: np.ndarray, tokens: int, cm: Any) -> Any:
+def _plan(w: Workload, lengths: np.ndarray, tokens: int, cm: CostModel) -> PlanKind:
     from ..core.planner import plan_global_batch
 
     plan = plan_global_batch(lengths, model=w.model, parallel=w.parallel, max_tokens_per_gpu=tokens, cost_model=cm)
@@ -76,7 +80,8 @@ def _plan(w: Workload, lengths: np.ndarray, tokens: int, cm: Any) -> Any:
 
 
 def run_budgets(workloads: Sequence[Workload], seeds: int = 1, gpu_memory_gb: float = DEFAULT_GPU_GB,
-                settings: MemorySettings = BENCH_SETTINGS, cost_model: Any = None) -> Tuple[List[BudgetRow], Dict]:
+                settings: MemorySettings = BENCH_SETTINGS, cost_model: CostModelLike = None
+                ) -> Tuple[List[BudgetRow], Dict]:
     """Every workload's batch planned with the auto and the hand-set budgets (module docstring): rows, metadata."""
     rows: List[BudgetRow] = []
     for w in workloads:

@@ -26,7 +26,7 @@ import platform
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from ..core.planner import score_assignment
 from .baselines import BaselineContext, BaselineInfeasible, get_baseline, roll_layout, structural_problems
 from .table import aligned
 from .workloads import Workload
+
+if TYPE_CHECKING:
+    from ..core.model_spec import ModelLike
 
 __all__ = ["DROPIN_TRAINERS", "DropinRow", "format_dropins", "run_dropins"]
 
@@ -102,14 +105,14 @@ def _row_padding(par: ParallelConfig, cap: int) -> Dict[str, Any]:
     return {"fixed_microbatch_tokens": cap}  # Megatron RL: every bin is a full --seq-length row
 
 
-def _slime_dropin(lengths: np.ndarray, w: Workload, model: Any):
+def _slime_dropin(lengths: np.ndarray, w: Workload, model: Optional[ModelLike]):
     sched = slime_schedule(lengths, rollout_indices=list(range(lengths.size)), global_batch_size=lengths.size,
                            parallel=w.parallel, max_tokens_per_gpu=w.max_tokens_per_gpu, model=w.model,
                            data_pad_size_multiplier=SLIME_PAD, oversize="alone")
     return sched.plan.micro_batches, None
 
 
-def _verl_dropin(lengths: np.ndarray, w: Workload, model: Any):
+def _verl_dropin(lengths: np.ndarray, w: Workload, model: Optional[ModelLike]):
     par = w.parallel
     cap = w.max_tokens_per_gpu * par.cp
     div = par.vp_group_size if par.vpp > 1 else None
@@ -119,7 +122,7 @@ def _verl_dropin(lengths: np.ndarray, w: Workload, model: Any):
     return [[[p[i] for i in mb] for mb in local_partitions(lengths[p], cap, count, **layout)] for p in parts], None
 
 
-def _nemo_rl_dropin(lengths: np.ndarray, w: Workload, model: Any):
+def _nemo_rl_dropin(lengths: np.ndarray, w: Workload, model: Optional[ModelLike]):
     par = w.parallel
     cap = w.max_tokens_per_gpu * par.cp
     aligned = BaselineContext.build(par, w.max_tokens_per_gpu).alignment.seq_len(lengths)
@@ -139,7 +142,7 @@ def _roll_padded(lengths: np.ndarray, mbs: MicroBatches, padded: Sequence[int]) 
     return out
 
 
-def _roll_dropin(lengths: np.ndarray, w: Workload, model: Any):
+def _roll_dropin(lengths: np.ndarray, w: Workload, model: Optional[ModelLike]):
     par = w.parallel
     shard = roll_shard(lengths, par.dp, w.max_tokens_per_gpu * par.cp, ROLL_ROUND, par.pp,
                        par.vpp if par.vpp > 1 else None, par.microbatch_group_size_per_vp_stage, model=model)
@@ -147,7 +150,7 @@ def _roll_dropin(lengths: np.ndarray, w: Workload, model: Any):
     return mbs, _roll_padded(lengths, mbs, shard.micro_batch_lengths)
 
 
-def _megatron_rl_dropin(lengths: np.ndarray, w: Workload, model: Any):
+def _megatron_rl_dropin(lengths: np.ndarray, w: Workload, model: Optional[ModelLike]):
     par = w.parallel
     res = plan_rl_bins(lengths, bin_size=w.max_tokens_per_gpu * par.cp, dp=par.dp,
                        seq_length_multiple=2 * par.cp if par.cp > 1 else 1, parallel=par.to_dict(), model=w.model)

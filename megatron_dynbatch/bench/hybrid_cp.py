@@ -37,6 +37,7 @@ from ..core.cost_model import CostModel, simulate_1f1b
 from ..core.parallel import ParallelConfig
 from ..core.topology import group_spans_nodes
 from ..core.planner.dyncp.plan import DynamicCPPlan
+from ..core.planner.options import BalanceBy
 from .partitioning import BaselineInfeasible
 
 NAME = "megatron-hybrid-cp"
@@ -249,7 +250,7 @@ def plan_hybrid_cp(lengths: Sequence[int], parallel: ParallelConfig, max_tokens_
     counts = [len(x) for x in micro_batches]
     return DynamicCPPlan(
         micro_batches=micro_batches, microbatches_per_step=[max(counts)], parallel=par,
-        alignment=Alignment.for_layout(par, tile), cap=int(max_tokens_per_gpu), balance_by="tokens",
+        alignment=Alignment.for_layout(par, tile), cap=int(max_tokens_per_gpu), balance_by=BalanceBy.TOKENS,
         microbatch_tokens=mb_tokens, microbatch_time=mb_time,
         rank_tokens=np.array([sum(t) for t in mb_tokens], dtype=np.int64), rank_flops=np.zeros(pool),
         rank_time=np.full(pool, total), padding_tokens=int(sum(sum(t) for t in mb_tokens) - lens.sum()),

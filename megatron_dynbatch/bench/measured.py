@@ -29,7 +29,7 @@ for the CPU smoke mode (``measure.py --device cpu --tiny``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -146,7 +146,8 @@ class RoundsSchedule:
         return MeasuredStep(step, busy.tolist(), len(self.items()))
 
 
-Schedule = Any  # RankSchedule | PoolSchedule | RoundsSchedule
+#: what a plan becomes for measuring (:func:`schedule_of`)
+Schedule = Union[RankSchedule, PoolSchedule, RoundsSchedule]
 
 
 def schedule_of(name: str, plan: PlanKind, lengths: Sequence[int], workload: Workload) -> Schedule:

@@ -18,11 +18,14 @@ above, the rest of the GPU's predicted time drawn at the end.
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..core.errors import DynBatchConfigError
+
+if TYPE_CHECKING:
+    from ..core.planner.plan_kind import PlanKind
 
 
 def _ranks_to_show(rank_time: np.ndarray, max_ranks: int) -> List[int]:
@@ -42,7 +45,7 @@ GROUP_COLORS = ("#64B5CD", "#55A868", "#DD8452", "#8172B3", "#937860", "#DA8BC3"
 GROUP_WAIT_COLOR = "#F2E6B3"
 
 
-def group_starts(plan: Any) -> Optional[np.ndarray]:
+def group_starts(plan: PlanKind) -> Optional[np.ndarray]:
     """``[gpu, slot]`` start times of a dynamic-CP plan's micro-batches when each group starts with its last
     member (per-stage times ``t/pp``); ``None`` for other plans, or when the GPUs do not share slots."""
     groups = getattr(plan, "groups", None)
@@ -76,7 +79,7 @@ def require_matplotlib(path: str, flag: str = "--plot") -> None:
                                   f"or drop {flag}")
 
 
-def _over_budget(plan: Any, r: int) -> List[bool]:
+def _over_budget(plan: PlanKind, r: int) -> List[bool]:
     tokens, cap = getattr(plan, "microbatch_tokens", None), getattr(plan, "cap", None)
     if tokens is None or not cap:
         return [False] * len(plan.microbatch_time[r])

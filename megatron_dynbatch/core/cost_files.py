@@ -15,17 +15,20 @@ The time model itself is :mod:`.cost_model`; fitting measured timings is :mod:`.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 from .checks import read_json
 from .cost_fit import FitReport
-from .cost_model import FILE_KEYS, CostModel
+from .cost_model import FILE_KEYS, CostModel, CostModelLike
 from .cost_profiles import PROFILES, CostProfile, is_cost_model_choice
 from .errors import DynBatchConfigError
 from .parallel import ParallelConfig
 
+if TYPE_CHECKING:
+    from .model_spec import ModelLike
 
-def check_cost_model_choice(choice: Any, has_model: bool, *, field: str = "cost_model") -> None:
+
+def check_cost_model_choice(choice: CostModelLike, has_model: bool, *, field: str = "cost_model") -> None:
     """What can be said of a cost-model choice without reading anything: its kind (``None``, a profile name, a
     file path, a ``CostModel``) and a profile's need of the model's shape (whether a file reads is
     :func:`resolve_cost_model`'s question)."""
@@ -40,7 +43,8 @@ def check_cost_model_choice(choice: Any, has_model: bool, *, field: str = "cost_
                                   "pass model=... (a preset name, dict or ModelSpec), or a coefficient file")
 
 
-def resolve_cost_model(choice: Any, model: Any, parallel: ParallelConfig, *, field: str = "cost_model") -> "CostModel":
+def resolve_cost_model(choice: CostModelLike, model: Optional[ModelLike], parallel: ParallelConfig, *,
+                       field: str = "cost_model") -> CostModel:
     """The cost model a planner call uses: a :class:`CostModel` (placed on ``parallel``), a profile name
     (:data:`~.cost_profiles.PROFILES`: ``"fitted"``, ``"analytic"``) or a cost-model JSON file -- its
     ``"profile"`` section applied to ``model`` when both are there (it transfers to this layout), else its
@@ -88,7 +92,7 @@ WIDTH_FIELDS = ("hidden_size", "num_attention_heads", "num_query_groups", "kv_ch
                 "num_experts", "moe_ffn_hidden_size", "multi_latent_attention")
 
 
-def fitted_for(model: Any, *, device: str, device_type: str, dtype: str, tp: int) -> Dict[str, Any]:
+def fitted_for(model: ModelLike, *, device: str, device_type: str, dtype: str, tp: int) -> Dict[str, Any]:
     """What a calibrated cost-model file records it was fitted on (its ``"fit": {"fitted_for": ...}``): the model
     timed (name and :data:`WIDTH_FIELDS`), its tensor-parallel widths, the device (its name and ``"cpu"`` /
     ``"cuda"``) and the dtype."""
@@ -105,7 +109,7 @@ def _describe_widths(name: str, w: Mapping[str, Any]) -> str:
             f"{w.get('ffn_hidden_size')}{moe})")
 
 
-def check_fitted_for(data: Any, model: Any, path: Any, *, field: str = "cost_model", transfers: bool) -> None:
+def check_fitted_for(data: Any, model: ModelLike, path: Any, *, field: str = "cost_model", transfers: bool) -> None:
     """Check a cost-model file's ``fitted_for`` record (:func:`fitted_for`) against the ``model`` it is about to
     be used for. Same widths, or no record (a hand-written or older file): nothing. Other widths: when the file's
     ``"profile"`` is applied (``transfers``) a :class:`CostModelMismatchWarning` naming what it was fitted for

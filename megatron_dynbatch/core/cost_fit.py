@@ -43,7 +43,7 @@ from .cost_model import CostModel
 from .cost_profiles import CostProfile, resolve_profile
 from .errors import DynBatchConfigError
 from .flops import FWD_BWD_FACTOR, flops_breakdown
-from .model_spec import ModelSpec
+from .model_spec import ModelLike, ModelSpec
 from .parallel import ParallelConfig
 
 # ------------------------------------------------------- the fit report, and the first fits (no floor, no profile)
@@ -189,14 +189,14 @@ def parse_records(records: Sequence[Any]) -> Tuple[np.ndarray, List[np.ndarray],
     return np.asarray(groups, dtype=np.int64), lens, np.asarray(secs, dtype=np.float64)
 
 
-def record_features(model: Any, records: Sequence[Any], *, measured_layers: int, tp: int = 1,
+def record_features(model: ModelLike, records: Sequence[Any], *, measured_layers: int, tp: int = 1,
                     lm_head: bool = False, peak_flops: float) -> Dict[str, np.ndarray]:
     """:func:`slice_features` of records (each sequence padded to a multiple of ``2 * group_size``)."""
     return record_features_padded(model, records, measured_layers=measured_layers, tp=tp, lm_head=lm_head,
                                   peak_flops=peak_flops)[0]
 
 
-def record_features_padded(model: Any, records: Sequence[Any], *, measured_layers: int, tp: int = 1,
+def record_features_padded(model: ModelLike, records: Sequence[Any], *, measured_layers: int, tp: int = 1,
                            lm_head: bool = False, peak_flops: float) -> Tuple[Dict[str, np.ndarray], np.ndarray]:
     """:func:`record_features` and each record's padded token count (the ``padded_tokens`` it passed on)."""
     g, lens, secs = parse_records(records)
@@ -208,7 +208,7 @@ def record_features_padded(model: Any, records: Sequence[Any], *, measured_layer
     return out, padded
 
 
-def point_features(points: Sequence[Any], model: Any, *, measured_layers: int, tp: int = 1,
+def point_features(points: Sequence[Any], model: ModelLike, *, measured_layers: int, tp: int = 1,
                    lm_head: bool = False, peak_flops: float) -> Dict[str, np.ndarray]:
     """:func:`slice_features` of calibration grid points (``group_size``, ``lengths``; each sequence padded to a
     multiple of ``2 * group_size``)."""
@@ -220,7 +220,7 @@ def point_features(points: Sequence[Any], model: Any, *, measured_layers: int, t
                           peak_flops=peak_flops)
 
 
-def slice_features(model: Any, group_sizes: Any, padded_tokens: Any, sq_tokens: Any, *, measured_layers: int,
+def slice_features(model: ModelLike, group_sizes: Any, padded_tokens: Any, sq_tokens: Any, *, measured_layers: int,
                    tp: int = 1, lm_head: bool = False, peak_flops: float) -> Dict[str, np.ndarray]:
     """Per micro-batch share (``group_sizes``; each micro-batch's full padded token count and sum of squared
     lengths), in seconds at ``peak_flops``: the slice's linear FLOPs of the member's tokens (``lin``), its attention
@@ -242,7 +242,7 @@ def slice_features(model: Any, group_sizes: Any, padded_tokens: Any, sq_tokens: 
             "chunk": unit * quadratic * padded * (g - 1.0) / g}
 
 
-def fit_records(records: Sequence[Any], model: Any, *, measured_layers: int, tp: int = 1, lm_head: bool = False,
+def fit_records(records: Sequence[Any], model: ModelLike, *, measured_layers: int, tp: int = 1, lm_head: bool = False,
                 parallel: Optional[ParallelConfig] = None, base: Any = "fitted",
                 name: str = "calibrated") -> Tuple[CostModel, FitReport]:
     """Fit the cost model to measured micro-batch shares (module docstring).
@@ -350,7 +350,7 @@ def fit_report(predicted: np.ndarray, seconds: np.ndarray, group_sizes: np.ndarr
     return FitReport(int(rel.size), float(np.sqrt(np.mean(rel ** 2))), float(np.abs(rel).max()), per, unc)
 
 
-def predict_records(cost_profile: Any, records: Sequence[Any], model: Any, *, measured_layers: int, tp: int = 1,
+def predict_records(cost_profile: Any, records: Sequence[Any], model: ModelLike, *, measured_layers: int, tp: int = 1,
                     lm_head: bool = False) -> np.ndarray:
     """Seconds a profile predicts for records measured on a slice (the fit's own model; module docstring)."""
     prof: CostProfile = resolve_profile(cost_profile)

@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -59,11 +60,14 @@ from .parallel import ParallelConfig
 from .pipeline_sim import simulate_1f1b, simulate_1f1b_batch
 from .smallops import np_sum
 
+if TYPE_CHECKING:
+    from .model_spec import ModelLike
+
 #: bytes per element of the exchanged K/V (bf16)
 KV_BYTES_PER_ELEMENT = 2
 
 
-def kv_bytes_per_token(model) -> float:
+def kv_bytes_per_token(model: ModelLike) -> float:
     """Bytes of K and V one token holds in all layers of ``model`` (a ``ModelSpec`` or anything
     ``ModelSpec.from_any`` accepts), bf16, before tensor parallelism splits them: ``2 * num_query_groups *
     kv_channels`` per layer (GQA), or with multi-latent attention the per-head expanded K (``qk_head_dim +
@@ -182,7 +186,8 @@ class CostModel:
                    uncertainty=prof.uncertainty)
 
     @classmethod
-    def from_model(cls, model, parallel: Optional[ParallelConfig] = None, *, profile: Any = None,
+    def from_model(cls, model: ModelLike, parallel: Optional[ParallelConfig] = None, *,
+                   profile: Union[None, str, os.PathLike, CostProfile] = None,
                    **overrides: Any) -> "CostModel":
         """Build from a ``ModelSpec`` (or anything ``ModelSpec.from_any`` accepts) and a cost profile: ``None``
         (the default, ``"fitted"``), ``"analytic"`` (the pre-measurement assumptions), a
@@ -428,3 +433,8 @@ def _with_overrides(profile: CostProfile, overrides: Dict[str, Any]) -> CostProf
         kw.setdefault("intra_node_latency_s", lat)
         kw.setdefault("inter_node_latency_s", lat)
     return profile.replace(**kw)
+
+
+#: What a cost-model option accepts (:func:`~.cost_files.resolve_cost_model`): a ``CostModel``, a profile name
+#: (``"fitted"``, ``"analytic"``), a cost-model JSON file, or ``None`` (the default profile)
+CostModelLike = Union[CostModel, str, os.PathLike, None]

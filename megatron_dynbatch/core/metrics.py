@@ -60,7 +60,7 @@ def _check_plan(plan: Any) -> None:
         raise DynBatchConfigError("plan", type(plan).__name__, "is not a plan", "pass the Plan the step ran")
 
 
-def _predicted_time(plan: Any, step: Optional[int]) -> float:
+def _predicted_time(plan: PlanKind, step: Optional[int]) -> float:
     """The plan's predicted time, or its optimizer step ``step``'s where the plan lists each step's."""
     per_step_time = getattr(plan, "step_time", None)
     if step is not None and per_step_time and len(per_step_time) == len(plan.microbatches_per_step):

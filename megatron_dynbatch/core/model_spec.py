@@ -40,7 +40,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple, Union
 
 from .checks import did_you_mean
 from .checks import is_int as _is_int
@@ -48,7 +48,8 @@ from .errors import DynBatchConfigError
 from .presets import CONFIGS_ENV, available_presets, load_model_mapping, preset_dirs, resolve_model_preset
 from .model_sources import MLA_FIELDS, fields_from_hf_config, fields_from_megatron
 
-__all__ = ["ModelSpec", "available_presets", "preset_dirs", "ModelLike", "CONFIGS_ENV"]
+__all__ = ["ModelSpec", "available_presets", "preset_dirs", "ModelLike", "MegatronConfigLike", "MegatronModelLike",
+           "HFConfigLike", "CONFIGS_ENV"]
 
 # Other names for our fields that users will plausibly type: TransformerConfig's spellings and a few
 # Hugging Face ones whose meaning is identical.
@@ -418,7 +419,7 @@ class ModelSpec:
     @classmethod
     def from_megatron(
         cls,
-        obj: Any,
+        obj: Union[argparse.Namespace, MegatronConfigLike, MegatronModelLike],
         *,
         vocab_size: Optional[int] = None,
         padded_vocab_size: Optional[int] = None,
@@ -485,7 +486,34 @@ class ModelSpec:
         )
 
 
-ModelLike = Union[ModelSpec, Mapping[str, Any], str, os.PathLike, argparse.Namespace, Any]
+class MegatronConfigLike(Protocol):
+    """A megatron-core ``TransformerConfig`` (or ``MLATransformerConfig``), or Megatron's parsed args under another
+    type: what :meth:`ModelSpec.from_megatron` reads by attribute (megatron is never imported here)."""
+
+    hidden_size: int
+
+
+class MegatronModelLike(Protocol):
+    """A megatron-core model (``GPTModel``, or a wrapper with its ``config``): its ``.config`` and ``.vocab_size``
+    are read."""
+
+    config: Any
+
+
+class HFConfigLike(Protocol):
+    """A ``transformers`` ``PretrainedConfig`` (read through its ``to_dict()``; transformers is never imported)."""
+
+    model_type: str
+    num_hidden_layers: int
+
+    def to_dict(self) -> Dict[str, Any]: ...
+
+
+#: What :meth:`ModelSpec.from_any` accepts: a spec, a dict of fields, a preset name or a file path, Megatron's
+#: args, a ``TransformerConfig`` or model, or a Hugging Face config object (the last three matched by shape)
+ModelLike = Union[ModelSpec, Mapping[str, Any], str, os.PathLike, argparse.Namespace, MegatronConfigLike,
+                  MegatronModelLike, HFConfigLike]
+
 
 def _is_np_float(value: Any) -> bool:
     """A NumPy floating scalar (accepted as a dropout probability)."""

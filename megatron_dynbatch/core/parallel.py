@@ -105,6 +105,10 @@ class ParallelConfig:
         return parallel_from_mapping(parallel)[0]
 
 
+#: What :meth:`ParallelConfig.from_any` accepts: a ``ParallelConfig``, a layout mapping, or ``None`` (all ones)
+ParallelLike = Union[ParallelConfig, Mapping[str, Any], None]
+
+
 def _known_keys() -> List[str]:
     return [f.name for f in fields(ParallelConfig)] + list(EXTRA_KEYS)
 
@@ -198,7 +202,7 @@ def _suggest(key: str, known: List[str]) -> str:
     return did_you_mean(key, known + list(ALIASES)) or f"use only {known}"
 
 
-def parallel_from_mapping(parallel: Any) -> Tuple[ParallelConfig, Optional[int]]:
+def parallel_from_mapping(parallel: Mapping[str, Any]) -> Tuple[ParallelConfig, Optional[int]]:
     """A layout mapping -> ``(ParallelConfig, etp)``. ``world_size`` derives ``dp`` (it must divide by
     ``tp*pp*cp``, and agree with ``dp`` when both are given); ``etp`` / ``expert_tensor_parallel_size`` (the same
     value when both are given) is validated and returned apart, ``None`` when absent. Every problem is a

@@ -56,7 +56,7 @@ COLUMN_OPS = 32
 
 def simulated_steps(m: int, pp: int) -> int:
     """The work one simulation of ``m`` micro-batches over ``pp`` stages takes, in operations (a column step of
-    the compressed form counts :data:`COLUMN_OPS`): what callers budget their simulations in."""
+    the compressed form counts :data:`COLUMN_OPS`): the unit callers bound their simulations in."""
     if m == 0:
         return 0
     if uses_fast_form(m, pp):
@@ -68,7 +68,8 @@ def simulation_cost_us(m: int, pp: int, ranks: int) -> float:
     """A model of one :func:`simulate_1f1b_batch` call's CPU microseconds (``ranks`` rows of ``m`` micro-batches
     over ``pp`` stages), fitted on one core: operation by operation, each of the ``2 * m * pp`` operations is a
     few NumPy calls over the ranks; in the compressed form each of the ``m + min(pp, m)`` columns is a dozen calls
-    over ``min(pp, m) x ranks`` values. Deterministic (a function of the sizes), so callers can budget with it."""
+    over ``min(pp, m) x ranks`` values. Deterministic (a function of the sizes), so callers can bound
+    their work with it."""
     if m == 0:
         return 0.0
     if uses_fast_form(m, pp):

@@ -16,33 +16,33 @@ over-budget micro-batches by choice. Pure Python.
 
 from __future__ import annotations
 
+import os
 import warnings
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from .checks import MAX_TOKENS, as_int
 from .errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from .parallel import ParallelConfig
 
 if TYPE_CHECKING:
+    from .parallel import ParallelLike
     from .planner.options import ResolvedOptions
 
 __all__ = ["check_max_seq_len_fits", "auto_profile"]
 
 
-def auto_profile(options: "ResolvedOptions") -> Any:
+def auto_profile(options: Optional[ResolvedOptions]) -> Union[str, os.PathLike, None]:
     """The memory profile an automatic budget was chosen with: the cost-model FILE of the options (its ``memory``
     section), else ``None`` (analytic) -- as :meth:`PlanOptions.resolve` chooses it."""
-    import os
-
-    cm = options.options.cost_model
+    cm = options.options.cost_model if options is not None else None
     return cm if isinstance(cm, (str, os.PathLike)) else None
 
 
-def check_max_seq_len_fits(max_seq_len: int, *, max_tokens_per_gpu: int, parallel: Any = None,
+def check_max_seq_len_fits(max_seq_len: int, *, max_tokens_per_gpu: int, parallel: ParallelLike = None,
                            fp8_alignment: Union[None, str, int] = None, sequence_pad_multiple: Optional[int] = None,
                            microbatch_pad_multiple: Optional[int] = None, oversize: str = "error",
                            length_field: str = "max_seq_len", budget_field: str = "max_tokens_per_gpu",
-                           dynamic_cp: bool = False, options: Optional["ResolvedOptions"] = None) -> bool:
+                           dynamic_cp: bool = False, options: Optional[ResolvedOptions] = None) -> bool:
     """``True`` if a sample of ``max_seq_len`` tokens fits one micro-batch of ``max_tokens_per_gpu`` (x cp,
     padding included); else raise (``oversize="error"``) or warn and return ``False`` (``"alone"``).
 

@@ -17,7 +17,10 @@ only for ``kind="mcore"`` (imported when such a slice is built). Never imports :
 
 Modules: :mod:`.layout` (what is timed: ``SliceLayout``, per-TP-rank ``SliceWidths``), :mod:`.share` (one CP
 member's share emulated on one device), :mod:`.mcore_slice` / :mod:`.torch_decoder` (the two slices),
-:mod:`.timer` (CUDA events / ``perf_counter``), :mod:`.slices` (``ModelSlice``, ``build_slice``, records).
+:mod:`.timer` (CUDA events / ``perf_counter``), :mod:`.slices` (``ModelSlice``, ``build_slice``, records),
+:mod:`.calibrate` (offline calibration: time the grid, fit the cost model), :mod:`.memory` (the measured peaks
+of ``calibrate``'s memory grid), :mod:`.whole_model` (a whole model trained one real step at a time, for
+``benchmarks/gpu/memory.py``) and :mod:`.budget_search` (the largest budget that fits, by real attempts).
 """
 
 from .layout import SliceLayout, SliceWidths

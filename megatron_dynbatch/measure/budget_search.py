@@ -34,7 +34,7 @@ def search_largest_fit(attempt: Callable[[int], bool], start: int, *, multiple: 
     first = max(mult, as_int(start, "start", minimum=1) // mult * mult)
     g = as_float(growth, "growth", minimum=1.01, maximum=16.0)
     res = as_float(resolution, "resolution", minimum=0.0, maximum=1.0)
-    budget = as_int(max_attempts, "max_attempts", minimum=1, maximum=1000)
+    tries = as_int(max_attempts, "max_attempts", minimum=1, maximum=1000)
     cap = None if max_tokens is None else as_int(max_tokens, "max_tokens", minimum=mult)
     out = SearchResult()
 
@@ -54,7 +54,7 @@ def search_largest_fit(attempt: Callable[[int], bool], start: int, *, multiple: 
 
     tokens = first
     ok = run(tokens)
-    while len(out.attempts) < budget:  # find a bracket
+    while len(out.attempts) < tries:  # find a bracket
         if ok:
             nxt = step(tokens, True)
             if cap is not None and nxt > cap:
@@ -69,7 +69,7 @@ def search_largest_fit(attempt: Callable[[int], bool], start: int, *, multiple: 
         ok = run(tokens)
         if out.largest_fit is not None and out.smallest_fail is not None:
             break
-    while len(out.attempts) < budget and out.largest_fit is not None and out.smallest_fail is not None:
+    while len(out.attempts) < tries and out.largest_fit is not None and out.smallest_fail is not None:
         lo, hi = out.largest_fit, out.smallest_fail
         if hi - lo <= max(mult, int(lo * res)):
             break

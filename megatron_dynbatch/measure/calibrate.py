@@ -9,7 +9,7 @@ local THD spec), times the points in order (:meth:`~.slices.ModelSlice.time_reco
 after ``max_seconds`` (its estimate scaled by measured / estimated so far), and fits the records with
 :func:`~megatron_dynbatch.core.cost_fit.fit_records`. The result's ``cost_model`` is the fitted profile applied to
 the model's layers on the layout; :meth:`CalibrationResult.save` writes the cost-model file every
-``--cost-model`` / ``--dynbatch-cost-model`` / ``RunConfig.cost_model`` reads.
+``--cost-model`` / ``--dynbatch-cost-model`` / ``RunConfig.options`` reads.
 
 What is measured: compute of one GPU (one TP rank's widths, one CP member's share) -- not the TP collectives, not
 the CP ring's transfers, not the pipeline's p2p, not the optimizer. Those keep the base profile's numbers.

@@ -18,7 +18,7 @@ every rank ``M`` micro-batches of the full budget (``M = 1`` without pipeline pa
 :func:`probe_microbatches` with it), and runs them through ``run(samples, plan)`` -- the call site's own
 schedule call: :func:`~megatron_dynbatch.megatron.schedule.dynamic_forward_backward` with the caller's
 ``forward_step_func`` (or the packed-THD default), loss, ``forward_backward_func`` and config -- under the peak
-reader (:mod:`megatron_dynbatch.measure.memory`: the CUDA allocator's ``max_memory_allocated`` reset before,
+reader (:mod:`.memory_reader`: the CUDA allocator's ``max_memory_allocated`` reset before,
 a deterministic fake in CPU tests).
 
 How it decides (every rank alike)
@@ -250,7 +250,8 @@ class FirstStepProbe:
             reader = CudaPeakReader(device)
         if not callable(getattr(reader, "measure", None)):
             raise DynBatchConfigError("reader", type(reader).__name__, "has no measure(fn, probe) method",
-                                      "pass a CudaPeakReader or FakeMemoryReader (megatron_dynbatch.measure.memory)")
+                                      "pass a CudaPeakReader or FakeMemoryReader "
+                                      "(megatron_dynbatch.megatron.memory_reader)")
         self.card_bytes, self.reader, self.log = card_bytes, reader, log
         self.merge = merge or (lambda v: all_reduce_vector(v, "max"))
         self.settings, self.profile, self.floor, self.multiple = settings, profile, floor, int(multiple)

@@ -19,7 +19,11 @@ import numpy as np
 from ..parallel import ParallelConfig
 
 if TYPE_CHECKING:
+    from ..cost_model import CostModelLike
+    from ..model_spec import ModelLike
+    from ..parallel import ParallelLike
     from ..planner.options import ResolvedOptions
+    from ..planner.plan_kind import PlanKind
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,8 @@ class StepTimeChange:
         return text
 
 
-def rescore(plan: Any, lengths: Sequence[int], *, model: Any, cost_model: Any, max_tokens_per_gpu: int,
+def rescore(plan: PlanKind, lengths: Sequence[int], *, model: Optional[ModelLike], cost_model: CostModelLike,
+            max_tokens_per_gpu: int,
             fp8_alignment: Any = None) -> float:
     """Predicted step seconds of ``plan``'s grouping (same ranks, micro-batches, order, CP groups) under
     ``cost_model``."""
@@ -75,8 +80,8 @@ def rescore(plan: Any, lengths: Sequence[int], *, model: Any, cost_model: Any, m
                                   microbatches_per_step=plan.microbatches_per_step).predicted_step_time)
 
 
-def step_time_change(lengths: Sequence[int], *, old_plan: Any = None, old: Any = None, new: Any,
-                     options: Optional["ResolvedOptions"] = None, model: Any = None,
+def step_time_change(lengths: Sequence[int], *, old_plan: Optional[PlanKind] = None, old: CostModelLike = None,
+                     new: CostModelLike, options: Optional[ResolvedOptions] = None, model: Optional[ModelLike] = None,
                      max_tokens_per_gpu: Optional[int] = None) -> StepTimeChange:
     """:class:`StepTimeChange` of a batch. Give ``options`` (the planner's resolved options,
     :class:`~..planner.options.ResolvedOptions`; their cost model is replaced) to plan with ``old`` and re-plan with
@@ -99,7 +104,8 @@ def step_time_change(lengths: Sequence[int], *, old_plan: Any = None, old: Any =
     return StepTimeChange(old_s, same, replanned, int(old_plan.num_microbatches), new_m)
 
 
-def sample_lengths(max_tokens_per_gpu: int, parallel: Any, seed: int = 0, microbatches_per_rank: int = 4) -> np.ndarray:
+def sample_lengths(max_tokens_per_gpu: int, parallel: ParallelLike, seed: int = 0,
+                   microbatches_per_rank: int = 4) -> np.ndarray:
     """A sample batch for ``calibrate``'s report: lognormal lengths (median 1/8 of a micro-batch's capacity, clipped
     to [16, capacity]) filling about ``microbatches_per_rank`` micro-batches on every DP rank."""
     par = ParallelConfig.from_any(parallel)

@@ -24,13 +24,16 @@ Pure Python + NumPy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..checks import as_int
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelLike
 
 #: the shortest sequence a packed grid point holds
 MIN_SEQ_TOKENS = 16
@@ -61,7 +64,7 @@ class GridPoint:
         return self.group_size, list(self.lengths)
 
 
-def layout_group_sizes(parallel: Any, dynamic_cp: bool = False) -> List[int]:
+def layout_group_sizes(parallel: ParallelLike, dynamic_cp: bool = False) -> List[int]:
     """The CP group sizes a layout's micro-batches run on: ``[cp]``, or with dynamic CP every node size of the
     ``dp x cp`` pool tree (:mod:`..planner.dyncp.pool`)."""
     par = ParallelConfig.from_any(parallel)

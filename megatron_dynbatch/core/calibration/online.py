@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -57,6 +57,13 @@ from ..parallel import ParallelConfig
 from .records import SliceInfo, clean_records
 from .report import fit_line
 from .shared import merged_profile, profile_vector, scale_profile
+
+if TYPE_CHECKING:
+    from ..model_spec import ModelLike, ModelSpec
+    from ..parallel import ParallelLike
+    from ..planner.options import ResolvedOptions
+    from ..planner.plan_kind import PlanKind
+    from .compare import StepTimeChange
 
 #: records the first fit misses by more than this (relative) are dropped before the final fit
 OUTLIER = 1.0
@@ -106,7 +113,7 @@ class OnlineCalibration:
     default ``"fitted"``); ``merge``: vector -> summed vector over all ranks (identity by default); ``log``: where
     refit lines go (``None``: nowhere)."""
 
-    def __init__(self, model: Any, parallel: Any = None, *, interval: Any = DEFAULT_INTERVAL,
+    def __init__(self, model: ModelLike, parallel: ParallelLike = None, *, interval: Any = DEFAULT_INTERVAL,
                  window: Any = DEFAULT_WINDOW, skip_steps: Any = 1, base: Any = None, ranks: int = 1,
                  merge: Optional[Callable[[np.ndarray], np.ndarray]] = None,
                  log: Optional[Callable[[str], None]] = None) -> None:
@@ -170,7 +177,7 @@ class OnlineCalibration:
                                       "write online_calibration: true in the preset (or build OnlineCalibration "
                                       "yourself)")
         kwargs.setdefault("interval", rc.calibration_interval or DEFAULT_INTERVAL)
-        kwargs.setdefault("base", rc.cost_model)
+        kwargs.setdefault("base", rc.options.cost_model)
         return cls(rc.model_spec(), rc.parallel(), **kwargs)
 
     @property
@@ -187,7 +194,7 @@ class OnlineCalibration:
                                                   field="--dynbatch-cost-model")
         return self._base_model
 
-    def end_step(self, plan: Any = None, lengths: Any = None, options: Any = None
+    def end_step(self, plan: Optional[PlanKind] = None, lengths: Any = None, options: Optional[ResolvedOptions] = None
                  ) -> Optional[RefitLog]:
         """Count a finished optimizer step; every ``interval`` recorded steps refit (on every rank at the same
         step: the merge is a collective). ``plan`` / ``lengths`` (the step's) give the log's step-time change,
@@ -262,7 +269,8 @@ class OnlineCalibration:
             out.append(pf)
         return out
 
-    def refit(self, plan: Any = None, lengths: Any = None, options: Any = None) -> RefitLog:
+    def refit(self, plan: Optional[PlanKind] = None, lengths: Any = None, options: Optional[ResolvedOptions] = None
+              ) -> RefitLog:
         """Refit now (module docstring); returns (and logs) the :class:`RefitLog`."""
         prof, timed_cp, feats = self.local_fit()
         summed = np.asarray(self.merge(profile_vector(prof, self.num_records, timed_cp)), dtype=np.float64)
@@ -299,7 +307,8 @@ def _shape_of(base: Any) -> CostProfile:
         raise
 
 
-def _change(plan: Any, lengths: Any, new: CostModel, model: Any, options: Any) -> Any:
+def _change(plan: PlanKind, lengths: Any, new: CostModel, model: ModelSpec, options: Optional[ResolvedOptions]
+            ) -> Optional[StepTimeChange]:
     from .compare import step_time_change
 
     budget = int(plan.max_tokens_per_gpu)

@@ -11,7 +11,7 @@ value and the fix. Pure Python + NumPy: a dry run imports neither torch nor mega
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from ..checks import as_bool, as_int
 from ..errors import DynBatchConfigError
@@ -21,6 +21,10 @@ from ..model_spec import ModelSpec
 from ..parallel import ParallelConfig
 from .timebox import fit_to_seconds, point_seconds
 from .grid import GridPoint, build_grid, layout_group_sizes
+
+if TYPE_CHECKING:
+    from ..model_spec import ModelLike
+    from ..parallel import ParallelLike
 
 DEVICES = ("cuda", "cpu")
 SPECS = ("auto", "local", "te")
@@ -108,7 +112,7 @@ def _choice(value: Any, flag: str, choices: Sequence[str]) -> str:
     return str(value)
 
 
-def plan_calibration(model: Any, *, parallel: Any = None, max_tokens_per_gpu: Any, device: Any = "cuda",
+def plan_calibration(model: ModelLike, *, parallel: ParallelLike = None, max_tokens_per_gpu: Any, device: Any = "cuda",
                      layers: Any = None, dtype: Optional[str] = None, spec: str = "auto", lm_head: Any = False,
                      dynamic_cp: Any = False, group_sizes: Optional[Sequence[Any]] = None,
                      tokens: Optional[Sequence[Any]] = None, seqs: Optional[Sequence[Any]] = None,

@@ -13,7 +13,7 @@ Pure Python + NumPy.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from ..cost_fit import point_features, predict_features
 from ..cost_profiles import CostProfile, resolve_profile
 from ..errors import DynBatchConfigError
 from .grid import MIN_POINTS, GridPoint
+
+if TYPE_CHECKING:
+    from ..model_spec import ModelLike
 
 #: importing megatron-core and building the slice (measured ~3-8 s on this project's machines), rounded up
 STARTUP_S = 10.0
@@ -32,7 +35,7 @@ CPU_ESTIMATE = CostProfile(name="cpu-estimate", linear_efficiency=8.3e-5, attent
                            overhead_per_layer_s=5e-3)
 
 
-def point_seconds(points: Sequence[GridPoint], model: Any, *, measured_layers: int, tp: int = 1,
+def point_seconds(points: Sequence[GridPoint], model: ModelLike, *, measured_layers: int, tp: int = 1,
                   lm_head: bool = False, device: str = "cuda", base: Any = "fitted", warmup: int = 1,
                   repeats: int = 3) -> np.ndarray:
     """Estimated seconds of timing each point (module docstring)."""

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+if TYPE_CHECKING:
+    from ..cost_model import CostModelLike
+    from ..model_spec import ModelLike
 
 __all__ = ["balance_kwargs"]
 
 
-def balance_kwargs(model: Any, cost_model: Any) -> Dict[str, Any]:
+def balance_kwargs(model: Optional[ModelLike], cost_model: CostModelLike) -> Dict[str, Any]:
     """The planner's balance arguments: the model's modelled time when ``model`` is given (with ``cost_model``),
     else ``cost_model``'s time when only it is given, else plain tokens."""
     if model is not None:

@@ -43,13 +43,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Tuple
 
 from ..errors import DynBatchConfigError
 from ..memory.megatron_flags import settings_from_megatron
 from ..memory.settings import MemorySettings
 from ..model_spec import ModelSpec
 from ..parallel import ParallelConfig, parallel_from_mapping
+
+if TYPE_CHECKING:
+    from ..model_spec import ModelLike
 
 __all__ = ["ConfiguredBudgets", "model_at", "nemo_rl_budgets", "roll_budgets", "slime_budgets", "verl_budgets"]
 
@@ -138,7 +141,8 @@ def _optimizer(offload: Any, distributed: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------- slime
-def slime_budgets(args: Any, parallel: ParallelConfig, model: Any = None) -> Optional[ConfiguredBudgets]:
+def slime_budgets(args: Any, parallel: ParallelConfig, model: Optional[ModelLike] = None
+                  ) -> Optional[ConfiguredBudgets]:
     """slime's budgets (module docstring); ``parallel``: the drop-in's layout of ``train_parallel_config`` and
     ``args``; ``model``: the model ``args`` describe (``None`` when they do not). ``None`` on slime's FSDP
     backend."""

@@ -24,7 +24,7 @@ with ``oversize="alone"``, the explicit policy). The sums upstream returns for F
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from ..checks import as_int, is_int, whole_number
 from ..errors import DynBatchConfigError
@@ -32,10 +32,13 @@ from ..parallel import ParallelConfig
 from ..planner.api import options_of
 from .sequence_limit import plan_with_sequence_limit
 
+if TYPE_CHECKING:
+    from ..planner.plan_kind import PlanKind
+
 __all__ = ["plan_sample_id_groups", "sample_id_groups_from_plan", "split_sample_id_seqlens"]
 
 
-def sample_id_groups_from_plan(plan: Any, sample_ids: Sequence[int], cp_size: int) -> List[List[List[int]]]:
+def sample_id_groups_from_plan(plan: PlanKind, sample_ids: Sequence[int], cp_size: int) -> List[List[List[int]]]:
     """Upstream's grouping format from a :class:`~megatron_dynbatch.Plan`: ``groups[i][j]`` lists the sample
     ids of micro-batch ``i`` on DP x CP index ``j``; the ``cp_size`` consecutive indices of DP rank ``d``
     (``j // cp_size == d``) share DP rank ``d``'s micro-batch, as in upstream's ``DpBalancedScheduler``.

@@ -22,7 +22,7 @@ upstream's ``fifo`` dealing hands out when the count divides, so no filler bin i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import numpy as np
 
@@ -33,6 +33,11 @@ from ..planner.inputs import check_lengths
 from ..planner.options import PlanOptions
 from .balance import balance_kwargs
 from .sequence_limit import plan_with_sequence_limit
+
+if TYPE_CHECKING:
+    from ..cost_model import CostModelLike
+    from ..model_spec import ModelLike
+    from ..parallel import ParallelLike
 
 __all__ = ["RlBinPlan", "bin_seq_starts", "plan_rl_bins", "round_up"]
 
@@ -65,8 +70,8 @@ class RlBinPlan:
 
 
 def plan_rl_bins(seq_lengths: Any, *, bin_size: int, dp: int, seq_length_multiple: int = 1,
-                 max_sequences_per_bin: Optional[int] = 50, parallel: Any = None, model: Any = None,
-                 cost_model: Any = None) -> RlBinPlan:
+                 max_sequences_per_bin: Optional[int] = 50, parallel: ParallelLike = None,
+                 model: Optional[ModelLike] = None, cost_model: CostModelLike = None) -> RlBinPlan:
     """Plan Megatron RL's bins for the gathered rollout batch (see the module docstring).
 
     ``seq_lengths``: real length of every trajectory (upstream's ``get_actual_sequence_lengths``);

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -35,6 +35,11 @@ from ..planner import plan_global_batch
 from ..planner.inputs import check_lengths
 from .balance import balance_kwargs
 from .words import NEMO_RL_WORDS, speaks, trainer_terms
+
+if TYPE_CHECKING:
+    from ..cost_model import CostModelLike
+    from ..model_spec import ModelLike
+    from ..parallel import ParallelLike
 
 __all__ = ["DynBatchSequencePacker", "PackingAlgorithm", "algorithm_name", "get_packer", "packing_stats"]
 
@@ -58,7 +63,7 @@ class DynBatchSequencePacker:
 
     def __init__(self, bin_capacity: int, collect_metrics: bool = False, min_bin_count: Optional[int] = None,
                  bin_count_multiple: Optional[int] = None, *, algorithm: str = "modified_first_fit_decreasing",
-                 parallel: Any = None, model: Any = None, cost_model: Any = None,
+                 parallel: ParallelLike = None, model: Optional[ModelLike] = None, cost_model: CostModelLike = None,
                  max_seq_len: Optional[int] = None) -> None:
         self.bin_capacity = as_budget(bin_capacity, "bin_capacity", trainer="NeMo-RL",
                                    fix="pass the token capacity of one bin (train_mb_tokens)")

@@ -36,7 +36,7 @@ same padded work, so the cap and the count are what balance means here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 
@@ -48,10 +48,13 @@ from ..planner.counts import CountRule
 from ..planner.inputs import check_lengths
 from .words import ROLL_WORDS, speaks
 
+if TYPE_CHECKING:
+    from ..model_spec import ModelLike
+
 __all__ = ["RollShard", "roll_count_rule", "roll_shard"]
 
 #: (counts x rows) the dynamic programme may evaluate; beyond it, the greedy cut plus splits
-DP_BUDGET = 60_000
+DP_CELLS = 60_000
 
 
 @dataclass
@@ -85,7 +88,7 @@ def roll_count_rule(pp: int, vpp: Optional[int], microbatch_group_size_per_vp_st
 def roll_shard(lengths, dp: int, max_tokens_per_microbatch: int, sequence_length_round: int,
                pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: Optional[int] = None,
                microbatch_group_size_per_vp_stage: Optional[int] = None, *, ga_steps: Optional[int] = None,
-               model: Any = None, cost_model: Optional[CostModel] = None) -> RollShard:
+               model: Optional[ModelLike] = None, cost_model: Optional[CostModel] = None) -> RollShard:
     """See the module docstring. ``ga_steps``: ROLL's ``gradient_accumulation_steps`` for a training batch --
     lets the count grow while ``ceil(M / ga_steps)`` (the optimizer steps) stays ROLL's; ``None``: ROLL's count."""
     lens = check_lengths(lengths)
@@ -152,7 +155,7 @@ def _cut(rounded: np.ndarray, rnd: int, cap: int, rule: CountRule, cm: CostModel
         raise DynBatchConfigError("pipeline_model_parallel_size", rule.parallel.pp,
                                   f"the interleaved pipeline needs {target} micro-batches but a shard has {rows} "
                                   "samples", "pass more samples per DP rank, or lower pp / vpp")
-    hi = target if ga_steps is None else min(rows, -(-target // ga_steps) * ga_steps, max(target, DP_BUDGET // rows))
+    hi = target if ga_steps is None else min(rows, -(-target // ga_steps) * ga_steps, max(target, DP_CELLS // rows))
     s = np.maximum(rounded, rnd)
     lo = max(target, rule.next(len(_greedy(s, cap)) - 1))
     if lo <= hi:  # every micro-batch at least one round long
@@ -169,7 +172,7 @@ def _cheapest(s: np.ndarray, cap: int, cands: List[int], cm: CostModel) -> List[
     among the counts ``cands`` (each at least the greedy count and at most the rows): dynamic programming, or the
     greedy cut plus splits where that would cost too much."""
     rows = s.size
-    if min(cands) * rows > DP_BUDGET:
+    if min(cands) * rows > DP_CELLS:
         return _split(_greedy(s, cap), s, min(cands))
     width = np.maximum(cap // s, 1)                # rows a micro-batch ending at row j-1 may hold
     best = None

@@ -17,30 +17,33 @@ limit's lower bound.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..checks import as_int
 from ..errors import DynBatchConfigError
 from ..planner.options import PlanOptions
 
+if TYPE_CHECKING:
+    from ..planner.plan_kind import PlanKind
+
 __all__ = ["max_sequences_per_microbatch", "plan_with_sequence_limit"]
 
 
-def max_sequences_per_microbatch(plan: Any) -> int:
+def max_sequences_per_microbatch(plan: PlanKind) -> int:
     """The most samples any micro-batch of ``plan`` holds (0 for an empty plan)."""
     return max((len(mb) for rank in plan.micro_batches for mb in rank), default=0)
 
 
-def plan_with_sequence_limit(lengths: Any, limit: Optional[int], options: PlanOptions, *,
-                             field: str = "max_sequences") -> Any:
-    """``plan_global_batch(lengths, options)`` whose micro-batches hold at most ``limit`` samples each (``None``:
-    no limit). The options (built by the drop-in's door) are resolved once here; they must not force
-    ``num_microbatches`` when a limit is given."""
-    from ..planner.api import plan_resolved
+def plan_with_sequence_limit(lengths: Any, limit: Optional[int], options: Optional[PlanOptions] = None, *,
+                             field: str = "max_sequences", **option_kwargs: Any) -> Any:
+    """``plan_global_batch(lengths, options, **option_kwargs)`` whose micro-batches hold at most ``limit`` samples
+    each (``None``: no limit). A door: the options (or keywords) become one ``PlanOptions`` and are resolved once,
+    here; they must not force ``num_microbatches`` when a limit is given."""
+    from ..planner.api import options_of, plan_resolved
     from ..planner.counts import CountRule
 
-    opts = options
-    resolved = options.resolve()
+    opts = options_of(options, option_kwargs)
+    resolved = opts.resolve()
     plan = plan_resolved(lengths, resolved)
     if limit is None:
         return plan

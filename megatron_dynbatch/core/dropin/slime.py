@@ -27,7 +27,7 @@ order, deal chunks round-robin, or by Karmarkar-Karp on their FLOPs with ``balan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -39,6 +39,10 @@ from ..partitioning import karmarkar_karp
 from ..planner import Plan, plan_global_batch
 from ..planner.inputs import check_group_ids, check_lengths
 from .words import SLIME_WORDS, speaks
+
+if TYPE_CHECKING:
+    from ..cost_model import CostModelLike
+    from ..model_spec import ModelLike
 
 __all__ = ["SlimeSchedule", "check_pad_budget", "slime_parallel", "slime_schedule"]
 
@@ -119,9 +123,10 @@ def check_pad_budget(max_tokens_per_gpu: Any, parallel: ParallelConfig, data_pad
 @speaks(SLIME_WORDS, assertion=True)
 def slime_schedule(total_lengths: Sequence[int], *, rollout_indices: Sequence[Any], global_batch_size: int,
                    parallel: ParallelConfig, max_tokens_per_gpu: Optional[int], use_dynamic_batch_size: bool = True,
-                   micro_batch_size: Optional[int] = None, balance_data: bool = True, model: Any = None,
+                   micro_batch_size: Optional[int] = None, balance_data: bool = True,
+                   model: Optional[ModelLike] = None,
                    data_pad_size_multiplier: Optional[int] = 128, oversize: str = "alone",
-                   cost_model: Any = None, pad_multiplier_assumed: bool = False) -> SlimeSchedule:
+                   cost_model: CostModelLike = None, pad_multiplier_assumed: bool = False) -> SlimeSchedule:
     """slime's schedule for one rollout (see the module docstring). ``data_pad_size_multiplier``: slime pads
     each CP rank's share of a micro-batch to ``tp`` times this (``None``/1: no such padding;
     ``pad_multiplier_assumed``: it is slime's default, taken because ``args`` lacks it -- the error says so).
@@ -152,7 +157,8 @@ def slime_schedule(total_lengths: Sequence[int], *, rollout_indices: Sequence[An
     return SlimeSchedule(partitions, mbi, list(plan.microbatches_per_step), [gbs] * steps, plan)
 
 
-def _static(lens, by_rollout, order, steps, gbs, par: ParallelConfig, micro_batch_size, balance_data, model):
+def _static(lens, by_rollout, order, steps, gbs, par: ParallelConfig, micro_batch_size, balance_data,
+            model: Optional[ModelLike]):
     """slime's static path: fixed-size chunks in sample order, dealt round-robin or by KK on FLOPs."""
     mbs = as_int(micro_batch_size, "micro_batch_size", minimum=1, fix="pass --micro-batch-size")
     dp = par.dp
@@ -185,7 +191,7 @@ def _static(lens, by_rollout, order, steps, gbs, par: ParallelConfig, micro_batc
     return SlimeSchedule(partitions, mbi, counts, [gbs] * steps, None)
 
 
-def _fwd_flops(lens: np.ndarray, model: Any) -> np.ndarray:
+def _fwd_flops(lens: np.ndarray, model: Optional[ModelLike]) -> np.ndarray:
     if model is None:
         return lens.astype(np.float64)
     from ..flops import flops_coefficients

@@ -35,7 +35,7 @@ the trained model (``model=``) to balance its real FLOPs at kernel efficiency. E
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -48,6 +48,10 @@ from ..partitioning import karmarkar_karp
 from ..planner import Plan, local_microbatch_counts, plan_global_batch, plan_local_batch
 from ..planner.inputs import check_group_ids, check_lengths
 from .words import VERL_WORDS, speaks, trainer_terms
+
+if TYPE_CHECKING:
+    from ..cost_model import CostModelLike
+    from ..model_spec import ModelLike
 
 __all__ = ["VERL_WORKLOAD_LINEAR", "balance_partitions", "group_balanced_partitions", "local_count",
            "local_partitions", "local_plan", "seqlen_balanced_partitions", "verl_cost_model",
@@ -71,7 +75,7 @@ def verl_cost_model(parallel: Optional[ParallelConfig] = None) -> CostModel:
     return CostModel.from_flops(VERL_WORKLOAD_LINEAR * _VERL_FLOPS_PER_UNIT, float(_VERL_FLOPS_PER_UNIT), parallel)
 
 
-def _balance_kwargs(model: Any, cost_model: Optional[CostModel], par: ParallelConfig) -> dict:
+def _balance_kwargs(model: Optional[ModelLike], cost_model: Optional[CostModel], par: ParallelConfig) -> dict:
     """What the drop-ins balance by: the model's time when it is given, else verl's own workload estimate
     (:func:`verl_cost_model`) as time -- so an import-only switch balances what verl balances."""
     if model is not None:
@@ -125,7 +129,7 @@ def _values(seqlen_list: Any) -> np.ndarray:
 
 @speaks(VERL_WORDS, assertion=True)
 def group_balanced_partitions(seqlen_list: Sequence[int], uid_list: Sequence[Any], k_partitions: int,
-                              model: Any = None) -> List[List[int]]:
+                              model: Optional[ModelLike] = None) -> List[List[int]]:
     """verl's ``get_group_balanced_partitions``: runs of equal consecutive uids stay together; groups are dealt
     to ``k`` partitions with equal group counts, balanced by verl's workload (or the model's time)."""
     lens = check_lengths(seqlen_list, field="seqlen_list")
@@ -146,14 +150,15 @@ def group_balanced_partitions(seqlen_list: Sequence[int], uid_list: Sequence[Any
     return [sorted(i for gi in part for i in groups[gi]) for part in parts]
 
 
-def _work(lens: np.ndarray, model: Any) -> np.ndarray:
+def _work(lens: np.ndarray, model: Optional[ModelLike]) -> np.ndarray:
     if model is None:
         return verl_workload(lens)
     cm = CostModel.from_model(model)
     return cm.work(lens, lens.astype(np.float64) ** 2)
 
 
-def _planner_kwargs(lens: np.ndarray, max_token_len: int, *, tp: int, cp: int, pp: int, model: Any, cost_model: Any,
+def _planner_kwargs(lens: np.ndarray, max_token_len: int, *, tp: int, cp: int, pp: int, model: Optional[ModelLike],
+                    cost_model: CostModelLike,
                     num_batches_divided_by: Optional[int], min_num_micro_batch: Optional[int],
                     force_group_size: Optional[int], sequence_pad_multiple: Optional[int]) -> dict:
     """``plan_global_batch`` arguments for one rank's micro-batches under verl's semantics, after checking that
@@ -194,7 +199,7 @@ def _check_samples_fit(lens: np.ndarray, cap: int, par: ParallelConfig, pad: int
             f"(ppo_max_token_len_per_gpu x cp) >= {need}, or lower max_prompt_length + max_response_length")
 
 
-def _group_warning(plan: Any, fgs: int, cap: int) -> None:
+def _group_warning(plan: Plan, fgs: int, cap: int) -> None:
     """verl's policy for a ``force_group_size`` group over ``max_token_len``: it runs as a micro-batch of its
     own (over the budget), with this warning; ``plan.oversize_samples`` / ``plan.cap_violations`` count it."""
     if not plan.oversize_samples:
@@ -217,7 +222,7 @@ def _quiet_plan(fn, lens: np.ndarray, **kw):
 @speaks(VERL_WORDS, assertion=True)
 def local_count(lengths: Sequence[int], max_token_len: int, *, num_batches_divided_by: Optional[int] = None,
                 min_num_micro_batch: Optional[int] = None, force_group_size: Optional[int] = None, tp: int = 1,
-                cp: int = 1, pp: int = 1, model: Any = None, cost_model: Any = None,
+                cp: int = 1, pp: int = 1, model: Optional[ModelLike] = None, cost_model: CostModelLike = None,
                 sequence_pad_multiple: Optional[int] = None) -> int:
     """The micro-batches this rank needs (before the MAX over DP): the first count, at least
     ``min_num_micro_batch`` and a multiple of ``num_batches_divided_by``, at which its samples pack under
@@ -233,7 +238,7 @@ def local_count(lengths: Sequence[int], max_token_len: int, *, num_batches_divid
 @speaks(VERL_WORDS, assertion=True)
 def local_plan(lengths: Sequence[int], max_token_len: int, num_micro_batches: int, *,
                num_batches_divided_by: Optional[int] = None, force_group_size: Optional[int] = None, tp: int = 1,
-               cp: int = 1, pp: int = 1, model: Any = None, cost_model: Any = None,
+               cp: int = 1, pp: int = 1, model: Optional[ModelLike] = None, cost_model: CostModelLike = None,
                sequence_pad_multiple: Optional[int] = None) -> Plan:
     """This rank's :class:`~megatron_dynbatch.core.planner.Plan` for the agreed ``num_micro_batches``: no
     micro-batch over ``max_token_len`` except a ``force_group_size`` group that alone is over it (verl runs such
@@ -269,7 +274,8 @@ def local_partitions(lengths: Sequence[int], max_token_len: int, num_micro_batch
 @speaks(VERL_WORDS, assertion=True)
 def balance_partitions(lengths: Sequence[int], dp: int, *, minibatch_size: Optional[int] = None,
                        uids: Optional[Sequence[Any]] = None, max_token_len: Optional[int] = None, tp: int = 1,
-                       cp: int = 1, pp: int = 1, model: Any = None, cost_model: Any = None) -> List[List[int]]:
+                       cp: int = 1, pp: int = 1, model: Optional[ModelLike] = None,
+                       cost_model: CostModelLike = None) -> List[List[int]]:
     """The DP-level balance of verl's ``_balance_batch``: ``dp`` partitions of global indices with equal sample
     counts (per mini-batch of ``minibatch_size`` samples, in mini-batch order, with ``keep_minibatch``), uid groups
     kept on one rank when ``uids`` is given, balanced by time under the budget ``max_token_len`` (when given)."""

@@ -24,13 +24,17 @@ Modules, one job each:
   ``memory`` section of the cost-model file: :func:`load_memory_profile`, :func:`resolve_memory_profile`);
 * :mod:`.peak` -- :func:`peak_memory` -> :class:`MemoryBreakdown`: every pipeline stage's peak, per pass;
 * :mod:`.budget` -- :func:`choose_budget` -> :class:`BudgetChoice`: the largest budget that fits;
+* :mod:`.auto_fit` -- what ``auto`` says when no budget holds the longest sample (the card, layout or settings
+  that would), and the words a plan's summary uses for an automatic budget;
 * :mod:`.fit` -- fitting a profile to measured peaks of model slices (torch-free; the measuring is in
   :mod:`megatron_dynbatch.measure.memory`);
 * :mod:`.trainers` -- the budget in each trainer's own settings (Megatron-LM / slime, verl, ROLL, NeMo-RL);
-* :mod:`.check` -- :func:`check_configured_budget` -> :class:`BudgetVerdict`: a trainer's configured budget judged
-  against the card (the drop-ins' start-up check: out of memory ahead, or speed left behind);
-* :mod:`.guard` -- :class:`MemoryGuard`: the online guard's state, measured step peaks in (merged over ranks), the
-  refitted slope and the next step's budget out (the measuring is in :mod:`megatron_dynbatch.megatron.memory_guard`);
+* :mod:`.check` -- :func:`~.check.check_configured_budget` -> :class:`~.check.BudgetVerdict`: a trainer's
+  configured budget judged against the card (the drop-ins' start-up check: out of memory ahead, or speed left
+  behind);
+* :mod:`.guard` -- :class:`~.guard.MemoryGuard`: the online guard's state, measured step peaks in (merged over
+  ranks), the refitted slope and the next step's budget out (the measuring is in
+  :mod:`megatron_dynbatch.megatron.memory_guard`);
 * :mod:`.megatron_flags` -- the settings a Megatron-LM launch implies (its argv or parsed args);
 * :mod:`.estimate` -- the first API (``estimate_memory``, ``estimate_max_tokens_per_gpu``), a thin front.
 

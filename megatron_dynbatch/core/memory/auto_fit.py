@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from ..errors import DynBatchConfigError
 from ..model_spec import ModelSpec
@@ -32,13 +32,18 @@ from ..parallel import ParallelConfig
 from .peak import stage_terms
 from .settings import GiB
 
+if TYPE_CHECKING:
+    from ..model_spec import ModelLike
+    from .budget import BudgetChoice
+    from ..parallel import ParallelLike
+
 __all__ = ["auto_cannot_place", "limit_words", "LARGER_CARD"]
 
 #: a larger card is offered as a way out only up to this many times the card (H100 80GB -> B200 192GB: 2.4x)
 LARGER_CARD = 2.5
 
 
-def limit_words(choice: Any) -> str:
+def limit_words(choice: BudgetChoice) -> str:
     """``auto, limited by <term> on stage <s> (<card> GiB card, <h>% headroom)``: what a plan's summary and the
     ``plan`` header say about an automatic budget."""
     return (f"auto, limited by {choice.limited_by} on stage {choice.limiting_stage} ({choice.gpu_memory_gb:g} GiB "
@@ -72,7 +77,7 @@ def _smallest_card(model: ModelSpec, par: ParallelConfig, need: int, pass_: str,
     return peak / (1.0 - settings.headroom) / GiB
 
 
-def auto_cannot_place(choice: Any, slot_tokens: int, *, model: Any, parallel: Any, profile: Any = None,
+def auto_cannot_place(choice: Any, slot_tokens: int, *, model: ModelLike, parallel: ParallelLike, profile: Any = None,
                       fp8_alignment: Any = None, sequence_pad_multiple: Optional[int] = None,
                       microbatch_pad_multiple: Optional[int] = None, what: str = "a sample",
                       budget_field: str = "max_tokens_per_gpu") -> Tuple[str, str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..checks import MAX_TOKENS, as_float, as_int
 from ..errors import DynBatchConfigError
@@ -29,7 +29,10 @@ from ..model_spec import ModelLike, ModelSpec
 from ..parallel import ParallelConfig
 from .loss_paths import REFERENCE_BYTES, loss_path, loss_path_bytes
 from .peak import MemoryBreakdown, StageTerms, breakdown_of, check_pass, stage_terms
-from .settings import GiB, MemorySettings
+from .settings import GiB, MemorySettings, MemorySettingsLike
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelLike
 
 #: largest card accepted (GiB): far above any accelerator, small enough that the arithmetic stays exact
 MAX_GPU_MEMORY_GB = float(1 << 20)
@@ -177,8 +180,9 @@ def _limited_by(t: StageTerms, recompute: str) -> str:
     return max(parts, key=lambda k: parts[k])
 
 
-def choose_budget(model: ModelLike, parallel: Any, gpu_memory_gb: Any, *, pass_: str = "train",
-                  settings: Any = None, profile: Any = None, multiple: Any = DEFAULT_MULTIPLE) -> BudgetChoice:
+def choose_budget(model: ModelLike, parallel: ParallelLike, gpu_memory_gb: Any, *, pass_: str = "train",
+                  settings: MemorySettingsLike = None, profile: Any = None, multiple: Any = DEFAULT_MULTIPLE
+                  ) -> BudgetChoice:
     """The largest budget (tokens per micro-batch per GPU, a multiple of ``multiple``) whose predicted peak fits
     ``gpu_memory_gb`` GiB minus ``settings.headroom`` (module docstring). ``pass_``: ``"train"`` or
     ``"log_prob"`` (forward-only log-prob / reference passes); ``settings``: a :class:`~.settings.

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from ..checks import MAX_TOKENS, as_float, as_int, did_you_mean
 from ..errors import DynBatchConfigError
@@ -42,8 +42,12 @@ from ..model_spec import ModelSpec
 from ..parallel import ParallelConfig
 from .budget import DEFAULT_MULTIPLE, MAX_GPU_MEMORY_GB, _card, choose_budget
 from .peak import check_pass, peak_memory
-from .settings import GiB, MemorySettings
+from .settings import GiB, MemorySettings, MemorySettingsLike
 from .trainers import trainer_settings
+
+if TYPE_CHECKING:
+    from ..model_spec import ModelLike
+    from ..parallel import ParallelLike
 
 #: below this fraction of the tokens per GPU that fit, a configured budget leaves speed behind (module docstring)
 FAR_UNDER = 0.6
@@ -126,8 +130,9 @@ def _layout(p: ParallelConfig) -> str:
             + (f" vpp={p.vpp}" if p.vpp > 1 else ""))
 
 
-def check_configured_budget(setting: str, value: Any, model: Any, parallel: Any, gpu_memory_gb: Any, *,
-                            trainer: str, pass_: Optional[str] = None, settings: Any = None, profile: Any = None,
+def check_configured_budget(setting: str, value: Any, model: Optional[ModelLike], parallel: ParallelLike,
+                            gpu_memory_gb: Any, *, trainer: str, pass_: Optional[str] = None,
+                            settings: MemorySettingsLike = None, profile: Any = None,
                             multiple: Any = DEFAULT_MULTIPLE, far_under: Any = FAR_UNDER,
                             note: str = "") -> BudgetVerdict:
     """The verdict on ``setting = value`` of ``trainer`` (``"slime"``, ``"verl"``, ``"roll"``, ``"nemo-rl"`` or

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from ..errors import DynBatchConfigError
 from ..model_spec import ModelLike, ModelSpec
 from ..parallel import ParallelConfig
 from .profile import MemoryProfile, model_key
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelLike
 
 #: the slices measured: (decoder layers, with the embedding / LM head / loss)
 MEMORY_SLICES: Tuple[Tuple[int, bool], ...] = ((1, False), (2, False), (1, True))
@@ -136,7 +139,7 @@ def check_memory_records(records: Any) -> List[MemoryRecord]:
     return recs
 
 
-def fit_memory_records(records: Any, model: ModelLike, parallel: Any = None, *,
+def fit_memory_records(records: Any, model: ModelLike, parallel: ParallelLike = None, *,
                        fitted_on: Optional[Mapping[str, Any]] = None) -> MemoryFit:
     """Fit the records (module docstring) and build the model's :class:`~.profile.MemoryProfile` on
     ``parallel``'s TP width (the width the slices were measured at). ``fitted_on``: what to record about the

@@ -62,18 +62,22 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..checks import MAX_TOKENS, as_float, as_int
 from ..errors import DynBatchConfigError
 from ..model_spec import ModelLike, ModelSpec
-from ..parallel import ParallelConfig
+from ..parallel import ParallelConfig, ParallelLike
 from .budget import DEFAULT_MULTIPLE, MAX_GPU_MEMORY_GB
 from .peak import StageTerms, _units, check_pass, stage_terms
 from .profile import MAX_BYTES
-from .settings import GiB, MemorySettings
+from .settings import GiB, MemorySettings, MemorySettingsLike
+
+if TYPE_CHECKING:
+    from ..planner.options import PlanOptions
+    from ..planner.plan_kind import PlanKind
 
 #: what a stage's slots of a reading vector hold when none of its ranks measured
 MISSING = -1.0
@@ -131,7 +135,7 @@ def merge_readings(vectors: Sequence[Any]) -> np.ndarray:
     return np.max(np.stack(arrs), axis=0)
 
 
-def stage_tokens(plan: Any, num_layers: int, step: Optional[int] = None) -> List[int]:
+def stage_tokens(plan: PlanKind, num_layers: int, step: Optional[int] = None) -> List[int]:
     """Tokens per GPU in flight on each pipeline stage during (optimizer step ``step`` of) ``plan``: the largest
     mean, over the ranks and over every window of consecutive micro-batches, of the micro-batches stage ``s``
     holds at once (1F1B: ``pp - s`` of them; interleaved: the model's chunk count over ``vpp``) -- the ``T`` a
@@ -225,8 +229,8 @@ class MemoryGuard:
     forward-only log-prob pass (``"log_prob"``: what the first-step probe of :mod:`megatron_dynbatch.megatron.
     probe` refits for that pass)."""
 
-    def __init__(self, start_budget: Any, card_bytes: Any, *, model: ModelLike, parallel: Any = None,
-                 settings: Any = None, profile: Any = None, floor: Any = None, ceiling: Any = None,
+    def __init__(self, start_budget: Any, card_bytes: Any, *, model: ModelLike, parallel: ParallelLike = None,
+                 settings: MemorySettingsLike = None, profile: Any = None, floor: Any = None, ceiling: Any = None,
                  multiple: Any = DEFAULT_MULTIPLE, window: Any = DEFAULT_WINDOW,
                  prior_steps: Any = DEFAULT_PRIOR_STEPS, max_raise: Any = DEFAULT_MAX_RAISE,
                  min_fill: Any = DEFAULT_MIN_FILL, skip_steps: Any = 1,
@@ -282,7 +286,7 @@ class MemoryGuard:
         self._decide(None)
 
     @classmethod
-    def for_options(cls, options: Any, card_bytes: Any, **kwargs: Any) -> "MemoryGuard":
+    def for_options(cls, options: PlanOptions, card_bytes: Any, **kwargs: Any) -> "MemoryGuard":
         """A guard starting from a :class:`~megatron_dynbatch.core.planner.options.PlanOptions`' budget, model
         and layout (``kwargs`` as for the constructor)."""
         model = getattr(options, "model", None)
@@ -330,7 +334,7 @@ class MemoryGuard:
         """The highest stage's predicted allocator peak at ``tokens`` per GPU (:meth:`stage_peaks`)."""
         return max(self.stage_peaks(tokens))
 
-    def predict_plan(self, plan: Any, step: Optional[int] = None) -> float:
+    def predict_plan(self, plan: PlanKind, step: Optional[int] = None) -> float:
         """The predicted peak of (step ``step`` of) ``plan``: every stage at its tokens in flight."""
         return self.predicted_peak_bytes(stage_tokens(plan, self.model.num_layers, step))
 
@@ -354,7 +358,7 @@ class MemoryGuard:
         return max(0, tokens), stage
 
     # ------------------------------------------------------------------ observing a step
-    def observe(self, readings: Any, plan: Any = None, *, tokens: Any = None,
+    def observe(self, readings: Any, plan: Optional[PlanKind] = None, *, tokens: Any = None,
                 step: Optional[int] = None) -> Optional[GuardChange]:
         """Observe one finished training step and choose the next step's budget (returned change, or ``None``).
 
@@ -424,7 +428,7 @@ class MemoryGuard:
         return change
 
     # ------------------------------------------------------------------ using it
-    def options(self, options: Any) -> Any:
+    def options(self, options: PlanOptions) -> PlanOptions:
         """``options`` with the guard's budget: ``options.replace(max_tokens_per_gpu=budget)``."""
         if not hasattr(options, "replace"):
             raise DynBatchConfigError("options", type(options).__name__, "must be a PlanOptions",

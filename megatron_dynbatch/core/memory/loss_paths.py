@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from ..checks import as_bool, as_float, as_int, did_you_mean
 from ..errors import DynBatchConfigError
@@ -235,7 +235,8 @@ def _nemo_rl(pass_: str, o: LossOptions, tp: int) -> LossPath:
 _PATHS = {"megatron-lm": _megatron, "slime": _slime, "verl": _verl, "roll": _roll, "nemo-rl": _nemo_rl}
 
 
-def loss_path(trainer: str, pass_: str = "train", options: Any = None, *, tp: int = 1) -> LossPath:
+def loss_path(trainer: str, pass_: str = "train", options: Union[LossOptions, Dict[str, Any], None] = None, *,
+              tp: int = 1) -> LossPath:
     """``trainer``'s :class:`LossPath` on ``pass_`` (``"train"`` or ``"log_prob"``) with ``options`` (a
     :class:`LossOptions`, a mapping of its fields, or ``None``: the defaults); ``tp``: the tensor-parallel size
     (ROLL's fused kernels run at TP 1 only)."""
@@ -254,7 +255,8 @@ def loss_path(trainer: str, pass_: str = "train", options: Any = None, *, tp: in
     return _PATHS[t](pass_, o, int(tp))
 
 
-def loss_path_bytes(trainer: str, pass_: str = "train", options: Any = None, *, tp: int = 1) -> float:
+def loss_path_bytes(trainer: str, pass_: str = "train", options: Union[LossOptions, Dict[str, Any], None] = None,
+                    *, tp: int = 1) -> float:
     """Bytes per token per V/tp column ``trainer``'s loss keeps at the peak of ``pass_`` (chunks and
     vocabulary-independent parts aside: :class:`LossPath`)."""
     return loss_path(trainer, pass_, options, tp=tp).column_bytes

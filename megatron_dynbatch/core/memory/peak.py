@@ -36,7 +36,7 @@ highest. Deterministic, pure Python; the same numbers on every rank.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..checks import as_int
 from ..errors import DynBatchConfigError
@@ -45,7 +45,10 @@ from ..parallel import ParallelConfig
 from .loss_paths import head_terms
 from .params import stage_static
 from .profile import MemoryProfile, resolve_memory_profile
-from .settings import GiB, MemorySettings
+from .settings import GiB, MemorySettings, MemorySettingsLike
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelLike
 
 PASSES = ("train", "log_prob")
 
@@ -184,7 +187,7 @@ def check_pass(pass_: Any) -> str:
     return str(pass_)
 
 
-def stage_terms(model: ModelLike, parallel: Any, *, pass_: str = "train", settings: Any = None,
+def stage_terms(model: ModelLike, parallel: ParallelLike, *, pass_: str = "train", settings: MemorySettingsLike = None,
                 profile: Any = None) -> Tuple[List[StageTerms], MemoryProfile]:
     """Every stage's :class:`StageTerms` and the profile used (``profile``: see
     :func:`~.profile.resolve_memory_profile`)."""
@@ -239,8 +242,8 @@ def breakdown_of(terms: List[StageTerms], tokens: int, pass_: str, source: str, 
     return MemoryBreakdown(int(tokens), pass_, tuple(stages), source, padded_vocab_size, recompute)
 
 
-def peak_memory(model: ModelLike, parallel: Any, tokens_per_gpu: Any, *, pass_: str = "train",
-                settings: Any = None, profile: Any = None) -> MemoryBreakdown:
+def peak_memory(model: ModelLike, parallel: ParallelLike, tokens_per_gpu: Any, *, pass_: str = "train",
+                settings: MemorySettingsLike = None, profile: Any = None) -> MemoryBreakdown:
     """Predicted peak of every pipeline stage of one GPU at ``tokens_per_gpu`` tokens per micro-batch per GPU
     (module docstring). ``settings``: a :class:`~.settings.MemorySettings` (or mapping; default the defaults);
     ``profile``: ``None`` (analytic), a :class:`~.profile.MemoryProfile` or a cost-model file with a ``memory``

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 from ..checks import read_json
 from ..cost_profiles import PROFILES
@@ -47,7 +47,10 @@ from ..errors import DynBatchConfigError
 from ..model_spec import ModelLike, ModelSpec
 from ..parallel import ParallelConfig
 from .analytic import analytic_bytes
-from .settings import MemorySettings
+from .settings import MemorySettings, MemorySettingsLike
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelLike
 
 SOURCES = ("analytic", "fitted")
 #: the numeric fields (bytes), each finite and in [0, MAX_BYTES]
@@ -105,7 +108,8 @@ class MemoryProfile:
 
     # ---------------------------------------------------------------------------------------------- builders
     @classmethod
-    def analytic(cls, model: ModelLike, parallel: Any = None, settings: Any = None) -> "MemoryProfile":
+    def analytic(cls, model: ModelLike, parallel: ParallelLike = None, settings: MemorySettingsLike = None
+                 ) -> "MemoryProfile":
         """The shape-derived profile (:mod:`.analytic`) of ``model`` on ``parallel`` under ``settings``."""
         m = ModelSpec.from_any(model)
         p = ParallelConfig.from_any(parallel)
@@ -120,7 +124,7 @@ class MemoryProfile:
                    moe_imbalance=st.moe_imbalance)
 
     @classmethod
-    def fitted(cls, model: ModelLike, parallel: Any, coefficients: Mapping[str, float],
+    def fitted(cls, model: ModelLike, parallel: ParallelLike, coefficients: Mapping[str, float],
                fitted_on: Mapping[str, Any]) -> "MemoryProfile":
         """The analytic profile with the measured ``coefficients`` (``layer``, ``backward_extra``, ``head``,
         ``workspace``: bytes per token, the last per micro-batch) put in, and what they were fitted on. The
@@ -200,8 +204,8 @@ def load_memory_profile(source: Any) -> Optional[MemoryProfile]:
     return MemoryProfile.from_dict(data["memory"], where=f"{path}: memory")
 
 
-def resolve_memory_profile(choice: Any, model: ModelLike, parallel: Any = None,
-                           settings: Any = None) -> MemoryProfile:
+def resolve_memory_profile(choice: Any, model: ModelLike, parallel: ParallelLike = None,
+                           settings: MemorySettingsLike = None) -> MemoryProfile:
     """The profile a prediction uses: ``None`` or a cost-profile name (``"fitted"``, ``"analytic"``) -> analytic;
     a :class:`MemoryProfile`; a cost-model file (or its parsed JSON) -> its ``memory`` section (analytic when it has
     none). Checked against the model and TP width."""

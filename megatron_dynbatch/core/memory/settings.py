@@ -16,7 +16,7 @@ allocator's fragmentation (``headroom``). Pure Python.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 from ..checks import as_bool, as_float, as_int, did_you_mean
 from ..errors import DynBatchConfigError
@@ -175,7 +175,7 @@ class MemorySettings:
         return asdict(self)
 
     @classmethod
-    def from_any(cls, value: Any) -> "MemorySettings":
+    def from_any(cls, value: MemorySettingsLike) -> "MemorySettings":
         """``None`` (the defaults), a :class:`MemorySettings`, or a mapping of its fields."""
         if value is None:
             return cls()
@@ -192,4 +192,8 @@ class MemorySettings:
                                   "pass MemorySettings(optimizer=..., recompute=...) or a dict of its fields")
 
 
-__all__ = ["MemorySettings", "LossOptions", "GiB", "OPTIMIZERS", "RECOMPUTE", "DTYPE_BYTES", "LOG_PROB_STATIC"]
+#: What :meth:`MemorySettings.from_any` accepts: the settings, a mapping of their fields, or ``None`` (defaults)
+MemorySettingsLike = Union[MemorySettings, Mapping[str, Any], None]
+
+__all__ = ["MemorySettings", "MemorySettingsLike", "LossOptions", "GiB", "OPTIMIZERS", "RECOMPUTE", "DTYPE_BYTES",
+           "LOG_PROB_STATIC"]

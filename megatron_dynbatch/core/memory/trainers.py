@@ -24,10 +24,13 @@ counts its own way (read in their sources, Jan-Aug 2026):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from ..checks import as_int
 from ..parallel import ParallelConfig
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelLike
 
 #: slime's default ``data_pad_size_multiplier`` (each CP rank's share is padded to ``tp x`` this)
 SLIME_PAD = 128
@@ -68,7 +71,7 @@ TRAINER_DEFAULTS: Dict[str, TrainerDefault] = {
 }
 
 
-def trainer_settings(train_tokens: Any, log_prob_tokens: Any, parallel: Any = None) -> List[TrainerLine]:
+def trainer_settings(train_tokens: Any, log_prob_tokens: Any, parallel: ParallelLike = None) -> List[TrainerLine]:
     """The budgets (per GPU) in every trainer's own settings (module docstring). The same budgets for everybody:
     ``megatron-dynbatch budget`` gives each trainer its own, from its loss path (:mod:`.loss_paths`), and takes
     that trainer's line of this function with them."""

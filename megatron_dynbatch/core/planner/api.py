@@ -55,7 +55,7 @@ from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
 from .dyncp import plan_dynamic_cp
-from .fallback import SearchBudget
+from .fallback import SearchWork
 from .inputs import check_lengths, flops_coefficients_of, sample_flops
 from .options import BATCH_ARGUMENTS, BalanceBy, PlanOptions, ResolvedOptions, dynamic_cp_knob_error
 from .ordering import mb_sums
@@ -127,7 +127,7 @@ def plan_resolved(lengths: Union[Sequence[int], np.ndarray], options: ResolvedOp
     per_step: List[int] = []
     lb_time = 0.0
     lb_count = 0
-    search = SearchBudget()  # one bin-search budget for the whole batch (see planner/fallback.py)
+    search = SearchWork()  # one bin-search work allowance for the whole batch (see planner/fallback.py)
     for s, step in enumerate(prep.steps):
         forced = None if prep.forced_counts is None else prep.forced_counts[s]
         bins, lb_m = plan_step(step.inp, step.sq, settings, forced=forced, search=search)

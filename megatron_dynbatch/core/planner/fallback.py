@@ -12,7 +12,7 @@ rank). Before the planner declares a count infeasible, it tries, in order:
    search would otherwise refuse the batch or a forced count, a **unit search** (:func:`units_search`):
    depth-first over groups -> ranks, pruned by rank capacity, by the items the short ranks still need and by the
    Martello-Toth bound of a rank's items (:func:`_rank_bounds`), each complete rank packed -- and charged what
-   its packing costs, so the work budget bounds the time (issue 33: a tight grouped step once packed ~43,000
+   its packing costs, so its work limit bounds the time (issue 33: a tight grouped step once packed ~43,000
    ranks, 4-12 s) -- groups whose item counts must split exactly (``dp * M`` items in
    all: every rank exactly ``M``) are a number-partitioning problem that no greedy order solves reliably;
 3. **bin search** (no groups; only when the count search would otherwise refuse the batch or a forced count):
@@ -25,7 +25,7 @@ rank). Before the planner declares a count infeasible, it tries, in order:
    tier. A count that Megatron's VPP rule forces (``M = N``, say) is then refused only when no packing was
    found, not whenever best fit misses one;
 4. **exact search** for small steps (at most :data:`EXACT_MAX_SAMPLES` samples): depth-first over
-   (rank, micro-batch) slots with symmetry breaking and a node budget, so the answer for a small case is
+   (rank, micro-batch) slots with symmetry breaking and a node limit, so the answer for a small case is
    right, not heuristic.
 
 Every strategy keeps the hard cap, places every sample once, leaves no micro-batch empty and keeps a group's
@@ -46,9 +46,9 @@ from .packer import StepInput, _fill_empty_bins, deal_by_tier
 #: largest step solved exactly
 EXACT_MAX_SAMPLES = 14
 #: depth-first nodes the exact search may visit
-EXACT_NODE_BUDGET = 200_000
+EXACT_NODE_LIMIT = 200_000
 #: (units x ranks x micro-batches) the unit best-fit may touch
-UNIT_FIT_BUDGET = 4_000_000
+UNIT_FIT_WORK = 4_000_000
 #: bins the bin search may examine for one count (nodes x bins), and in all for one ``plan_global_batch``
 #: call (every step and count together): bounded time on every input, ~0.1 s and ~0.9 s on one core
 BIN_SEARCH_WORK = 100_000
@@ -62,7 +62,7 @@ PLAN_UNIT_SEARCH_WORK = 3_000_000
 #: the unit search's charge for one rank it packs (units as counted by ``UNIT_SEARCH_WORK``, each about one
 #: Python loop step): the lower bound checked first, per item; then the packers, per call and per item
 BOUND_UNITS_PER_ITEM = 4
-#: the bin search's share for one rank the unit search completes (of ``BIN_SEARCH_WORK``'s budget)
+#: the bin search's share for one rank the unit search completes (taken from the plan's bin-search work)
 RANK_SEARCH_WORK = 2_000
 #: thresholds of the L2 bound the unit search carries per unit (:func:`_rank_bounds`)
 BOUND_THRESHOLDS = 16
@@ -74,7 +74,7 @@ MAX_COMPLETION_ITEMS = 64
 
 
 @dataclass
-class SearchBudget:
+class SearchWork:
     """Work the bin search (``left``, in examined bins) and the unit search (``units_left``, in units looked at)
     may still spend, shared by every step and count of one plan (deterministic: counted in work, not seconds)."""
 
@@ -93,14 +93,14 @@ Bins = List[List[List[int]]]
 
 
 def feasible_packing(inp: StepInput, dp: int, m: int, global_bins: Optional[Bins] = None,
-                     search: Optional[SearchBudget] = None) -> Optional[Bins]:
+                     search: Optional[SearchWork] = None) -> Optional[Bins]:
     """A valid packing of the step into ``dp`` ranks of ``m`` micro-batches, or ``None`` if none was found.
 
     ``global_bins``: the global-bins packing of this count when the caller already has it (the count search
     caches it, and skips it where best fit cannot fill ``dp * m`` bins); with ``dp == 1`` it is the balancing
-    packer's own attempt, so it is not repeated. ``search``: also run the bounded bin search from this budget
+    packer's own attempt, so it is not repeated. ``search``: also run the bounded bin search, spending this work
     (the count search asks for it only before it would refuse the batch: elsewhere a missed count costs one more
-    micro-batch, while the search's budget, spent on every count of every step, would cost seconds)."""
+    micro-batch, while the search's work, spent on every count of every step, would cost seconds)."""
     if inp.singletons and not inp.equal_samples:
         if global_bins is not None and dp > 1:
             return global_bins
@@ -119,18 +119,18 @@ def feasible_packing(inp: StepInput, dp: int, m: int, global_bins: Optional[Bins
     return None
 
 
-def search_bins(inp: StepInput, k: int, budget: Optional[SearchBudget] = None) -> Optional[List[List[int]]]:
+def search_bins(inp: StepInput, k: int, search: Optional[SearchWork] = None) -> Optional[List[List[int]]]:
     """Exactly ``k`` non-empty bins of an ungrouped step within the cap (over-budget samples alone), found by a
-    depth-first search, or ``None`` (none exists, or none was found within the budget's share for one count;
-    what the search spends is taken from ``budget``).
+    depth-first search, or ``None`` (none exists, or none was found within the work's share for one count;
+    what the search spends is taken from ``search``).
 
     Items in decreasing size; each goes, best fit first, into a bin whose load no earlier candidate of that
     item had (bins of equal load are interchangeable); a branch dies when the room left in bins that cannot
     take even the smallest item leaves too little for the items still to place. Skipped outright when the
     Martello-Toth bound needs more than ``k`` bins or one greedy dive alone would exceed its share. Iterative,
     so deep steps do not hit Python's recursion limit."""
-    budget = SearchBudget() if budget is None else budget
-    work = budget.take()
+    search = SearchWork() if search is None else search
+    work = search.take()
     over = np.flatnonzero(inp.oversize)
     normal = np.flatnonzero(~inp.oversize)
     kk = k - over.size
@@ -146,13 +146,13 @@ def search_bins(inp: StepInput, k: int, budget: Optional[SearchBudget] = None) -
     try:
         choice = _dive(size, left, cap, kk, work, spent)
     finally:
-        budget.left -= spent[0]
+        search.left -= spent[0]
     if choice is None:  # tight instances: fill whole bins instead, from a share of its own
-        work, spent = budget.take(), [0]
+        work, spent = search.take(), [0]
         try:
             choice = _complete_bins(size, cap, kk, work, spent)
         finally:
-            budget.left -= spent[0]
+            search.left -= spent[0]
     if choice is None:
         return None
     bins: List[List[int]] = [[int(i)] for i in over] + [[] for _ in range(kk)]
@@ -288,7 +288,7 @@ class _OutOfWork(Exception):
 
 def _units_best_fit(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
     n_units = inp.unit_tokens.size
-    if n_units * dp * m > UNIT_FIT_BUDGET:
+    if n_units * dp * m > UNIT_FIT_WORK:
         return None
     cap = inp.cap
     order = np.lexsort((np.arange(n_units), -inp.unit_tokens))
@@ -332,10 +332,10 @@ def _units_best_fit(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
     return bins if all(_fill_empty_bins(rank) for rank in bins) else None
 
 
-def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optional[Bins]:
+def units_search(inp: StepInput, dp: int, m: int, search: SearchWork) -> Optional[Bins]:
     """A packing of a grouped step into ``dp`` ranks of ``m`` micro-batches found by bin completion over ranks,
-    or ``None`` (none exists, or none was found within the budget's share for one count; what it spends is taken
-    from ``budget.units_left``).
+    or ``None`` (none exists, or none was found within the work's share for one count; what it spends is taken
+    from ``search.units_left``).
 
     Two resources are short: every rank needs ``m`` items, so the items beyond ``dp * m`` are the step's *item
     slack*; every rank holds at most ``m * cap`` tokens, so the room the step leaves, ``dp * m * cap`` less its
@@ -351,7 +351,7 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
     them in a few hundred nodes. Deterministic."""
     from .packer import pack_rank
 
-    work = budget.take_units()
+    work = search.take_units()
     spent = [0]
     n_units = inp.unit_count.size
     counts, tokens, samples = inp.unit_count.tolist(), inp.unit_tokens.tolist(), inp.unit_samples.tolist()
@@ -382,11 +382,11 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
         bins = pack_rank(members, inp, m)
         if bins is not None:
             return bins
-        before = budget.left
+        before = search.left
         try:
-            return _rank_bin_search(inp, members, m, budget)
+            return _rank_bin_search(inp, members, m, search)
         finally:
-            charge(before - budget.left)  # the bin search's work is the unit search's too
+            charge(before - search.left)  # the bin search's work is the unit search's too
 
     def completions(first: int, excess_left: int, waste_left: int) -> List[tuple]:
         """Sets of unplaced units after ``first`` completing its rank within the slacks left, as (excess, waste,
@@ -476,7 +476,7 @@ def units_search(inp: StepInput, dp: int, m: int, budget: SearchBudget) -> Optio
     except _OutOfWork:
         return None
     finally:
-        budget.units_left -= min(spent[0], work)
+        search.units_left -= min(spent[0], work)
 
 
 def _rank_bounds(inp: StepInput, order: List[int], capacity: int):
@@ -523,17 +523,17 @@ def _per_unit(inp: StepInput, values: np.ndarray) -> np.ndarray:
     return np.add.reduceat(values[np.concatenate(inp.units)], starts)
 
 
-def _rank_bin_search(inp: StepInput, members, m: int, budget: SearchBudget) -> Optional[List[List[int]]]:
+def _rank_bin_search(inp: StepInput, members, m: int, search: SearchWork) -> Optional[List[List[int]]]:
     """One rank's items in exactly ``m`` micro-batches by the bounded bin search (:func:`search_bins` on the
     rank alone), or ``None``."""
     members = np.asarray(members, dtype=np.int64)
     sub = StepInput(aligned=inp.aligned[members], weight=inp.weight[members], oversize=inp.oversize[members],
                     units=None, cap=inp.cap)
-    share = SearchBudget(left=min(RANK_SEARCH_WORK, budget.left))  # one rank of many: a small share
+    share = SearchWork(left=min(RANK_SEARCH_WORK, search.left))  # one rank of many: a small share
     try:
         found = search_bins(sub, m, share)
     finally:
-        budget.left -= min(RANK_SEARCH_WORK, budget.left) - share.left
+        search.left -= min(RANK_SEARCH_WORK, search.left) - share.left
     return None if found is None else [[int(members[i]) for i in b] for b in found]
 
 
@@ -564,7 +564,7 @@ def _exact(inp: StepInput, dp: int, m: int) -> Optional[Bins]:
 
     def rec(pos: int) -> bool:
         nodes[0] += 1
-        if nodes[0] > EXACT_NODE_BUDGET:
+        if nodes[0] > EXACT_NODE_LIMIT:
             return False
         if n - pos < empty_slots():
             return False

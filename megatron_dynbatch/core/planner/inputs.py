@@ -6,7 +6,7 @@ Every check raises ``DynBatchConfigError`` naming the field or flag, the value a
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Tuple
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -14,6 +14,10 @@ from ..alignment import Alignment
 from ..checks import MAX_TOKENS, as_array, as_int, scalar, whole_number
 from ..errors import DynBatchConfigError, OversizeSampleError, OversizeSampleWarning
 from ..parallel import ParallelConfig
+
+if TYPE_CHECKING:
+    from ..flops import FlopsCoefficients
+    from ..model_spec import ModelLike
 
 
 def check_lengths(lengths, field: str = "lengths") -> np.ndarray:
@@ -171,7 +175,7 @@ def check_group_ids(group_ids: Any, n: int, field: str = "group_ids") -> list:
     return gids
 
 
-def flops_coefficients_of(model: Any) -> Any:
+def flops_coefficients_of(model: Optional[ModelLike]) -> Optional[FlopsCoefficients]:
     """The model's FLOPs coefficients (``linear * L + quadratic * L**2`` per sequence), ``None`` without a model."""
     if model is None:
         return None

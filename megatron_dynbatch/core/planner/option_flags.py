@@ -16,7 +16,8 @@ field metadata overriding). This module does the same for the planner's options,
   literals turned into plain text), so the docstring stays the one description.
 
 Each door keeps only what is its own: how strictly text becomes a value (the ``plan`` command refuses ``--dp 0``
-and ``--max-tokens-per-gpu -5`` at parse time, a launch leaves that to :func:`validate_dynamic_batch_args`) and
+and ``--max-tokens-per-gpu -5`` at parse time, a launch leaves that to
+:func:`~megatron_dynbatch.megatron.args.validate_dynamic_batch_args`) and
 defaults (a launch's are the fields' defaults; the ``plan`` command's are ``None`` = "not given", so a run preset
 can decide, and its switches take ``--no-...``). Whether a value is valid is :class:`PlanOptions`' to say.
 

@@ -347,8 +347,8 @@ def polish_pipeline(bins: List[List[List[int]]], aligned, sq, oversize, cap: int
     simulated pipeline operations (:func:`~..pipeline_sim.simulated_steps`; 1/16 of it in the compressed form),
     whichever comes first -- the operations strictly (a round runs only if it fits). Returns the evaluations
     spent, counting from ``start_evals``: the polish is a deterministic greedy walk, so a second call with a
-    larger budget and the first call's return value as ``start_evals`` continues exactly as one call with the
-    larger budget would.
+    larger ``max_evals`` and the first call's return value as ``start_evals`` continues exactly as one call with
+    the larger limit would.
     ``memo``: the step's :class:`TimingMemo`, for small steps.
     """
     rt = RankTimes.build(bins, aligned, sq, cm, align, memo)

@@ -352,14 +352,14 @@ class RankState:
 
 
 def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int, rtol: float = 1e-4,
-                 global_budget: int = 1_000_000) -> None:
+                 global_pairs: int = 1_000_000) -> None:
     """Phase 2: in place, shrink the heaviest rank by moving or swapping one unit with a light rank.
 
     Cheap first: the heaviest rank against each of the four lightest, the exchange closest to half their gap
     (:func:`pair_exchange`). When that stalls (units large relative to the gap, e.g. few samples per rank), one
     search over every other rank and every unit finds the exchange that lowers the heaviest rank the most while
     keeping its partner below it (:func:`global_exchange`); those searches stop before they would exceed
-    ``global_budget`` candidate pairs in all (bounded time and memory: on large steps, where pairwise exchanges
+    ``global_pairs`` candidate pairs in all (bounded time and memory: on large steps, where pairwise exchanges
     suffice, they do not run).
 
     A step of at most :data:`~megatron_dynbatch.core.smallops.SMALL_STEP` units keeps the rank loads in Python
@@ -385,7 +385,7 @@ def refine_ranks(inp: StepInput, ranks: List[List[int]], m: int, max_rounds: int
     if mean <= 0:
         return
     load = state.load
-    global_left = global_budget
+    global_left = global_pairs
     for _ in range(max_rounds):
         a = load.index(max(load)) if small else int(np.argmax(load))
         if load[a] - mean <= rtol * mean:

@@ -32,13 +32,17 @@ from __future__ import annotations
 import abc
 import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..alignment import Alignment
 from ..errors import DynBatchConfigError
 from ..parallel import ParallelConfig
+from .options import BalanceBy
+
+if TYPE_CHECKING:
+    from ..memory.budget import BudgetChoice
 
 #: ``to_dict()["kind"]`` -> the :class:`PlanKind` that reads it back (filled by ``__init_subclass__``, so this
 #: module never imports the kinds)
@@ -55,8 +59,9 @@ class PlanKind(abc.ABC):
     alignment: Alignment
     #: the budget of one ``microbatch_tokens`` entry (module docstring)
     cap: int
-    #: what the plan balanced: ``"time"``, ``"flops"`` or ``"tokens"`` (:class:`~.options.BalanceBy`)
-    balance_by: str
+    #: what the plan balanced: a :class:`~.options.BalanceBy` (a ``str`` enum: ``plan.balance_by == "time"`` holds;
+    #: a plain string given here is parsed, and :meth:`to_dict` writes the plain value)
+    balance_by: BalanceBy
     microbatch_tokens: List[List[int]]
     microbatch_time: List[List[float]]
     rank_tokens: np.ndarray
@@ -74,12 +79,15 @@ class PlanKind(abc.ABC):
     step_time: List[float] = field(default_factory=list)
     #: ``max_tokens_per_gpu="auto"``: the memory model's :class:`~megatron_dynbatch.core.memory.BudgetChoice` (what
     #: limits the budget; :meth:`summary` says it in words); ``None`` for a budget given as a number
-    budget_choice: Any = field(default=None, repr=False, compare=False)
+    budget_choice: Optional[BudgetChoice] = field(default=None, repr=False, compare=False)
 
     #: the ``"kind"`` of :meth:`to_dict` (``None``: a plain plan, whose dict carries no kind)
     kind: ClassVar[Optional[str]] = None
     #: whether running a micro-batch needs a CP group of its own (module docstring)
     dynamic_cp: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        self.balance_by = BalanceBy.parse(self.balance_by)  # one type whoever built the plan ("time" or the member)
 
     def __init_subclass__(cls, kind: Optional[str] = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -240,7 +248,7 @@ class PlanKind(abc.ABC):
             "alignment": {"seq_multiple": self.alignment.seq_multiple,
                           "total_multiple": self.alignment.total_multiple},
             "cap": self.cap,
-            "balance_by": self.balance_by,
+            "balance_by": self.balance_by.value,
             "microbatch_tokens": self.microbatch_tokens,
             "microbatch_time": self.microbatch_time,
             "rank_tokens": self.rank_tokens.tolist(),
@@ -269,7 +277,7 @@ class PlanKind(abc.ABC):
             parallel=ParallelConfig.from_any(d["parallel"]),
             alignment=Alignment(**d["alignment"]),
             cap=int(d["cap"]),
-            balance_by=str(d["balance_by"]),
+            balance_by=BalanceBy.parse(d["balance_by"]),
             microbatch_tokens=d["microbatch_tokens"],
             microbatch_time=d["microbatch_time"],
             rank_tokens=np.asarray(d["rank_tokens"]),

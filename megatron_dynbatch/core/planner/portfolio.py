@@ -43,7 +43,7 @@ alone already reaches the best step time (:func:`step_bound`, a true lower bound
 nor timed. Deterministic: every rank computes the same choice.
 
 Cost: ``O(n log n)`` per strategy and step. It runs only on steps of at most :data:`MAX_ITEMS` items and on a
-plan's first ``SearchBudget.portfolio_items`` items (:mod:`.fallback`; counted in items, so every rank decides
+plan's first ``SearchWork.portfolio_items`` items (:mod:`.fallback`; counted in items, so every rank decides
 alike); other steps keep the search's plan, which keeps the planning-time targets of ``docs/benchmarks.md``.
 """
 
@@ -58,6 +58,7 @@ import numpy as np
 from ..errors import DynBatchConfigError
 from ..partitioning import (PartitionInfeasible, adjust_bin_count, first_fit, karmarkar_karp,
                             modified_first_fit_decreasing, next_fit_packs, split_largest_bins)
+from .fallback import SearchWork
 from .ordering import TimingMemo, order_and_time
 from .packer import StepInput, pack_rank
 
@@ -303,17 +304,18 @@ def disabled():
 
 
 def best_plan(ours: Result, inp: StepInput, sq: np.ndarray, settings: Any, margin_of: Callable[[int, float], float],
-              *, forced: Optional[int] = None, memo: Optional[TimingMemo] = None, budget: Any = None) -> Result:
+              *, forced: Optional[int] = None, memo: Optional[TimingMemo] = None,
+              search: Optional[SearchWork] = None) -> Result:
     """The step's plan: the count search's (``ours``: ordered bins, step time, imbalance) or a faster candidate,
     ordered as the search orders. ``margin_of(m, step_time)``: the relative margin a plan of ``m`` micro-batches
     must win by over one with fewer (the search's decision margin on the count-dependent share). Steps of more
     than :data:`MAX_ITEMS` items keep the search's plan, and so do the steps past the plan's item allowance
-    (``budget.portfolio_items``, a :class:`.fallback.SearchBudget` shared by the plan's steps)."""
+    (``search.portfolio_items``, a :class:`.fallback.SearchWork` shared by the plan's steps)."""
     n = inp.aligned.size
-    if not _ENABLED[0] or n > MAX_ITEMS or (budget is not None and budget.portfolio_items < n):
+    if not _ENABLED[0] or n > MAX_ITEMS or (search is not None and search.portfolio_items < n):
         return ours
-    if budget is not None:
-        budget.portfolio_items -= n
+    if search is not None:
+        search.portfolio_items -= n
     cm, align = settings.cost_model, settings.alignment
     work = cm.work(inp.aligned, sq)
     best = [ours, len(ours[0][0])]

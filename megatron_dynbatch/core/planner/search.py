@@ -38,7 +38,7 @@ from ..parallel import ParallelConfig
 from ..pipeline_sim import simulation_cost_us
 from ..smallops import is_small
 from .bounds import max_covered_count, min_bins
-from .fallback import SearchBudget, feasible_packing
+from .fallback import SearchWork, feasible_packing
 from .ordering import TimingMemo, order_and_time, polish_pipeline
 from .packer import StepInput, best_fit_bin_count, plan_for_count, plan_global_bins, split_bins
 from .portfolio import best_plan
@@ -66,7 +66,7 @@ class _Counts:
     """Packs and scores counts for one step; remembers every count it tried."""
 
     def __init__(self, inp: StepInput, par: ParallelConfig, cm: CostModel, sq: np.ndarray, rounds: int,
-                 align: Alignment, rule: Optional[CountRule] = None, search: Optional[SearchBudget] = None) -> None:
+                 align: Alignment, rule: Optional[CountRule] = None, search: Optional[SearchWork] = None) -> None:
         self.inp, self.par, self.cm, self.sq, self.rounds, self.align = inp, par, cm, sq, rounds, align
         self.rule = rule or CountRule(par)
         # Moving single samples between ranks (polish) or dealing global bins would change a rank's sample
@@ -83,7 +83,7 @@ class _Counts:
         #: rescue mode: also run the bounded bin search (:func:`.fallback.search_bins`); set only once no count
         #: packed without it, so it never costs time on a batch that plans anyway
         self.deep = False
-        self.search = search if search is not None else SearchBudget()
+        self.search = search if search is not None else SearchWork()
         self.memo = TimingMemo()  # times of this step's small plans, shared by every count (ordering.py)
 
     def global_bins(self, m: int) -> Optional[list]:
@@ -204,10 +204,10 @@ class SearchSettings:
 
 
 def plan_step(inp: StepInput, sq: np.ndarray, settings: SearchSettings, *, forced: Optional[int] = None,
-              search: Optional[SearchBudget] = None):
+              search: Optional[SearchWork] = None):
     """``(bins, lower-bound count)`` for one optimizer step (``bins[r][j]``: local item indices; ``sq``: each
     item's sum of squared real lengths; ``forced``: a count the caller imposes; ``search``: the bin-search
-    budget shared by every step of one plan)."""
+    work shared by every step of one plan)."""
     par, cm, align = settings.parallel, settings.cost_model, settings.alignment
     max_tokens_per_gpu, margin = settings.max_tokens_per_gpu, settings.margin
     counts = _Counts(inp, par, cm, sq, settings.refine_rounds, align, settings.count_rule, search)
@@ -240,7 +240,7 @@ def plan_step(inp: StepInput, sq: np.ndarray, settings: SearchSettings, *, force
         if res is not None:
             scored.append((cand, res))
     chosen, best = within_margin(scored, margin, cm)
-    if counts.pipeline_polish:  # spend the larger polishing budget on the winner only ...
+    if counts.pipeline_polish:  # spend the larger polishing work on the winner only ...
         fastest = min(scored, key=lambda mr: mr[1][1])[0]
         finals = [(m, counts.evaluate(m, polish_evals=FINAL_POLISH_EVALS)) for m in sorted({chosen, fastest})]
         finals = [(m, res) for m, res in finals if res is not None]
@@ -261,7 +261,7 @@ def _with_portfolio(best: Result, counts: _Counts, settings: SearchSettings, for
         return settings.margin * count_dependent_share(m, step, cm)
 
     return best_plan(best, counts.inp, counts.sq, settings, margin_of, forced=forced, memo=counts.memo,
-                     budget=counts.search)[0]
+                     search=counts.search)[0]
 
 
 def first_feasible_count(inp: StepInput, sq: np.ndarray, settings: SearchSettings) -> int:

@@ -2,7 +2,7 @@
 
 :func:`add_dynamic_batch_args` is the ``extra_args_provider`` to give ``pretrain()``: the one provider of
 :mod:`megatron_dynbatch.megatron.args` (re-exported here; the dynamic-batching flags ``--use-dynamic-batch-size
---max-tokens-per-gpu N ...`` and the data-source flags of :mod:`.sources`, :func:`add_data_source_args`:
+--max-tokens-per-gpu N ...`` and the data-source flags :mod:`.sources` reads, :func:`add_data_source_args`:
 ``--dynbatch-train-data FILE.jsonl`` or ``--dynbatch-mock-data``, and ``--dynbatch-mock-max-length`` /
 ``--dynbatch-mock-lengths`` to shape synthetic data). Importing this module extends that provider: on a
 Megatron-LM whose parser has ``--sequence-packing-scheduler`` it also registers this planner there. To keep another

@@ -261,7 +261,7 @@ def plan_log_probs(train_plan: PlanKind, lengths: Sequence[int], options: Option
                             fp8_alignment=opts.options.fp8_alignment, cost_model=opts.cost_model,
                             microbatches_per_step=[m],
                             algorithm="dynbatch-log-probs" if not fallback else "dynbatch-log-probs/train-microbatches")
-    plan.balance_by = str(opts.balance_by)
+    plan.balance_by = opts.balance_by
     plan.oversize_samples = oversize_samples
     plan.planning_time_s = time.perf_counter() - t0
     plan.validate(num_samples=int(lens.size))

@@ -2,8 +2,9 @@
 
 Strategy and invariants: :mod:`.orchestrate` (``plan_global_batch(..., dynamic_cp=True)``); the pool's groups
 :mod:`.pool`, the synchronised simulator :mod:`.pool_sim`, one step's inputs :mod:`.step`, the candidate family
-:mod:`.candidates` (+ :mod:`.deal`), one candidate as slots :mod:`.schedule`, slots -> plan :mod:`.assembly`, the
-plan type :mod:`.plan`. Nothing here imports the fixed-layout entry point (``planner/api.py``); it imports this.
+:mod:`.candidates` (+ :mod:`.deal`; Megatron-LM dev's scheduler as one more candidate: :mod:`.upstream`), one
+candidate as slots :mod:`.schedule`, slots -> plan :mod:`.assembly`, the plan type :mod:`.plan`. Nothing here
+imports the fixed-layout entry point (``planner/api.py``); it imports this.
 """
 
 from .assembly import build_dynamic_cp_plan, score_with_cp_comm

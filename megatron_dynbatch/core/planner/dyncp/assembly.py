@@ -116,7 +116,7 @@ def _assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig,
     rank_flops = np.zeros(pool)
     flops = sample_flops(coeffs, lens.astype(np.float64), lens.astype(np.float64) ** 2)
     for slots, finish, stats in steps:
-        tokens, times = stats if stats is not None else _group_stats(slots, lens, par, tile, cm)[1:]
+        tokens, times = stats if stats is not None else group_stats(slots, lens, par, tile, cm)[1:]
         rank_time += finish
         step_time.append(float(np.max(finish)) if len(finish) else 0.0)
         k = 0
@@ -153,7 +153,7 @@ def _assemble(lens: np.ndarray, steps: Sequence[StepSlots], par: ParallelConfig,
         max_tokens_per_gpu=budget, fp8_tile=tile, **extra)
 
 
-def _group_stats(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: int,
+def group_stats(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: int,
                  cm: CostModel) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every group of every slot (slot-major, pool order): its size, its full padded token count and its
     time on each member (one vectorised :meth:`CostModel.group_microbatch_time` call)."""
@@ -179,7 +179,7 @@ def _group_stats(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: i
 def _slot_times(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: int, cm: CostModel) -> np.ndarray:
     """``[slots, pool]`` seconds of every GPU's micro-batch."""
     times = np.zeros((len(slots), par.dp * par.cp))
-    t = _group_stats(slots, lens, par, tile, cm)[2].tolist()
+    t = group_stats(slots, lens, par, tile, cm)[2].tolist()
     k = 0
     for j, slot in enumerate(slots):
         for start, size, _ in slot:

@@ -7,7 +7,7 @@ simulation and keeps the fastest, the earliest on a tie -- so the order below is
 
 * ``fixed-cp`` (:func:`fixed_cp`) -- the plan plain ``plan_global_batch`` makes for the same layout and
   arguments (:func:`..search.plan_step` on the layout's alignment, with the plain planner's balancing weight,
-  refinement rounds and shared bin-search budget: :class:`~.step.FixedLayout`), every micro-batch on its DP
+  refinement rounds and shared bin-search work: :class:`~.step.FixedLayout`), every micro-batch on its DP
   rank's ``cp`` GPUs, in that planner's order. Having it in the family is what makes dynamic CP never slower
   than the plain planner's plan *in the model*. None when the fixed layout cannot hold a sample or has fewer
   samples than DP ranks.
@@ -107,7 +107,7 @@ def tree_candidates(step: StepData) -> List[Schedule]:
             seen.add(key)
             prefix = "tree-" if floor == 1 else f"cp{floor}-tree-"
             todo.append((prefix + ("mem" if x is None else f"{x:g}"), cls, floor))
-    # extra slot counts (pp > 1) within a budget of samples dealt: large batches score fewer
+    # extra slot counts (pp > 1) within a limit of samples dealt: large batches score fewer
     extra = min(EXTRA_COUNTS, EXTRA_COUNT_SAMPLES // max(1, step.n * len(todo))) if par.pp > 1 else 0
     return [sched for name, cls, floor in todo for sched in _tree_schedules(step, name, cls, extra, floor)]
 

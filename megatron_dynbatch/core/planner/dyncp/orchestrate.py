@@ -11,6 +11,7 @@ This module is the orchestration; the parts live next to it in the ``dyncp`` pac
 * :mod:`.step` -- per optimizer step and tree size: slot lengths, fit, solo times (``StepData``);
 * :mod:`.candidates` -- the family of candidate schedules (``fixed-cp``, ``tree-<x>``, ``cp<cp>-tree-<x>``,
   ``all-root``) behind one interface; :mod:`.deal` deals the single-GPU samples of a tree candidate;
+  :mod:`.upstream` -- Megatron-LM dev's scheduler, one more candidate (``megatron-dcp``);
 * :mod:`.schedule` -- one candidate as slots: simulated makespan (:mod:`.pool_sim`), slot arrangement;
 * :mod:`.assembly` -- slots -> :class:`~.plan.DynamicCPPlan`, and CP-communication scoring.
 
@@ -25,8 +26,10 @@ Strategy (deterministic, no communication)
    other; 1F1B with ``pp > 1``); with ``pp > 1`` each non-fixed candidate first takes the slot arrangement with
    the shortest makespan. **Decision margin** (:func:`choose`): the fixed-CP candidate wins unless another is
    modelled faster by more than ``decision_margin`` (default: the cost model's ``uncertainty``, its measured
-   error); among the candidates within the margin of the fastest, the one whose widest group is smallest wins,
-   then one whose groups stay inside a node, then the fastest, then the earliest in family order. No
+   error); past it the fastest wins, and on an exact tie the one whose widest group is smallest, then one whose
+   groups stay inside a node, then the earliest in family order. Upstream's schedule of the step
+   (:mod:`.upstream`, Megatron-LM dev's scheduler) is one more candidate, last in order, so ours is never slower
+   than it in the model except by less than the margin where the fixed-CP plan is kept. No
    candidate: a ``DynBatchConfigError`` (a forced count that cannot be met, or no count Megatron's VPP rule
    accepts).
 4. **Never slower than the plain planner.** The fixed-CP candidate of every step is the plan plain
@@ -74,12 +77,17 @@ from .candidates import FIXED_CP, candidates
 from .plan import DynamicCPPlan
 from .schedule import Schedule
 from .step import FixedLayout, StepData
-from ..fallback import SearchBudget
+from .upstream import SlotSchedule, upstream_candidate
+from ..fallback import SearchWork
 from ..inputs import check_lengths, flops_coefficients_of
 from ..options import BalanceBy, ResolvedOptions
 from .pool import PoolTree, group_alignment, pool_tree
 from ..steps import indices_by_step, step_of_sample
 from ..vpp import check_forced_count
+
+
+#: a scored schedule of one step: one of the family's, or upstream's given as explicit slots
+Candidate = Union[Schedule, SlotSchedule]
 
 
 def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: ResolvedOptions, *,
@@ -108,11 +116,11 @@ def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: Resolved
     rounds = 4 * tree.size if options.options.refine_rounds is None else options.options.refine_rounds
     over = _oversize(lens, tree, par, budget, tile, oversize)
 
-    # the fixed-CP candidates plan as plain plan_global_batch would: its rounds, weight and one shared budget
+    # the fixed-CP candidates plan as plain plan_global_batch would: its rounds, weight and one shared search work
     fixed_how = FixedLayout(rounds=4 * par.dp if options.options.refine_rounds is None else rounds,
-                            by_tokens=options.balance_by is BalanceBy.TOKENS, search=SearchBudget())
+                            by_tokens=options.balance_by is BalanceBy.TOKENS, search=SearchWork())
     lb_time, lb_count = 0.0, 0
-    picked: List[Tuple[Schedule, Optional[Schedule], np.ndarray]] = []
+    picked: List[Tuple[Candidate, Optional[Candidate], np.ndarray]] = []
     step_of, n_steps = step_of_sample(int(lens.size), samples_per_step)
     for step_samples in indices_by_step(step_of, n_steps):
         st = StepData(lens[step_samples], tree, cm, par, budget, tile, over[step_samples],
@@ -142,9 +150,10 @@ def plan_dynamic_cp(lengths: Union[Sequence[int], np.ndarray], options: Resolved
     return plan
 
 
-def _plan_step(step: StepData) -> Tuple[Schedule, Optional[Schedule]]:
-    """The fastest candidate of one step (the earliest on a tie), and the fixed-CP one (for reporting)."""
-    cands = candidates(step)
+def _plan_step(step: StepData) -> Tuple[Candidate, Optional[Candidate]]:
+    """The chosen candidate of one step (:func:`choose`), and the fixed-CP one (for reporting). The family
+    (:mod:`.candidates`) plus upstream's schedule of the step (:mod:`.upstream`), scored alike."""
+    cands: List[Candidate] = [*candidates(step), *upstream_candidate(step, step.tile)]
     if not cands:
         if step.forced is not None:
             lb = _lower_bound(step)[1]
@@ -163,16 +172,16 @@ def _plan_step(step: StepData) -> Tuple[Schedule, Optional[Schedule]]:
     return choose(cands, fixed, step.margin), fixed
 
 
-def choose(cands: List[Schedule], fixed: Optional[Schedule], margin: float) -> Schedule:
+def choose(cands: Sequence[Candidate], fixed: Optional[Candidate], margin: float) -> Candidate:
     """The decision rule (module docstring, step 3): the fixed-CP candidate unless another is faster by more than
-    ``margin`` (relative); otherwise, among the candidates within ``margin`` of the fastest, the one whose widest
-    group is smallest, then one whose groups all stay inside a node, then the fastest, then the earliest in family
-    order (``1e-9`` absorbs rounding)."""
-    limit = min(c.makespan() for c in cands) * (1 + margin + 1e-9)
-    if fixed is not None and fixed.makespan() <= limit:
+    ``margin`` (relative); otherwise the fastest, and among candidates equally fast (``1e-9`` absorbs rounding)
+    the one whose widest group is smallest, then one whose groups all stay inside a node, then the earliest in
+    family order."""
+    best = min(c.makespan() for c in cands)
+    if fixed is not None and fixed.makespan() <= best * (1 + margin + 1e-9):
         return fixed
-    tied = [(c.widest, c.crosses_nodes, c.makespan(), k) for k, c in enumerate(cands) if c.makespan() <= limit]
-    return cands[min(tied)[3]]
+    tied = [(c.widest, c.crosses_nodes, k) for k, c in enumerate(cands) if c.makespan() <= best * (1 + 1e-9)]
+    return cands[min(tied)[2]]
 
 
 def _oversize(lens: np.ndarray, tree: PoolTree, par: ParallelConfig, budget: int, tile: int,

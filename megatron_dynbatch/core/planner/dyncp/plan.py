@@ -52,6 +52,7 @@ class DynamicCPPlan(PlanKind, kind="dynamic_cp"):
     dynamic_cp: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.max_tokens_per_gpu:  # a plan of this kind counts per GPU: its cap is that budget
             self.max_tokens_per_gpu = int(self.cap)
 

@@ -6,7 +6,7 @@ free (the CP collectives of every layer need all members), so a member that fini
 waits. Vectorised over the pool (``numpy.maximum.reduceat`` over each slot's group boundaries):
 
 * ``pp == 1``: slot after slot, ``start(group) = max(finish of its members)``, ``finish = start + time``;
-* ``pp > 1``: Megatron's 1F1B on every pool GPU (:func:`megatron_dynbatch.core.cost_model.simulate_1f1b`'s
+* ``pp > 1``: Megatron's 1F1B on every pool GPU (:func:`megatron_dynbatch.core.pipeline_sim.simulate_1f1b`'s
   dependency order, forward a third and backward two thirds of ``time / pp`` per stage; every stage holds the
   same plan), each forward and backward operation of a slot synchronised over the slot's group on its stage;
 * ``vpp > 1``: the synchronised ``pp == 1`` chain of per-stage times plus the interleaved bubble

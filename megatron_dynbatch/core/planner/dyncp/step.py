@@ -26,7 +26,7 @@ from ...alignment import Alignment
 from ...cost_model import CostModel
 from ...parallel import ParallelConfig
 from ..ordering import mb_sums
-from ..fallback import SearchBudget
+from ..fallback import SearchWork
 from ..packer import StepInput, best_fit_bin_count, pack_rank
 from .pool import PoolTree, group_alignment
 
@@ -37,12 +37,12 @@ Bins = List[List[int]]
 class FixedLayout:
     """What makes the fixed-CP candidate the plan plain ``plan_global_batch`` makes for the same layout and
     arguments: its default refinement rounds (``4 * dp``, not the pool's ``4 * dp * cp``), its balancing
-    weight (without a model the plain planner balances tokens), and one bin-search budget shared by every
+    weight (without a model the plain planner balances tokens), and one bin-search work allowance shared by every
     optimizer step of the batch, as the plain planner shares it."""
 
     rounds: int
     by_tokens: bool = False
-    search: SearchBudget = field(default_factory=SearchBudget)
+    search: SearchWork = field(default_factory=SearchWork)
 
 
 @dataclass
@@ -75,6 +75,8 @@ class StepData:
                  tile: int, oversize: np.ndarray, forced: Optional[int] = None, rounds: int = 0,
                  margin: float = 0.0, fixed: Optional[FixedLayout] = None, min_size: int = 1) -> None:
         self.lens, self.tree, self.cm, self.par, self.budget = lens, tree, cm, par, budget
+        #: the FP8 token multiple every group's alignment includes
+        self.tile = int(tile)
         #: the smallest group a candidate may form (``min_cp_size``; a power of two <= cp, so a tree size)
         self.min_size = int(min_size)
         self.forced, self.rounds, self.margin = forced, rounds, margin
