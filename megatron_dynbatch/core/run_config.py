@@ -219,7 +219,9 @@ class RunConfig:
         par = ParallelConfig.from_any(given.pop("parallel", ParallelConfig()))
         self._check_dynamic_cp(par, given.get("dynamic_cp", False))  # before the options: it names dynamic_cp
         options = self._build_options(given, spec, par)
-        _resolved(options)  # read and checked now: a preset is refused when it is loaded, not when it is used
+        resolved = _resolved(options)  # read and checked now: a preset is refused when it is loaded, not when used
+        if options.balance_by is None:  # a preset says its balancing: the default made explicit (as to_dict writes)
+            options = options.replace(balance_by=resolved.balance_by)
         set_("options", options)
         set_("log_probs_max_tokens_per_gpu", self._checked_log_probs_budget(options))
         self._check_choices()
