@@ -56,12 +56,15 @@ Evaluation is not wired: pass ``--eval-iters 0``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from .flags import validate_megatron_lm_args
 from .training import import_megatron_training, megatron_args
+
+if TYPE_CHECKING:
+    from ...core.planner.options import ResolvedOptions
 
 __all__ = ["install", "DynamicForwardBackward", "megatron_loss_dicts", "plan_log_line", "STAT_KEYS"]
 
@@ -155,9 +158,9 @@ class DynamicForwardBackward:
         # step unless given (False: off)
         self.writers = writers  # () -> (TensorBoard writer, W&B writer); default: Megatron-LM's own
         self.last_metrics: Dict[str, float] = {}
-        self.resolved: Dict[bool, Any] = {}  # forward_only -> the pass's ResolvedOptions, built on its first step
+        self.resolved: Dict[bool, ResolvedOptions] = {}  # forward_only -> that pass, resolved on its first step
 
-    def options(self, *, forward_only: bool = False) -> Any:
+    def options(self, *, forward_only: bool = False) -> ResolvedOptions:
         """The pass's options (:class:`~megatron_dynbatch.core.planner.options.ResolvedOptions`), built from the
         launch (``plan_options(args)``, default :func:`~megatron_dynbatch.megatron.args.plan_options_from_args`)
         and resolved ONCE per run -- on the pass's first step -- not every step: the model preset, the cost-model
