@@ -21,9 +21,7 @@ PACKAGE = Path(megatron_dynbatch.__file__).parent
 #: files still allowed to patch outside ``__post_init__``, each with the reason. TEMPORARY: core/planner/options.py
 #: is being reworked on another branch (issue 31, PlanOptions resolution as an explicit step); the lead removes this
 #: entry when merging that work, and the list must then be empty.
-TEMPORARILY_ALLOWED = {
-    "core/planner/options.py": "PlanOptions' budget/auto helpers; reworked by the options-resolution branch",
-}
+TEMPORARILY_ALLOWED: dict = {}
 
 
 def _outside_post_init(tree: ast.AST) -> List[int]:

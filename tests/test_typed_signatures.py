@@ -21,14 +21,6 @@ TYPED_NAMES = {"model", "spec", "parallel", "par", "cost_model", "cm", "options"
 #: ``(file under the package, qualified function name, parameter)`` -> why it is left as it is. An entry that no
 #: longer matches an untyped parameter fails the test: remove it once the signature is typed.
 ALLOWED: Dict[Tuple[str, str, str], str] = {
-    # issue 31.1 reworks PlanOptions resolution and these call sites (helper `resolve`); typed there, not twice
-    ("core/planner/api.py", "score_assignment", "model"): "issue 31.1 rework of planner/api.py",
-    ("core/planner/dyncp/assembly.py", "build_dynamic_cp_plan", "model"): "issue 31.1 rework of dyncp/",
-    ("core/planner/dyncp/assembly.py", "score_with_cp_comm", "model"): "issue 31.1 rework of dyncp/",
-    ("core/planner/dyncp/assembly.py", "cp_comm_cost_model", "model"): "issue 31.1 rework of dyncp/",
-    ("core/dropin/megatron_packing.py", "plan_sample_id_groups", "options"): "issue 31.1: drop-ins' options_of calls",
-    ("core/dropin/megatron_packing.py", "plan_sample_id_groups", "parallel"): "issue 31.1: drop-ins' options_of calls",
-    ("core/dropin/sequence_limit.py", "plan_with_sequence_limit", "options"): "issue 31.1: drop-ins' options_of calls",
 }
 
 

@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from ..checks import as_int, is_int, whole_number
 from ..errors import DynBatchConfigError
-from ..parallel import ParallelConfig
+from ..parallel import ParallelConfig, ParallelLike
 from ..planner.api import options_of
 from .sequence_limit import plan_with_sequence_limit
 
 if TYPE_CHECKING:
+    from ..planner.options import PlanOptions
     from ..planner.plan_kind import PlanKind
 
 __all__ = ["plan_sample_id_groups", "sample_id_groups_from_plan", "split_sample_id_seqlens"]
@@ -83,9 +84,10 @@ def _as_index(value: Any) -> int:
     return index
 
 
-def plan_sample_id_groups(sample_id_seqlens: Any, options: Any = None, *, max_seqlen_per_dp_cp_rank: int, dp: int,
-                          cp: int, microbatch_group_size_per_vp_stage: Optional[int] = None,
-                          max_num_seqs: Optional[int] = None, parallel: Any = None,
+def plan_sample_id_groups(sample_id_seqlens: Any, options: Optional[PlanOptions] = None, *,
+                          max_seqlen_per_dp_cp_rank: int, dp: int, cp: int,
+                          microbatch_group_size_per_vp_stage: Optional[int] = None,
+                          max_num_seqs: Optional[int] = None, parallel: ParallelLike = None,
                           **option_kwargs: Any) -> Tuple[List[List[List[int]]], Any]:
     """Plan upstream's scheduler input and return ``(groups, plan)`` in upstream's format.
 

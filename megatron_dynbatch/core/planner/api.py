@@ -53,6 +53,7 @@ import numpy as np
 from ..alignment import Alignment
 from ..cost_model import CostModel
 from ..errors import DynBatchConfigError
+from ..model_spec import ModelLike
 from ..parallel import ParallelConfig
 from .dyncp import plan_dynamic_cp
 from .fallback import SearchWork
@@ -201,7 +202,7 @@ def score_assignment(
     micro_batches: Sequence[Sequence[Sequence[int]]],
     lengths: Union[Sequence[int], np.ndarray],
     *,
-    model: Any = None,
+    model: Optional[ModelLike] = None,
     parallel: Union[ParallelConfig, Mapping[str, Any], None] = None,
     max_tokens_per_gpu: int,
     fp8_alignment: Union[None, str, int] = None,

@@ -28,6 +28,7 @@ from ...alignment import Alignment, fp8_multiple
 from ...cost_model import CostModel
 from ...cost_files import resolve_cost_model
 from ...errors import DynBatchConfigError
+from ...model_spec import ModelLike
 from ...parallel import ParallelConfig
 from ...topology import fixed_cp_spans_nodes, group_spans_nodes
 from .plan import DynamicCPPlan, SlotList
@@ -49,7 +50,7 @@ def build_dynamic_cp_plan(
     *,
     parallel: Union[ParallelConfig, Mapping[str, Any], None] = None,
     max_tokens_per_gpu: int,
-    model: Any = None,
+    model: Optional[ModelLike] = None,
     cost_model: Optional[CostModel] = None,
     fp8_alignment: Union[None, str, int] = None,
     microbatches_per_step: Optional[Sequence[int]] = None,
@@ -188,7 +189,7 @@ def _slot_times(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: in
     return times
 
 
-def score_with_cp_comm(plan: Plan, *, model: Any = None, cost_model: Optional[CostModel] = None,
+def score_with_cp_comm(plan: Plan, *, model: Optional[ModelLike] = None, cost_model: Optional[CostModel] = None,
                        lengths: Optional[Sequence[int]] = None,
                        sq_tokens: Optional[Sequence[Sequence[float]]] = None) -> Plan:
     """A copy of a fixed-layout ``plan`` (``plan_global_batch`` or ``score_assignment``) whose micro-batch and
@@ -224,7 +225,7 @@ def score_with_cp_comm(plan: Plan, *, model: Any = None, cost_model: Optional[Co
     return out
 
 
-def cp_comm_cost_model(cm: CostModel, model: Any, par: ParallelConfig) -> CostModel:
+def cp_comm_cost_model(cm: CostModel, model: Optional[ModelLike], par: ParallelConfig) -> CostModel:
     """The cost model with its CP communication term: as given, else the model's defaults, else none."""
     if cm.has_cp_comm:
         return cm
