@@ -90,13 +90,15 @@ def test_run_config_replace_rechecks_dynamic_cp():
 
 
 def test_dynamic_cp_problem_agrees_with_the_planner():
-    """What RunConfig refuses for the layout, the planner refuses too (pp=2 + vpp) or cannot use (one GPU)."""
+    """What RunConfig refuses for the layout, the planner refuses too: pp=2 + vpp, and a pool of one GPU (which it
+    planned, with nothing to choose, until the door-equivalence check found the two verdicts)."""
     assert dynamic_cp_problem(ParallelConfig(dp=2, cp=2)) is None
     assert dynamic_cp_problem(ParallelConfig(dp=2, pp=2, vpp=2)) is not None
     with pytest.raises(DynBatchConfigError, match="vpp"):
         plan_global_batch([10] * 8, parallel={"dp": 2, "pp": 2, "vpp": 2}, max_tokens_per_gpu=64, dynamic_cp=True)
-    one = plan_global_batch([10, 20], parallel={"dp": 1}, max_tokens_per_gpu=64, dynamic_cp=True)
-    assert one.group_sizes() == {1: one.num_microbatches}  # nothing to choose on a pool of one GPU
+    with pytest.raises(DynBatchConfigError, match="one GPU") as err:
+        plan_global_batch([10, 20], parallel={"dp": 1}, max_tokens_per_gpu=64, dynamic_cp=True)
+    assert err.value.field == "parallel"
 
 
 def test_long_context_preset_states_its_dynamic_cp_choice():

@@ -73,6 +73,8 @@ CLI_TOKENS = {
 #: options valid only together with others: what each door adds for it (Python keywords, ``plan`` tokens, launch
 #: flags and Megatron's own args, run-preset fields)
 NEEDS = {
+    # a dynamic-CP pool must hold more than one GPU, also in local mode (which cuts the layout to dp=1)
+    "dynamic_cp": {"python": {"parallel": {"dp": 2, "cp": 2}}},
     "min_cp_size": {"python": {"dynamic_cp": True, "parallel": {"dp": 2, "cp": 2}},
                     "cli": ["--dynamic-cp", "--cp", "2"],
                     "launch": ["--dynbatch-dynamic-cp", "--balance-by-flops"],
@@ -417,7 +419,10 @@ def test_cross_field_rules_live_in_the_options():
     with pytest.raises(DynBatchConfigError, match="dynamic_cp"):
         PlanOptions(max_tokens_per_gpu=64, dynamic_cp=True, equal_samples_per_rank=True)
     with pytest.raises(DynBatchConfigError, match="parallel.vpp"):
-        PlanOptions(max_tokens_per_gpu=64, dynamic_cp=True, parallel={"pp": 2, "vpp": 2})
+        PlanOptions(max_tokens_per_gpu=64, dynamic_cp=True, parallel={"dp": 2, "pp": 2, "vpp": 2})
+    with pytest.raises(DynBatchConfigError, match="one GPU") as err:  # as a preset, the CLI and a launch refuse
+        PlanOptions(max_tokens_per_gpu=64, dynamic_cp=True)
+    assert err.value.field == "parallel"
     with pytest.raises(DynBatchConfigError, match="model"):
         PlanOptions(max_tokens_per_gpu=64, balance_by="flops")
 

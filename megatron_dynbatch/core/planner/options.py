@@ -313,6 +313,11 @@ class PlanOptions:
         given = [k for k, v in knobs.items() if v is not None]
         if given:
             raise dynamic_cp_knob_error(given)
+        if par.dp * par.cp == 1:  # the same verdict as a preset, the plan command and a launch give
+            raise DynBatchConfigError(
+                "parallel", "dp=1 x cp=1", "dynamic CP chooses a CP group per micro-batch inside the dp x cp pool of "
+                "a pipeline stage, and this pool is one GPU, so there is no group to choose",
+                "use dp x cp > 1, or dynamic_cp=False")
         if par.dp * par.cp > MAX_RANKS:
             raise DynBatchConfigError(
                 "parallel", f"dp={par.dp} x cp={par.cp}", f"dynamic CP plans every GPU of the dp x cp pool, and this "

@@ -57,8 +57,9 @@ Invariants (``tests/test_dyncp.py``, ``DynamicCPPlan.validate``; run on megatron
 * the plan depends only on the arguments.
 
 Not supported together with dynamic CP (a clear error): ``group_ids`` (a sample spread over several DP ranks'
-GPUs belongs to none of them) and ``pp == 2`` with ``vpp > 1`` (megatron-core 0.16's shape exchange needs one
-length per rank there, which CP groups of different sizes do not give).
+GPUs belongs to none of them), ``pp == 2`` with ``vpp > 1`` (megatron-core 0.16's shape exchange needs one
+length per rank there, which CP groups of different sizes do not give) and a pool of one GPU (``dp * cp == 1``:
+no group to choose; refused by :class:`~..options.PlanOptions`, as by a preset, the CLI and a launch).
 """
 
 from __future__ import annotations
