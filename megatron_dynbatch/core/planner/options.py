@@ -35,9 +35,9 @@ What is not an option: the batch itself -- ``lengths`` and the per-sample ids (`
 Spellings
 ---------
 A field's ``metadata`` names it where a user types it: ``megatron`` (the Megatron-LM launch flag), ``cli`` (the
-``megatron-dynbatch plan`` flag); a run preset's key is the field's own name (:class:`RunConfig
-<megatron_dynbatch.core.run_config.RunConfig>` has a field of that name for every option with a launch flag,
-which ``tests/test_plan_options.py`` checks). Errors raised here
+``megatron-dynbatch plan`` flag); a run preset's key is the field's own name (every option with a launch flag
+is a preset key, which :meth:`RunConfig.from_dict <megatron_dynbatch.core.run_config.RunConfig.from_dict>` routes
+into ``RunConfig.options``; ``tests/test_plan_options.py`` checks it). Errors raised here
 name the Python keyword; an entry point re-raises them in its users' words with
 :func:`~megatron_dynbatch.core.errors.trainer_terms` and :meth:`PlanOptions.spellings` (a launch error says
 ``--max-tokens-per-gpu``, a Python error ``max_tokens_per_gpu``).
