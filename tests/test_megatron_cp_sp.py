@@ -355,7 +355,7 @@ def test_sequence_parallel_plan_alignment_is_checked_and_filled_in():
         check_sequence_parallel_alignment(plan, cfg)
     opts = _options_for_model({"parallel": {"tp": 2}, "max_tokens_per_gpu": 32, "balance_by": "tokens"}, cfg)
     assert opts.parallel.tp == 2 and opts.parallel.sequence_parallel
-    good = plan_global_batch(lengths, opts)
+    good = plan_global_batch(lengths, opts.options)  # (the resolved options' own PlanOptions, at the public door)
     check_sequence_parallel_alignment(good, cfg)
     assert all(t % 2 == 0 for rank in good.microbatch_tokens for t in rank)
     check_sequence_parallel_alignment(plan, SimpleNamespace(sequence_parallel=False, tensor_model_parallel_size=2))
