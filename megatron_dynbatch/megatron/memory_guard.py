@@ -105,14 +105,9 @@ class StepMemoryGuard:
             card_bytes = card_bytes_of(device)
         self.state = MemoryGuard(start_budget, card_bytes, model=model, parallel=parallel, settings=settings,
                                  profile=profile, log=log, **guard_kwargs)
-        if reader is None:
-            from .memory_reader import CudaPeakReader
+        from .memory_reader import checked_reader
 
-            reader = CudaPeakReader(device)
-        if not callable(getattr(reader, "measure", None)):
-            raise DynBatchConfigError("reader", type(reader).__name__, "has no measure(fn, probe) method",
-                                      "pass a CudaPeakReader or FakeMemoryReader "
-                                      "(megatron_dynbatch.megatron.memory_reader)")
+        reader = checked_reader(reader, device)
         self.reader = reader
         self.merge = merge or (lambda v: all_reduce_vector(v, "max"))
         self.stage = stage
@@ -189,14 +184,9 @@ class MemoryRecorder:
 
     def __init__(self, *, pp: int = 1, reader: Any = None, stage: Optional[int] = None,
                  num_layers: Optional[int] = None, device: Any = None) -> None:
-        if reader is None:
-            from .memory_reader import CudaPeakReader
+        from .memory_reader import checked_reader
 
-            reader = CudaPeakReader(device)
-        if not callable(getattr(reader, "measure", None)):
-            raise DynBatchConfigError("reader", type(reader).__name__, "has no measure(fn, probe) method",
-                                      "pass a CudaPeakReader or FakeMemoryReader "
-                                      "(megatron_dynbatch.megatron.memory_reader)")
+        reader = checked_reader(reader, device)
         self.reader, self.pp, self.stage, self.num_layers = reader, int(pp), stage, num_layers
         self.vector: Optional[np.ndarray] = None
         self.last_reading: Any = None

@@ -104,5 +104,18 @@ def default_reader(device: str) -> Optional[CudaPeakReader]:
     return CudaPeakReader(device) if str(device).startswith("cuda") else None
 
 
+def checked_reader(reader: Any, device: Any = None) -> Any:
+    """The reader a step-time observer (the memory guard, the first-step probe) measures with: ``reader`` when
+    it has a ``measure(fn, probe)`` method, a :class:`CudaPeakReader` on ``device`` when ``None``; anything else
+    is a ``DynBatchConfigError``."""
+    if reader is None:
+        reader = CudaPeakReader(device)
+    if not callable(getattr(reader, "measure", None)):
+        raise DynBatchConfigError("reader", type(reader).__name__, "has no measure(fn, probe) method",
+                                  "pass a CudaPeakReader or FakeMemoryReader "
+                                  "(megatron_dynbatch.megatron.memory_reader)")
+    return reader
+
+
 __all__ = ["ALLOCATION_GRANULE", "MemoryProbe", "MemoryReading", "CudaPeakReader", "FakeMemoryReader",
-           "default_reader"]
+           "default_reader", "checked_reader"]

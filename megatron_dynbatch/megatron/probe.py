@@ -244,14 +244,9 @@ class FirstStepProbe:
                  floor: Optional[int] = None, multiple: int = DEFAULT_MULTIPLE, stage: Optional[int] = None,
                  device: Any = None, seed: int = 0,
                  make_sample: Optional[Callable[[int, Any], Dict[str, Any]]] = None) -> None:
-        if reader is None:
-            from .memory_reader import CudaPeakReader
+        from .memory_reader import checked_reader
 
-            reader = CudaPeakReader(device)
-        if not callable(getattr(reader, "measure", None)):
-            raise DynBatchConfigError("reader", type(reader).__name__, "has no measure(fn, probe) method",
-                                      "pass a CudaPeakReader or FakeMemoryReader "
-                                      "(megatron_dynbatch.megatron.memory_reader)")
+        reader = checked_reader(reader, device)
         self.card_bytes, self.reader, self.log = card_bytes, reader, log
         self.merge = merge or (lambda v: all_reduce_vector(v, "max"))
         self.settings, self.profile, self.floor, self.multiple = settings, profile, floor, int(multiple)
