@@ -74,10 +74,7 @@ def build_dynamic_cp_plan(
     first = 0
     for count in per_step:
         chunk = [[(int(a), int(b), [int(i) for i in mb]) for a, b, mb in slot] for slot in slots[first:first + count]]
-        times = _slot_times(chunk, lens, par, tile, cm)
-        blocks = [np.asarray([a for a, _, _ in slot], dtype=np.int64) for slot in chunk]
-        ep_width = par.cp * cm.ep_group if cm.ep_group > 1 else 1
-        steps.append((chunk, simulate_pool(times, blocks, cm, ep_width=ep_width), None))
+        steps.append((chunk, simulate_slots(chunk, group_stats(chunk, lens, par, tile, cm)[2], par, cm), None))
         first += count
     return assemble(lens, steps, par, align, opts.max_tokens_per_gpu, tile, cm, coeffs, algorithm="external")
 
@@ -177,16 +174,18 @@ def group_stats(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: in
                                                    np.asarray(spans, dtype=bool))
 
 
-def _slot_times(slots: SlotList, lens: np.ndarray, par: ParallelConfig, tile: int, cm: CostModel) -> np.ndarray:
-    """``[slots, pool]`` seconds of every GPU's micro-batch."""
+def simulate_slots(slots: SlotList, group_times: Sequence[float], par: ParallelConfig, cm: CostModel) -> np.ndarray:
+    """Each GPU's simulated finish time (:func:`~.pool_sim.simulate_pool`) of explicit slots, given every group's
+    seconds in slot-major order (:func:`group_stats`' third array)."""
     times = np.zeros((len(slots), par.dp * par.cp))
-    t = group_stats(slots, lens, par, tile, cm)[2].tolist()
     k = 0
     for j, slot in enumerate(slots):
         for start, size, _ in slot:
-            times[j, start:start + size] = t[k]
+            times[j, start:start + size] = group_times[k]
             k += 1
-    return times
+    blocks = [np.asarray([a for a, _, _ in slot], dtype=np.int64) for slot in slots]
+    ep_width = par.cp * cm.ep_group if cm.ep_group > 1 else 1
+    return simulate_pool(times, blocks, cm, ep_width=ep_width)
 
 
 def score_with_cp_comm(plan: Plan, *, model: Optional[ModelLike] = None, cost_model: Optional[CostModel] = None,

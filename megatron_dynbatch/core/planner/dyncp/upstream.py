@@ -63,10 +63,9 @@ import numpy as np
 from ...parallel import ParallelConfig
 from ...topology import group_spans_nodes
 from ..vpp import is_valid_microbatch_count
-from .assembly import group_stats
+from .assembly import group_stats, simulate_slots
 from .plan import SlotList
 from .pool import group_alignment
-from .pool_sim import simulate_pool
 from .step import StepData
 
 #: the candidate's name in a plan's ``candidate`` field
@@ -288,15 +287,6 @@ class SlotSchedule:
         self.step, self.name, self.local = step, name, slots
         par = step.par
         sizes, self.tokens, self.times = group_stats(slots, step.lens, par, tile, step.cm)
-        pool = par.dp * par.cp
-        times = np.zeros((len(slots), pool))
-        k = 0
-        for j, slot in enumerate(slots):
-            for start, size, _ in slot:
-                times[j, start:start + size] = self.times[k]
-                k += 1
-        self._times = times
-        self.blocks = [np.asarray([a for a, _, _ in slot], dtype=np.int64) for slot in slots]
         self.m = len(slots)
         self.widest = int(sizes.max()) if sizes.size else 1
         self.crosses_nodes = bool(_spans(slots, par).any())
@@ -304,9 +294,7 @@ class SlotSchedule:
 
     def finish(self) -> np.ndarray:
         if self._finish is None:
-            cm = self.step.cm
-            ep_width = self.step.par.cp * cm.ep_group if cm.ep_group > 1 else 1
-            self._finish = simulate_pool(self._times, self.blocks, cm, ep_width=ep_width)
+            self._finish = simulate_slots(self.local, self.times, self.step.par, self.step.cm)
         return self._finish
 
     def makespan(self) -> float:
